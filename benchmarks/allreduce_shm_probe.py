@@ -1,0 +1,115 @@
+"""Probe: phalanx's shared-memory all-reduce vs gloo, 2 processes on this host.
+
+Both run in the same two processes (``torch.set_num_threads(1)`` each, float32, in place),
+interleaved in rounds with the order alternating, so host noise hits both alike. Reports the
+median time per call, bus bandwidth (nccl-tests: busbw = bytes / time * 2(n-1)/n, = bytes / time
+for n = 2) and the gloo/shm time ratio (the speed-up), median of per-round pairs.
+
+Usage:
+    PYTHONPATH=src python benchmarks/allreduce_shm_probe.py [--rounds 7] [--sizes 4096 65536 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def _iters(nbytes: int) -> int:
+    """Calls per timed block: ~20 ms of gloo time, at least 3."""
+    return max(3, min(300, int(30e6 / max(nbytes, 1) + 0.5)))
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, queue) -> None:
+    from phalanx.comm.shm import ShmAllReduce
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    shm = ShmAllReduce(rank, world, store, prefix="probe")
+    impls = {"shm": lambda t: shm.all_reduce(t), "gloo": lambda t: dist.all_reduce(t)}
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for size in sizes:  # warm up: page faults, gloo buffers
+            t = torch.ones(size // 4)
+            for fn in impls.values():
+                for _ in range(3):
+                    fn(t)
+        for rnd in range(rounds):
+            for size in sizes:
+                t = torch.rand(size // 4)
+                order = list(impls) if rnd % 2 == 0 else list(impls)[::-1]
+                for name in order:
+                    fn, iters = impls[name], _iters(size)
+                    fn(t)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn(t)
+                    elapsed = (time.perf_counter() - t0) / iters
+                    # The slower rank defines the collective's time.
+                    e = torch.tensor([elapsed], dtype=torch.float64)
+                    dist.all_reduce(e, op=dist.ReduceOp.MAX)
+                    times.setdefault((name, size), []).append(e.item())
+        if rank == 0:
+            queue.put(times)
+    finally:
+        shm.close()
+        dist.destroy_process_group()
+
+
+def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2) -> list[dict]:
+    """Measures shm vs gloo all-reduce; returns one dict per size.
+
+    Keys: ``bytes``, ``shm_us`` / ``gloo_us`` (median time per call), ``shm_busbw_GBps`` /
+    ``gloo_busbw_GBps`` (from the medians) and ``speedup`` (median over rounds of gloo/shm time).
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, sizes, rounds, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(900)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"probe workers failed: exit codes {[p.exitcode for p in procs]}")
+    times = queue.get()
+    factor = 2 * (world - 1) / world
+    rows = []
+    for size in sizes:
+        shm, gloo = times[("shm", size)], times[("gloo", size)]
+        ms, mg = statistics.median(shm), statistics.median(gloo)
+        rows.append({
+            "bytes": size, "shm_us": ms * 1e6, "gloo_us": mg * 1e6,
+            "shm_busbw_GBps": size / ms * factor / 1e9, "gloo_busbw_GBps": size / mg * factor / 1e9,
+            "speedup": statistics.median(g / s for g, s in zip(gloo, shm)),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes (float32)")
+    args = parser.parse_args()
+    print(f"{'size':>10} {'shm us':>10} {'gloo us':>10} {'shm GB/s':>9} {'gloo GB/s':>9} {'speedup':>8}")
+    for r in measure(args.sizes, args.rounds):
+        print(f"{r['bytes']:>10} {r['shm_us']:>10.1f} {r['gloo_us']:>10.1f} "
+              f"{r['shm_busbw_GBps']:>9.2f} {r['gloo_busbw_GBps']:>9.2f} {r['speedup']:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""phalanx: tf.distribute's strategies for PyTorch and Keras 3 (torch backend).
+
+Example:
+    >>> import torch, phalanx as px
+    >>> strategy = px.OneDeviceStrategy("cpu")
+    >>> with strategy.scope():
+    ...     model = torch.nn.Linear(2, 1)
+    >>> strategy.num_replicas_in_sync
+    1
+"""
+
+from phalanx import experimental, nn
+from phalanx.comm.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from phalanx.context import (
+    ReplicaContext,
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from phalanx.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
+from phalanx.strategies.mirrored import MirroredStrategy
+from phalanx.strategies.one_device import OneDeviceStrategy
+from phalanx.strategy import Strategy, StrategyExtended
+from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+
+__version__ = "0.1.0"
+
+
+def is_chief() -> bool:
+    """Whether this process is the one that writes checkpoints, logs and summaries."""
+    return get_strategy().extended.should_checkpoint
+
+
+__all__ = [
+    "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
+    "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
+    "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
+    "ValueContext", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
+    "has_strategy", "in_cross_replica_context", "is_chief", "nn",
+]

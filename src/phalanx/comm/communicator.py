@@ -1,0 +1,325 @@
+"""The processes of one synchronous job and the collectives between them.
+
+A :class:`Communicator` owns everything one process needs to talk to its peers: a TCPStore for
+rendezvous, a gloo (or NCCL) process group, a heartbeat, and the translation of transport
+failures into typed errors that name the peer. It is an object, not torch's global default group,
+so that a test can create two of them and nothing leaks between strategies.
+
+Example (world size 1 needs no peers)::
+
+    >>> import torch
+    >>> from phalanx.comm.communicator import LocalCommunicator
+    >>> comm = LocalCommunicator()
+    >>> comm.all_reduce(torch.ones(2)).wait()
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import (
+    ClusterSpecMismatchError,
+    CollectiveTimeoutError,
+    PeerUnavailableError,
+    RendezvousTimeoutError,
+)
+
+HEARTBEAT_INTERVAL = 0.25  # seconds; a peer whose counter stops for 4 intervals is unresponsive
+
+
+class Handle:
+    """An asynchronous collective; :meth:`wait` returns its result tensor."""
+
+    def __init__(self, tensor: torch.Tensor, wait_fn: Callable[[], None] | None = None,
+                 post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self._tensor, self._wait_fn, self._post = tensor, wait_fn, post
+
+    def wait(self) -> torch.Tensor:
+        if self._wait_fn is not None:
+            self._wait_fn()
+            self._wait_fn = None
+        if self._post is not None:
+            self._tensor, self._post = self._post(self._tensor), None
+        return self._tensor
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where this process sits in its job; every process of the job must agree on all but ``rank``."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    bind_addr: str
+    names: tuple[str, ...] = ()  # human names per rank, e.g. ("chief:0", "worker:0")
+    timeout: float = 60.0  # every collective
+    rendezvous_timeout: float = 60.0
+    fingerprint: tuple[tuple[str, Any], ...] = ()  # extra fields that must agree (cluster spec)
+
+    def name(self, rank: int) -> str:
+        label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"
+        return label if label.endswith(f"rank {rank})") else f"{label} (rank {rank})"
+
+
+class LocalCommunicator:
+    """The communicator of a single-replica job: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+    same_host = True
+    step: int | None = None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        return Handle(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+    def barrier(self) -> None:
+        return None
+
+    def name(self, rank: int) -> str:
+        return f"replica:{rank}"
+
+    def host_of(self, rank: int) -> str:
+        return socket.gethostname()
+
+    def close(self) -> None:
+        return None
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    # torch's TCPStore binds its server to every interface whatever host it is given; handing it a
+    # socket we bound ourselves keeps the listener on the task's own address.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def _process_state(pid: int) -> str:
+    """'R'/'S'/... from /proc, 'Z' for a zombie, 'T' when stopped, '' when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class GlooCommunicator:
+    """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
+
+    Args:
+        spec: this process's place in the job; all processes must pass matching specs.
+        backend: ``"gloo"`` or ``"nccl"``.
+
+    Raises:
+        RendezvousTimeoutError: not every rank arrived within ``spec.rendezvous_timeout``; the
+            message names the missing ranks.
+        ClusterSpecMismatchError: a peer was started with a different job description.
+    """
+
+    def __init__(self, spec: GroupSpec, backend: str = "gloo") -> None:
+        self.spec = spec
+        self.rank, self.world_size = spec.rank, spec.world_size
+        self.step: int | None = None
+        self._closed = False
+        self._store = self._connect_store(spec)
+        self._peers = self._rendezvous(spec)
+        self.same_host = len({p["host"] for p in self._peers.values()}) == 1
+        self.pg = self._make_group(backend, dist.PrefixStore("pg", self._store))
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # ----------------------------------------------------------------------------- set up
+    def _connect_store(self, spec: GroupSpec) -> dist.TCPStore:
+        timeout = datetime.timedelta(seconds=spec.rendezvous_timeout)
+        try:
+            if spec.rank == 0:
+                sock = _listen_socket(spec.bind_addr if spec.bind_addr else spec.master_addr, spec.master_port)
+                return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout,
+                                     wait_for_workers=False, master_listen_fd=sock.detach())
+            return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout,
+                                 wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            if spec.rank == 0:
+                raise
+            raise RendezvousTimeoutError([spec.name(0) + f" at {spec.master_addr}:{spec.master_port}"],
+                                         spec.rendezvous_timeout) from e
+
+    def _rendezvous(self, spec: GroupSpec) -> dict[int, dict[str, Any]]:
+        """Publishes this rank's fingerprint, waits for everyone's and compares them."""
+        mine = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
+                **dict(spec.fingerprint)}
+        me = {"fingerprint": mine, "host": socket.gethostname(), "pid": os.getpid()}
+        self._store.set(f"rdzv/{spec.rank}", json.dumps(me, sort_keys=True, default=str))
+        deadline = time.monotonic() + spec.rendezvous_timeout
+        peers: dict[int, dict[str, Any]] = {spec.rank: me}
+        while True:
+            for r in range(spec.world_size):
+                if r not in peers and self._store.check([f"rdzv/{r}"]):
+                    peers[r] = json.loads(self._store.get(f"rdzv/{r}"))
+                    for field, value in mine.items():
+                        theirs = peers[r]["fingerprint"].get(field)
+                        if theirs != value:
+                            raise ClusterSpecMismatchError(field, value, theirs, spec.name(r))
+            # A peer that believes in a larger world publishes a rank we do not expect.
+            if self._store.check([f"rdzv/{spec.world_size}"]):
+                extra = json.loads(self._store.get(f"rdzv/{spec.world_size}"))
+                raise ClusterSpecMismatchError("world_size", spec.world_size,
+                                               extra["fingerprint"].get("world_size"),
+                                               f"rank {spec.world_size}")
+            if len(peers) == spec.world_size:
+                return peers
+            if time.monotonic() > deadline:
+                missing = [spec.name(r) for r in range(spec.world_size) if r not in peers]
+                raise RendezvousTimeoutError(missing, spec.rendezvous_timeout)
+            time.sleep(0.01)
+
+    def _make_group(self, backend: str, store: dist.Store) -> Any:
+        timeout = datetime.timedelta(seconds=self.spec.timeout)
+        with self._translate("process group creation"):
+            if backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                return dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            # Gloo's listening sockets bind to the device's address: the task's own, never 0.0.0.0.
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr or "127.0.0.1")]
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
+
+    def _beat(self) -> None:
+        # A separate client connection, so the heartbeat never queues behind the main thread's calls.
+        try:
+            client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
+                                   datetime.timedelta(seconds=5), wait_for_workers=False)
+            count = 0
+            while not self._stop.wait(HEARTBEAT_INTERVAL):
+                count += 1
+                client.set(f"hb/{self.rank}", str(count))
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
+            return
+
+    # ----------------------------------------------------------------------------- failures
+    def _unresponsive_peers(self) -> list[int]:
+        """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest."""
+        suspects = []
+        host = socket.gethostname()
+        remote = []
+        for r, info in self._peers.items():
+            if r == self.rank:
+                continue
+            if info["host"] == host:
+                if _process_state(info["pid"]) in ("", "Z", "T", "t", "X"):
+                    suspects.append(r)
+            else:
+                remote.append(r)
+        if remote:
+            try:
+                client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
+                                       datetime.timedelta(seconds=2), wait_for_workers=False)
+                before = {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}
+                time.sleep(4 * HEARTBEAT_INTERVAL)
+                suspects += [r for r in remote if (client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"") == before[r]]
+            except Exception:  # noqa: BLE001 - the store lives in rank 0's process
+                suspects.append(0)
+        return sorted(set(suspects))
+
+    @contextlib.contextmanager
+    def _translate(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as e:  # DistBackendError, DistNetworkError, DistStoreError
+            if isinstance(e, PeerUnavailableError):
+                raise
+            text = str(e)
+            peers = [self.spec.name(r) for r in self._unresponsive_peers()] if hasattr(self, "_peers") else []
+            cls = CollectiveTimeoutError if "imed out" in text or "imeout" in text else PeerUnavailableError
+            first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            raise cls(peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}",
+                      cause=first_line[:300]) from e
+
+    # ----------------------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        """Starts an in-place all-reduce of ``tensor``; ``op`` is sum, mean, max, min or product."""
+        native = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                  "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[op]
+        with self._translate("all-reduce"):
+            work = self.pg.allreduce([tensor], native)
+        post = (lambda t: t.div_(self.world_size)) if op == "mean" else None
+        return Handle(tensor, lambda: self._wait(work, "all-reduce"), post)
+
+    def _wait(self, work: Any, operation: str) -> None:
+        with self._translate(operation):
+            work.wait()
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = dst, dist.ReduceOp.SUM
+        with self._translate("reduce"):
+            self.pg.reduce([tensor], opts).wait()
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        with self._translate("broadcast"):
+            self.pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Returns every rank's ``tensor`` (all of the same shape), in rank order."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._translate("all-gather"):
+            self.pg.allgather([out], [tensor.contiguous()]).wait()
+        return out
+
+    def barrier(self) -> None:
+        with self._translate("barrier"):
+            self.pg.barrier().wait()
+
+    def name(self, rank: int) -> str:
+        return self.spec.name(rank)
+
+    def host_of(self, rank: int) -> str:
+        return str(self._peers[rank]["host"])
+
+    def subgroup(self, ranks: list[int], tag: str) -> Any:
+        """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=self.spec.timeout)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr or "127.0.0.1")]
+        with self._translate(f"creating group {tag}"):
+            return dist.ProcessGroupGloo(dist.PrefixStore(f"sub/{tag}", self._store),
+                                         ranks.index(self.rank), len(ranks), opts)
+
+    def close(self) -> None:
+        """Stops the heartbeat and releases the process group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._heartbeat.join(timeout=2)
+        with contextlib.suppress(Exception):
+            self.pg.shutdown()
+        self.pg = None

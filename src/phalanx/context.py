@@ -1,0 +1,185 @@
+"""Which strategy is current, and whether code runs in replica or cross-replica context.
+
+As in ``tf.distribute``:
+
+* outside any ``scope()`` the *default strategy* is current and code is in its (default) replica
+  context;
+* inside ``strategy.scope()`` and outside ``strategy.run`` code is in *cross-replica* context;
+* inside the function given to ``strategy.run`` code is in *replica* context, and
+  ``get_replica_context()`` returns the replica's :class:`ReplicaContext`;
+* inside ``ReplicaContext.merge_call``'s function code is in cross-replica context again.
+
+The stack lives in a :class:`contextvars.ContextVar`, so threads (and asyncio tasks) each have
+their own, and two strategies can be active in two threads of one test.
+
+Example:
+    >>> import phalanx as px
+    >>> px.in_cross_replica_context(), px.has_strategy()
+    (False, False)
+    >>> strategy = px.OneDeviceStrategy("cpu")
+    >>> with strategy.scope():
+    ...     px.in_cross_replica_context(), px.get_strategy() is strategy
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from phalanx import nest
+from phalanx.errors import NotCallableError, StrategyScopeError
+from phalanx.values import DistributedValues, ReduceOp
+
+if TYPE_CHECKING:
+    from phalanx.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class _Frame:
+    strategy: "Strategy"
+    replica_context: "ReplicaContext | None"  # None: cross-replica context
+
+
+_STACK: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar("phalanx_context", default=())
+
+
+def _top() -> _Frame | None:
+    stack = _STACK.get()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def _push(frame: _Frame) -> Iterator[None]:
+    token = _STACK.set(_STACK.get() + (frame,))
+    try:
+        yield
+    finally:
+        _STACK.reset(token)
+
+
+def enter_scope(strategy: "Strategy") -> contextlib.AbstractContextManager[None]:
+    """Pushes ``strategy``'s cross-replica context; refuses to nest another strategy's scope."""
+    top = _top()
+    if top is not None and top.strategy is not strategy and not top.strategy._is_default:
+        raise StrategyScopeError(
+            f"Mixing different strategies: cannot enter the scope of {strategy!r} inside the scope of "
+            f"{top.strategy!r}.",
+            hint="leave the outer `with strategy.scope():` block first; one program uses one strategy",
+        )
+    if top is not None and top.replica_context is not None and top.strategy is strategy:
+        # TF allows scope() in replica context as a no-op; keep the replica context current.
+        return contextlib.nullcontext()
+    return _push(_Frame(strategy, None))
+
+
+def enter_replica(strategy: "Strategy", replica_id: int) -> contextlib.AbstractContextManager[None]:
+    return _push(_Frame(strategy, ReplicaContext(strategy, replica_id)))
+
+
+def get_strategy() -> "Strategy":
+    """The current strategy: the one whose ``scope()`` or ``run`` we are in, else the default."""
+    top = _top()
+    return top.strategy if top is not None else _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a strategy other than the default is current."""
+    top = _top()
+    return top is not None and not top.strategy._is_default
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``scope()`` but outside ``run`` (and inside ``merge_call``'s function)."""
+    top = _top()
+    return top is not None and top.replica_context is None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The current :class:`ReplicaContext`, or None in cross-replica context.
+
+    Outside any strategy this is the default strategy's replica context, as in TF.
+    """
+    top = _top()
+    if top is None:
+        return ReplicaContext(_default_strategy(), 0)
+    return top.replica_context
+
+
+def get_cross_replica_context() -> "Strategy | None":
+    """The current strategy in cross-replica context, else None."""
+    top = _top()
+    return top.strategy if top is not None and top.replica_context is None else None
+
+
+def _default_strategy() -> "Strategy":
+    from phalanx.strategies.default import default_strategy
+
+    return default_strategy()
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run``.
+
+    Args:
+        strategy: the strategy running the replica.
+        replica_id_in_sync_group: this replica's index among all replicas of the job.
+
+    Example::
+
+        def step(x):
+            ctx = phalanx.get_replica_context()
+            total = ctx.all_reduce(phalanx.ReduceOp.SUM, x.sum())   # same on every replica
+            return total
+    """
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int) -> None:
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+
+    @property
+    def strategy(self) -> "Strategy":
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return (str(self._strategy.extended._local_device),)
+
+    def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
+        """Reduces ``value`` (a nested structure of tensors) across all replicas; same on each."""
+        op = ReduceOp.from_any(reduce_op)
+        return self._strategy.extended._all_reduce_structure(op, value)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenates every replica's ``value`` along ``axis``, in replica order."""
+        return nest.map_structure(lambda t: self._strategy.extended._all_gather(t, axis), value)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once in cross-replica context.
+
+        The arguments reach ``merge_fn`` as per-replica values; distributed values in its result
+        come back to the replica as this replica's component.
+        """
+        if not callable(merge_fn):
+            raise NotCallableError(merge_fn, what="merge_fn")
+        strategy = self._strategy
+        wrapped_args = strategy._wrap_local(args)
+        wrapped_kwargs = strategy._wrap_local(kwargs or {})
+        with _push(_Frame(strategy, None)):
+            result = merge_fn(strategy, *wrapped_args, **wrapped_kwargs)
+        return nest.map_structure(
+            lambda v: v.values[0] if isinstance(v, DistributedValues) else v, result)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, " \
+               f"num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -1,0 +1,150 @@
+"""Typed errors raised by phalanx.
+
+Every error carries the value it received and a hint, so a user can fix the input
+without reading phalanx's source. Errors that come from another process name the
+task (``worker:1``), the global rank and, where known, the step.
+
+Example:
+    >>> from phalanx.errors import InvalidDeviceError
+    >>> try:
+    ...     raise InvalidDeviceError("tpu:9", hint="use 'cpu', 'cuda:0' or '/gpu:0'")
+    ... except ValueError as e:
+    ...     print(e)
+    Unknown device 'tpu:9'. HINT: use 'cpu', 'cuda:0' or '/gpu:0'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PhalanxError(Exception):
+    """Base class of every error raised by phalanx."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.hint = hint
+        super().__init__(f"{message} HINT: {hint}" if hint else message)
+
+
+# --------------------------------------------------------------------------- input errors
+class InvalidDeviceError(PhalanxError, ValueError):
+    """A device string that phalanx cannot parse or that this host does not have."""
+
+    def __init__(self, device: Any, *, hint: str | None = None) -> None:
+        self.device = device
+        super().__init__(f"Unknown device {device!r}.", hint=hint)
+
+
+class BatchSizeError(PhalanxError, ValueError):
+    """A global batch that cannot be split across the replicas."""
+
+    def __init__(self, batch_size: int, num_replicas: int, *, hint: str | None = None) -> None:
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        super().__init__(
+            f"Global batch size {batch_size} is smaller than the number of replicas in sync "
+            f"({num_replicas}); every replica needs at least one example.",
+            hint=hint or f"use a global batch size of at least {num_replicas}, e.g. a multiple of it",
+        )
+
+
+class ReduceOpError(PhalanxError, ValueError):
+    """An unknown reduction operation."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        super().__init__(
+            f"Unknown reduce op {op!r}.",
+            hint="use phalanx.ReduceOp.SUM or phalanx.ReduceOp.MEAN (or the strings 'SUM' / 'MEAN')",
+        )
+
+
+class StrategyScopeError(PhalanxError, RuntimeError):
+    """Scopes of two different strategies were nested, or a scope was used wrongly."""
+
+
+class ContextError(PhalanxError, RuntimeError):
+    """An API was called in the wrong context (replica vs cross-replica)."""
+
+
+class NotCallableError(PhalanxError, TypeError):
+    """``strategy.run`` (or a similar API) was given something that is not callable."""
+
+    def __init__(self, value: Any, *, what: str = "fn") -> None:
+        self.value = value
+        super().__init__(
+            f"`{what}` must be callable; received {value!r} (of type {type(value).__name__}).",
+            hint="pass the function itself, e.g. strategy.run(train_step, args=(batch,))",
+        )
+
+
+# --------------------------------------------------------------------------- cluster errors
+class ClusterSpecError(PhalanxError, ValueError):
+    """A malformed cluster description (TF_CONFIG, torchrun or Slurm environment).
+
+    Attributes:
+        key: the key (or environment variable) that is wrong, e.g. ``"task.index"``.
+        value: the value received for it.
+    """
+
+    def __init__(self, key: str, value: Any, problem: str, *, hint: str | None = None) -> None:
+        self.key = key
+        self.value = value
+        super().__init__(f"Invalid cluster configuration: {key}={value!r}: {problem}.", hint=hint)
+
+
+class ClusterSpecMismatchError(PhalanxError, RuntimeError):
+    """Tasks of one job were started with cluster descriptions that disagree."""
+
+    def __init__(self, field: str, mine: Any, theirs: Any, other_task: str) -> None:
+        self.field = field
+        self.mine = mine
+        self.theirs = theirs
+        self.other_task = other_task
+        super().__init__(
+            f"Cluster spec mismatch in field {field!r}: this task has {mine!r}, "
+            f"{other_task} has {theirs!r}.",
+            hint="start every task with the same cluster (TF_CONFIG 'cluster' / WORLD_SIZE / "
+            "MASTER_ADDR); only the 'task' part may differ",
+        )
+
+
+# --------------------------------------------------------------------------- runtime errors
+class DistributedRuntimeError(PhalanxError, RuntimeError):
+    """Base of errors raised while processes of a job talk to each other."""
+
+
+class RendezvousTimeoutError(DistributedRuntimeError):
+    """Not every task joined the job within the rendezvous timeout."""
+
+    def __init__(self, missing: list[str], timeout: float) -> None:
+        self.missing = missing
+        self.timeout = timeout
+        super().__init__(
+            f"Timed out after {timeout:.1f}s waiting for tasks: {', '.join(missing) or '?'}.",
+            hint="check that every task was started and can reach the chief's address",
+        )
+
+
+class PeerUnavailableError(DistributedRuntimeError):
+    """A peer process died or stopped responding during a collective."""
+
+    def __init__(self, peers: list[str], *, step: int | None, operation: str, cause: str) -> None:
+        self.peers = peers
+        self.step = step
+        self.operation = operation
+        where = f" at step {step}" if step is not None else ""
+        who = ", ".join(peers) if peers else "an unidentified peer"
+        super().__init__(
+            f"{operation} failed{where}: {who} is unavailable ({cause}).",
+            hint="synchronous training cannot continue without every replica; restart the job "
+            "(phalanx run --max-restarts K) and resume from the last checkpoint",
+        )
+
+
+class CollectiveTimeoutError(PeerUnavailableError):
+    """A collective did not complete within its timeout (a stalled peer)."""
+
+
+class LaunchError(PhalanxError, RuntimeError):
+    """A replica process could not be started or exited with an error."""

@@ -1,0 +1,185 @@
+"""Distributed datasets: every replica gets its slice of each global batch.
+
+``experimental_distribute_dataset(dataset)`` takes any iterable of *global* batches: a torch
+``DataLoader``, a list of tensors or numpy arrays, or nested tuples / dicts of them. Each element
+is split along its first dimension: replica ``r`` of ``N`` gets rows
+``[r * B // N, (r + 1) * B // N)`` in the ``torch.tensor_split`` sense (the first ``B % N``
+replicas get one row more).
+
+Partial batches. A global batch that is smaller than the number of replicas is refused with
+:class:`~phalanx.errors.BatchSizeError` when it is the *first* batch (the configured batch size
+is wrong). A smaller *final* batch is split as far as it goes: replicas past its end get an
+empty slice (zero rows) and still take part in the step, so nothing hangs and no sample is
+dropped. :func:`phalanx.nn.compute_average_loss` divides by the actual global batch size.
+
+Per-process pipelines (``distribute_datasets_from_function``) may run out at different steps;
+each step the processes agree collectively whether anyone still has data. Processes that ran out
+feed empty batches (shaped like their last one) until every pipeline is exhausted, so all
+replicas stop at the same step with identical parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from phalanx import nest
+from phalanx.errors import BatchSizeError
+from phalanx.input.context import InputContext, InputOptions
+
+if TYPE_CHECKING:
+    from phalanx.strategy import Strategy
+
+
+def _to_tensor(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf)
+    return leaf
+
+
+def batch_size_of(element: Any) -> int:
+    """The leading dimension shared by every tensor of a batch."""
+    sizes = {int(t.shape[0]) for t in nest.flatten(element) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not sizes:
+        raise ValueError(f"A batch must contain at least one tensor with a batch dimension; received {element!r:.200}")
+    if len(sizes) > 1:
+        raise ValueError(f"The tensors of one batch have different first dimensions: {sorted(sizes)}.")
+    return sizes.pop()
+
+
+def slice_bounds(batch_size: int, num: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of the ``index``-th of ``num`` near-equal parts of a batch."""
+    base, extra = divmod(batch_size, num)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+class _Placer:
+    """Moves batches to the replica's device, one batch ahead (overlaps the copy on GPUs)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self.enabled = enabled and device.type != "cpu"
+
+    def __call__(self, element: Any) -> Any:
+        if not self.enabled:
+            return element
+        return nest.map_structure(
+            lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, element)
+
+
+class DistributedIterator:
+    """Iterator over per-replica batches; ``next()`` / ``get_next()`` as in TF."""
+
+    def __init__(self, source: Iterator[Any], strategy: "Strategy") -> None:
+        self._source = source
+        self._strategy = strategy
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._source)
+
+    def get_next(self) -> Any:
+        return next(self)
+
+    def get_next_as_optional(self) -> Any:
+        """The next element, or None at the end (TF returns an Optional)."""
+        return next(self._source, None)
+
+
+class DistributedDataset:
+    """An iterable of per-replica batches, made from an iterable of global batches."""
+
+    def __init__(self, strategy: "Strategy", dataset: Iterable[Any], options: InputOptions | None = None) -> None:
+        if not hasattr(dataset, "__iter__"):
+            raise TypeError(f"experimental_distribute_dataset needs an iterable of batches; received "
+                            f"{type(dataset).__name__}")
+        self._strategy = strategy
+        self._dataset = dataset
+        self._options = options or InputOptions()
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self._generate(), self._strategy)
+
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]
+
+    def _generate(self) -> Iterator[Any]:
+        ext = self._strategy.extended
+        num = self._strategy.num_replicas_in_sync
+        rank = ext._comm.rank
+        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+        first = True
+        pending = None
+        for element in self._dataset:
+            element = nest.map_structure(_to_tensor, element)
+            size = batch_size_of(element)
+            if first and size < num:
+                raise BatchSizeError(size, num)
+            first = False
+            start, end = slice_bounds(size, num, rank)
+            local = nest.map_structure(
+                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, element)
+            ready = (place(local), size)
+            if pending is not None:
+                yield self._emit(*pending)
+            pending = ready
+        if pending is not None:
+            yield self._emit(*pending)
+
+    def _emit(self, local: Any, global_size: int) -> Any:
+        self._strategy.extended._global_batch_size = global_size
+        return self._strategy._wrap_local(local)
+
+
+class DatasetFromFunction:
+    """One input pipeline per process, built by ``dataset_fn(InputContext)``; see module doc."""
+
+    def __init__(self, strategy: "Strategy", dataset_fn: Callable[[InputContext], Iterable[Any]],
+                 options: InputOptions | None = None) -> None:
+        self._strategy = strategy
+        self._options = options or InputOptions()
+        ext = strategy.extended
+        self._context = InputContext(ext._comm.world_size, ext._comm.rank, strategy.num_replicas_in_sync)
+        self._dataset = dataset_fn(self._context)
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self._generate(), self._strategy)
+
+    def _generate(self) -> Iterator[Any]:
+        ext = self._strategy.extended
+        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+        source = iter(self._dataset)
+        last = None
+        while True:
+            element = next(source, None)
+            if element is not None:
+                element = nest.map_structure(_to_tensor, element)
+                last = element
+            local_size = batch_size_of(element) if element is not None else 0
+            # One small collective per step: does anyone still have data, and how many examples
+            # make up this step's global batch?
+            flags = ext._all_reduce_tensors(
+                [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)],
+                _sum())[0]
+            if flags[0] == 0:
+                return
+            if element is None:
+                if last is None:
+                    raise ValueError(
+                        f"The input pipeline of {ext._comm.name(ext._comm.rank)} produced no batch at "
+                        "all while others did; every pipeline needs at least one batch.")
+                element = nest.map_structure(
+                    lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
+            ext._global_batch_size = int(flags[1])
+            yield self._strategy._wrap_local(place(element))
+
+
+def _sum() -> Any:
+    from phalanx.values import ReduceOp
+
+    return ReduceOp.SUM

@@ -1,0 +1,1 @@
+"""Starting, watching and stopping replica processes."""

@@ -1,0 +1,63 @@
+"""Pieces the synchronous strategies share: timeouts, CPU threads, building the communicator."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
+from phalanx.errors import ClusterSpecError
+from phalanx.launch.env import ReplicaEnv
+
+DEFAULT_TIMEOUT = 300.0  # seconds for one collective; CommunicationOptions(timeout_seconds=...) overrides
+DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
+
+
+def env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClusterSpecError(name, raw, "must be a number of seconds") from None
+    if value <= 0:
+        raise ClusterSpecError(name, raw, "must be positive")
+    return value
+
+
+def configure_cpu_threads(local_world_size: int, device_type: str) -> None:
+    """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS)."""
+    if device_type == "cpu" and local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
+                       names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
+                       backend: str = "gloo") -> Any:
+    """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
+    if env is None or env.world_size == 1:
+        return LocalCommunicator()
+    spec = GroupSpec(
+        rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
+        bind_addr=bind_addr or (env.master_addr if env.num_nodes == 1 else ""), names=names,
+        timeout=timeout or env_seconds("PHALANX_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT),
+        rendezvous_timeout=env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT),
+        fingerprint=fingerprint)
+    return GlooCommunicator(spec, backend=backend)
+
+
+def close_at_exit(strategy: Any) -> None:
+    """Closes the strategy's communicator when the interpreter exits, if nobody did before."""
+    ref = weakref.ref(strategy)
+
+    def _close() -> None:
+        s = ref()
+        if s is not None:
+            s.close()
+
+    atexit.register(_close)

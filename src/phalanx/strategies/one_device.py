@@ -1,0 +1,35 @@
+"""OneDeviceStrategy: everything on one named device (``tf.distribute.OneDeviceStrategy``).
+
+Example:
+    >>> import torch, phalanx as px
+    >>> strategy = px.OneDeviceStrategy("/cpu:0")
+    >>> with strategy.scope():
+    ...     layer = torch.nn.Linear(3, 2)
+    >>> strategy.extended.worker_devices
+    ('/job:localhost/replica:0/task:0/device:CPU:0',)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.comm.communicator import LocalCommunicator
+from phalanx.devices import canonicalize
+from phalanx.strategy import Strategy, StrategyExtended, _tf_name
+
+
+class OneDeviceStrategy(Strategy):
+    """Places variables on ``device``, moves input there and runs there.
+
+    Args:
+        device: a TF name (``"/gpu:0"``, ``"/cpu:0"``, ``"/job:localhost/replica:0/task:0/device:GPU:0"``)
+            or a torch name (``"cuda:0"``, ``"cpu"``).
+
+    Raises:
+        InvalidDeviceError: the device is malformed or absent.
+    """
+
+    def __init__(self, device: Any) -> None:
+        logical = canonicalize(device)
+        name = (_tf_name(logical),)
+        super().__init__(StrategyExtended(LocalCommunicator(), logical, name, name))

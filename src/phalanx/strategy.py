@@ -1,0 +1,376 @@
+"""The Strategy API shared by every strategy (``tf.distribute.Strategy``).
+
+A strategy is a thin object over a :class:`StrategyExtended`, which owns the machinery: the
+communicator, the replica's device, the captured variables and their gradient synchronisation.
+Concrete strategies (``phalanx/strategies/``) only choose how these are put together.
+
+In phalanx each replica is a process (see DESIGN.md): ``run`` calls the function once, on this
+process's replica; ``reduce`` and ``gather`` are collectives whose result every process gets.
+
+Example:
+    >>> import torch, phalanx as px
+    >>> strategy = px.OneDeviceStrategy("/cpu:0")
+    >>> with strategy.scope():
+    ...     model = torch.nn.Linear(4, 1)
+    >>> out = strategy.run(lambda x: model(x).sum(), args=(torch.ones(2, 4),))
+    >>> strategy.reduce("SUM", out, axis=None).shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from phalanx import context, nest
+from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
+from phalanx.devices import LogicalDevice
+from phalanx.errors import ContextError, NotCallableError
+from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
+from phalanx import variables
+
+
+def _tf_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
+    kind = "GPU" if device.type == "cuda" else device.type.upper()
+    return f"{task}/device:{kind}:{device.index}"
+
+
+class StrategyExtended:
+    """The machinery behind a strategy (``tf.distribute.StrategyExtended``).
+
+    Args:
+        comm: the communicator among all replicas of the job.
+        local_device: the device of this process's replica.
+        worker_devices: every device the strategy computes on (TF names).
+        parameter_devices: where variables live (TF names).
+        cross_device_ops: how gradients are summed.
+        bucket_bytes: gradient bucket size (``bytes_per_pack``).
+    """
+
+    def __init__(self, comm: Any, local_device: LogicalDevice, worker_devices: tuple[str, ...],
+                 parameter_devices: tuple[str, ...], cross_device_ops: CrossDeviceOps | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self._comm = comm
+        self._local_device = local_device
+        self._worker_devices = worker_devices
+        self._parameter_devices = parameter_devices
+        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        self._bucket_bytes = bucket_bytes
+        self._new_params: list[torch.nn.Parameter] = []
+        self._new_buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._reducer: GradientReducer | None = None
+        self._step = 0
+        self._global_batch_size: int | None = None  # of the batch being consumed, set by input
+
+    # ---------------------------------------------------------------- TF's public properties
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return self._worker_devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return self._parameter_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints (the chief only)."""
+        return self._comm.rank == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._comm.rank == 0
+
+    @property
+    def should_init(self) -> bool:
+        return True
+
+    experimental_should_init = should_init
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        return self._comm.world_size > 1
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        return False
+
+    @property
+    def _torch_device(self) -> torch.device:
+        return self._local_device.torch_device
+
+    # ---------------------------------------------------------------- variables
+    @contextlib.contextmanager
+    def _variable_scope(self, owner: object) -> Iterator[None]:
+        with variables.capture(owner, self._torch_device, self._new_params.append, self._new_buffers.append):
+            yield
+
+    def _sync_new_variables(self) -> None:
+        """Makes variables created since the last call identical everywhere and synchronised.
+
+        Collective: called by every replica at the same point (scope exit, start of ``run``).
+        """
+        if not self._new_params and not self._new_buffers:
+            return
+        params, buffers = self._new_params, self._new_buffers
+        self._new_params, self._new_buffers = [], []
+        with torch.no_grad():
+            self._broadcast_tensors([p.data for p in params] + list(buffers))
+        self._buffers += [b for b in buffers if b.is_floating_point()]
+        if self._comm.world_size > 1:
+            self._attach_gradient_sync(params)
+
+    def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
+        num_packs = self._cross_device_ops.num_packs
+        if self._reducer is None:
+            self._reducer = GradientReducer(
+                params, lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum"),
+                self._bucket_bytes, num_packs)
+        else:
+            self._reducer.add(params, self._bucket_bytes, num_packs)
+
+    def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcasts many tensors from ``src`` in one message per dtype."""
+        if self._comm.world_size == 1 or not tensors:
+            return
+        for group in _by_dtype(tensors).values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._comm.broadcast(flat, src=src)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _before_run(self) -> None:
+        self._sync_new_variables()
+        if self._buffers and self._comm.world_size > 1:
+            # Replicas' running statistics (BatchNorm) drift apart; DDP re-broadcasts them per
+            # step from replica 0 by default, and so do we.
+            with torch.no_grad():
+                self._broadcast_tensors(self._buffers)
+
+    # ---------------------------------------------------------------- collectives on values
+    def _all_reduce_structure(self, op: ReduceOp, structure: Any) -> Any:
+        leaves, spec = nest.flatten_with_spec(structure)
+        tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
+        results = self._all_reduce_tensors(tensors, op)
+        return nest.unflatten(results, spec)
+
+    def _all_reduce_tensors(self, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+        if self._comm.world_size == 1:
+            return list(tensors)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            # Integer means are computed in floating point, as TF does.
+            dtype = t.dtype if (op is ReduceOp.SUM or t.is_floating_point()) else torch.float32
+            groups.setdefault(dtype, []).append(i)
+        for dtype, idx in groups.items():
+            flat = torch.cat([tensors[i].detach().to(dtype).reshape(-1) for i in idx])
+            flat = self._comm.all_reduce(flat, "mean" if op is ReduceOp.MEAN else "sum").wait()
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                out[i] = flat[offset:offset + n].view(tensors[i].shape)
+                offset += n
+        return out  # type: ignore[return-value]
+
+    def _all_gather(self, tensor: Any, axis: int) -> torch.Tensor:
+        tensor = torch.as_tensor(local_results(tensor)[0])
+        if self._comm.world_size == 1:
+            return tensor
+        if tensor.dim() == 0:
+            raise ValueError(f"gather needs tensors of rank >= 1 to concatenate; received a scalar {tensor!r}")
+        axis = axis % tensor.dim()
+        # Replicas may hold different lengths along `axis` (an uneven last batch): exchange the
+        # lengths first, pad to the longest, gather, then cut the padding off.
+        sizes = [int(s) for s in self._comm.all_gather(torch.tensor([tensor.shape[axis]]))]
+        longest = max(sizes)
+        if tensor.shape[axis] < longest:
+            pad_shape = list(tensor.shape)
+            pad_shape[axis] = longest - tensor.shape[axis]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=axis)
+        parts = self._comm.all_gather(tensor.contiguous())
+        return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis)
+
+    def _close(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+        self._comm.close()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+class Strategy:
+    """Base class of all strategies; see the module docstring for the execution model."""
+
+    _is_default = False
+
+    def __init__(self, extended: StrategyExtended, cluster_resolver: Any = None) -> None:
+        self._extended = extended
+        self._cluster_resolver = cluster_resolver
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas of the whole job (all processes, all hosts)."""
+        return self._extended._comm.world_size
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._cluster_resolver
+
+    # ---------------------------------------------------------------- contexts
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Makes this strategy current; parameters created inside are distributed by it.
+
+        Raises:
+            StrategyScopeError: another strategy's scope is already open.
+        """
+        with context.enter_scope(self):
+            with self._extended._variable_scope(self):
+                yield self
+            if context.in_cross_replica_context():
+                self._extended._sync_new_variables()
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Runs ``fn`` on this process's replica and returns its result as per-replica values.
+
+        Args:
+            fn: the replica function, e.g. one training step.
+            args, kwargs: its arguments; distributed values are replaced by this replica's part.
+
+        Raises:
+            NotCallableError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise NotCallableError(fn)
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
+        args = nest.map_structure(local, tuple(args))
+        kwargs = nest.map_structure(local, dict(kwargs or {}))
+        ext = self._extended
+        ext._step += 1
+        ext._comm.step = ext._step
+        with context.enter_scope(self):
+            ext._before_run()
+            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self):
+                result = fn(*args, **kwargs)
+        return self._wrap_local(result)
+
+    def experimental_run_v2(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                            options: Any = None) -> Any:
+        """TF 2.0's name for :meth:`run`."""
+        return self.run(fn, args, kwargs, options)
+
+    # ---------------------------------------------------------------- values
+    def _wrap_local(self, structure: Any) -> Any:
+        if self.num_replicas_in_sync == 1:
+            return structure
+        return nest.map_structure(
+            lambda v: v if isinstance(v, DistributedValues) or v is None else PerReplica((v,)), structure)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of this process's replicas, as a tuple (one per local replica)."""
+        leaves, spec = nest.flatten_with_spec(value)
+        if not leaves:
+            return (value,)
+        per_leaf = [local_results(v) for v in leaves]
+        return tuple(nest.unflatten([p[i] for p in per_leaf], spec) for i in range(len(per_leaf[0])))
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """Combines a per-replica value across all replicas (a collective: call it everywhere).
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (or their names).
+            value: per-replica values (e.g. returned by :meth:`run`), possibly nested.
+            axis: also reduce along this axis of each replica's value; with MEAN the result is
+                the mean over all elements of all replicas (correct for uneven batches).
+
+        Raises:
+            ReduceOpError: unknown ``reduce_op``.
+            ContextError: called in replica context, or SUM of a value that is not per-replica.
+        """
+        op = ReduceOp.from_any(reduce_op)
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise ContextError("strategy.reduce is a cross-replica API and was called inside strategy.run.",
+                               hint="use phalanx.get_replica_context().all_reduce(...) in replica context")
+        leaves, spec = nest.flatten_with_spec(value)
+        n = self.num_replicas_in_sync
+        tensors, counts = [], []
+        for leaf in leaves:
+            if not isinstance(leaf, DistributedValues) and n > 1 and op is ReduceOp.SUM:
+                raise ContextError(
+                    f"A value that is not per-replica cannot be SUM-reduced across {n} replicas; "
+                    f"received {type(leaf).__name__}.",
+                    hint="reduce the PerReplica value returned by strategy.run")
+            t = torch.as_tensor(local_results(leaf)[0])
+            if axis is not None:
+                counts.append(torch.tensor(float(t.shape[axis]), device=t.device))
+                t = t.sum(dim=axis)
+            tensors.append(t)
+        if op is ReduceOp.MEAN and axis is not None:
+            # Sum the values and the element counts, then divide: exact for uneven replicas.
+            sums = self._extended._all_reduce_tensors(tensors + counts, ReduceOp.SUM)
+            k = len(tensors)
+            results = [s / c for s, c in zip(sums[:k], sums[k:])]
+        elif any(isinstance(leaf, DistributedValues) for leaf in leaves):
+            results = self._extended._all_reduce_tensors(tensors, op)
+        else:
+            results = tensors
+        return nest.unflatten(results, spec)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's value along ``axis`` (a collective); same on every process."""
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise ContextError("strategy.gather is a cross-replica API and was called inside strategy.run.",
+                               hint="use phalanx.get_replica_context().all_gather(value, axis)")
+        return nest.map_structure(lambda v: self._extended._all_gather(v, axis), value)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """Calls ``value_fn(ValueContext)`` for this process's replica and wraps the result."""
+        from phalanx.input.context import ValueContext
+
+        if not callable(value_fn):
+            raise NotCallableError(value_fn, what="value_fn")
+        rank = self._extended._comm.rank
+        return self._wrap_local(value_fn(ValueContext(rank, self.num_replicas_in_sync)))
+
+    # ---------------------------------------------------------------- input
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
+        """Splits each global batch of ``dataset`` across the replicas; see :mod:`phalanx.input`."""
+        from phalanx.input.distributed_dataset import DistributedDataset
+
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
+        """Builds one input pipeline per process with ``dataset_fn(InputContext)``."""
+        from phalanx.input.distributed_dataset import DatasetFromFunction
+
+        if not callable(dataset_fn):
+            raise NotCallableError(dataset_fn, what="dataset_fn")
+        return DatasetFromFunction(self, dataset_fn, options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Releases the communicator (also done at interpreter exit)."""
+        self._extended._close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -1,0 +1,85 @@
+"""Distributed values and reduction operations.
+
+In phalanx every replica is its own process, so a distributed value in one process holds the
+values of that process's *local* replicas (one, in the usual one-device-per-process layout).
+The values of remote replicas are reached only through collectives
+(:meth:`phalanx.Strategy.reduce`, :meth:`phalanx.Strategy.gather`).
+
+Example:
+    >>> import torch
+    >>> from phalanx.values import PerReplica, ReduceOp
+    >>> v = PerReplica((torch.tensor(1.0),))
+    >>> v.values
+    (tensor(1.),)
+    >>> ReduceOp.from_any("mean") is ReduceOp.MEAN
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Iterator, Sequence
+
+from phalanx.errors import ReduceOpError
+
+
+class ReduceOp(enum.Enum):
+    """How values of different replicas are combined (``tf.distribute.ReduceOp``)."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_any(cls, op: Any) -> "ReduceOp":
+        """Accepts a :class:`ReduceOp` or its name in any case; raises :class:`ReduceOpError`."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str) and op.upper() in cls.__members__:
+            return cls[op.upper()]
+        raise ReduceOpError(op)
+
+
+class DistributedValues:
+    """Base class of values that have one component per local replica.
+
+    Attributes:
+        values: the per-replica components held by this process, in local replica order.
+    """
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        if not isinstance(values, (tuple, list)) or not values:
+            raise TypeError(f"{type(self).__name__} needs a non-empty tuple of values; received {values!r}")
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def __iter__(self) -> Iterator[Any]:
+        # TF's DistributedValues are not iterable; iterating would hide the per-replica nature.
+        raise TypeError(
+            f"{type(self).__name__} is not iterable; use strategy.experimental_local_results(value) "
+            "or strategy.reduce / strategy.gather"
+        )
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{{body}}}"
+
+
+class PerReplica(DistributedValues):
+    """One value per replica, each possibly different (e.g. a replica's slice of the batch)."""
+
+
+class Mirrored(DistributedValues):
+    """One value that is the same on every replica (e.g. a mirrored parameter)."""
+
+
+def local_results(value: Any) -> tuple[Any, ...]:
+    """Unwraps a distributed value into the tuple of this process's replica values."""
+    if isinstance(value, DistributedValues):
+        return value.values
+    return (value,)
