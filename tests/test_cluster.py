@@ -28,9 +28,7 @@ CLUSTER = {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"]}
 
 
 def tf_config(cluster: dict, task_type: str, index: int, **extra: Any) -> dict[str, str]:
-    return {
-        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}, **extra})
-    }
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}, **extra})}
 
 
 def torchrun_env(**overrides: str) -> dict[str, str]:
@@ -155,8 +153,13 @@ MALFORMED: list[tuple[str, Callable[[], Any], str, str]] = [
         '{"cluster": {"worker": ["a:1"]',
     ),
     ("non-object JSON", lambda: _tf('["a:1"]'), "TF_CONFIG", '["a:1"]'),
-    ("missing task", lambda: _tf(json.dumps({"cluster": {"worker": ["a:1"]}})), "TF_CONFIG", "has no 'task'"),
-    ("missing cluster", lambda: _tf(json.dumps({"task": _w(0)})), "TF_CONFIG", "has no 'cluster'"),
+    (
+        "missing task",
+        lambda: _tf(json.dumps({"cluster": {"worker": ["a:1"]}})),
+        "TF_CONFIG",
+        '{"cluster": {"worker": ["a:1"]}}',
+    ),
+    ("missing cluster", lambda: _tf(json.dumps({"task": _w(0)})), "TF_CONFIG", '{"task": {"type": "worker"'),
     ("task not an object", lambda: _tf(_cfg({"worker": ["a:1"]}, "worker")), "task", "'worker'"),
     ("index out of range", lambda: _tf(_cfg({"worker": ["a:1", "b:1"]}, _w(2))), "task.index", "2"),
     ("negative index", lambda: _tf(_cfg({"worker": ["a:1"]}, _w(-1))), "task.index", "-1"),
@@ -327,7 +330,7 @@ def test_malformed_configuration(case: str, make: Callable[[], Any], key: str, v
     elapsed = time.perf_counter() - start
     message = str(info.value)
     assert info.value.key == key, message
-    assert key in message and value in message, message
+    assert f"{key}=" in message and value in message, message
     assert "HINT: " in message, message
     assert elapsed < 0.1, f"{case}: took {elapsed * 1000:.1f} ms"
 
@@ -362,9 +365,7 @@ def test_tf_config_chief_and_two_workers_ranks_consistent() -> None:
             placements.append(p)
     assert [p.rank for p in placements] == list(range(6))
     assert [p.node_rank for p in placements] == [0, 0, 1, 1, 2, 2]
-    assert {(p.world_size, p.num_nodes, p.master_addr, p.master_port) for p in placements} == {
-        (6, 3, "c", 2222)
-    }
+    assert {(p.world_size, p.num_nodes, p.master_addr, p.master_port) for p in placements} == {(6, 3, "c", 2222)}
     assert len({json.dumps(p.fingerprint()) for p in placements}) == 1
     assert [p.is_chief for p in placements] == [True] + [False] * 5
     assert placements[0].describe_rank(3) == "worker:0 (rank 3)"
@@ -380,9 +381,7 @@ def test_tf_config_resolver_api() -> None:
     assert r.cluster_spec() == ClusterSpec(CLUSTER)
     r.task_type, r.task_id = "chief", 0
     assert r.placement().rank == 0
-    overridden = TFConfigClusterResolver(
-        task_type="worker", task_id=0, rpc_layer="", environment="x", environ=env
-    )
+    overridden = TFConfigClusterResolver(task_type="worker", task_id=0, rpc_layer="", environment="x", environ=env)
     assert (overridden.task_id, overridden.master(), overridden.environment) == (0, "w0:2222", "x")
 
 

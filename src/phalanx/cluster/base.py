@@ -38,9 +38,7 @@ def env_int(
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ClusterSpecError(
-            name, raw, "is not an integer", hint=what or f"set {name} to a number"
-        ) from None
+        raise ClusterSpecError(name, raw, "is not an integer", hint=what or f"set {name} to a number") from None
     if value < low or (high is not None and value > high):
         bounds = f"{low}..{high}" if high is not None else f">= {low}"
         raise ClusterSpecError(name, raw, f"must be in {bounds}", hint=what or f"set {name} in {bounds}")
@@ -117,17 +115,13 @@ class ClusterResolver(abc.ABC):
 
         return {"GPU": torch.cuda.device_count()}
 
-    def master(
-        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
-    ) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The address of a task (this one by default), or ``""`` when it is not known."""
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
         if task_type is None or task_id is None:
             return ""
-        return format_master_url(
-            self.cluster_spec().task_address(task_type, task_id), rpc_layer or self.rpc_layer
-        )
+        return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self.rpc_layer)
 
     def placement(self, local_world_size: int = 1, local_rank: int = 0) -> TaskPlacement:
         """This process's rank layout, with ``local_world_size`` processes on each task."""

@@ -118,11 +118,7 @@ def check_local_layout(local_world_size: Any, local_rank: Any) -> None:
             "must be an integer >= 1",
             hint="pass the number of processes this task runs, e.g. its GPU count",
         )
-    if (
-        isinstance(local_rank, bool)
-        or not isinstance(local_rank, int)
-        or not 0 <= local_rank < local_world_size
-    ):
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < local_world_size:
         raise ClusterSpecError(
             "local_rank",
             local_rank,

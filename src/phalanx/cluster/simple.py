@@ -49,9 +49,7 @@ class SimpleClusterResolver(ClusterResolver):
         """The cluster given at construction."""
         return self._cluster_spec
 
-    def master(
-        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
-    ) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The given task's address, or the ``master`` given at construction."""
         if task_type is not None and task_id is not None:
             return super().master(task_type, task_id, rpc_layer)

@@ -69,9 +69,7 @@ def _tasks_per_node(text: str) -> list[int]:
     for item in text.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not match:
-            raise ClusterSpecError(
-                "SLURM_TASKS_PER_NODE", text, "is malformed", hint="Slurm writes it like '2(x3),1'"
-            )
+            raise ClusterSpecError("SLURM_TASKS_PER_NODE", text, "is malformed", hint="Slurm writes it like '2(x3),1'")
         counts += [int(match[1])] * int(match[2] or 1)
     return counts
 
@@ -98,13 +96,9 @@ class SlurmClusterResolver(ClusterResolver):
     def __init__(self, *, environ: Mapping[str, str] | None = None, rpc_layer: str | None = None) -> None:
         env = os.environ if environ is None else environ
         self._ntasks = env_int(env, "SLURM_NTASKS", low=1)
-        self._rank = env_int(
-            env, "SLURM_PROCID", high=self._ntasks - 1, what=f"SLURM_NTASKS is {self._ntasks}"
-        )
+        self._rank = env_int(env, "SLURM_PROCID", high=self._ntasks - 1, what=f"SLURM_NTASKS is {self._ntasks}")
         self._nnodes = env_int(env, "SLURM_NNODES", low=1)
-        self._node_rank = env_int(
-            env, "SLURM_NODEID", high=self._nnodes - 1, what=f"SLURM_NNODES is {self._nnodes}"
-        )
+        self._node_rank = env_int(env, "SLURM_NODEID", high=self._nnodes - 1, what=f"SLURM_NNODES is {self._nnodes}")
         self._nodes = self._read_nodes(env)
         self._local_world_size = self._read_local_world_size(env)
         self._local_rank = env_int(

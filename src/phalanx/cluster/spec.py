@@ -75,9 +75,7 @@ class ClusterSpec:
         elif isinstance(cluster, Mapping):
             jobs = {job: normalize_job(job, tasks) for job, tasks in cluster.items()}
         else:
-            raise ClusterSpecError(
-                "cluster", cluster, "must be a dict of job name to tasks", hint=_SHAPE_HINT
-            )
+            raise ClusterSpecError("cluster", cluster, "must be a dict of job name to tasks", hint=_SHAPE_HINT)
         # Copied so that later changes to the caller's dict cannot change this spec.
         self._jobs: dict[str, dict[int, str]] = {job: dict(jobs[job]) for job in sorted(jobs)}
 

@@ -76,9 +76,7 @@ class TorchElasticClusterResolver(ClusterResolver):
         host = f"[{self._master_addr}]" if ":" in self._master_addr else self._master_addr
         return ClusterSpec({"worker": {0: f"{host}:{self._master_port}"}})
 
-    def master(
-        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
-    ) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The rendezvous address ``MASTER_ADDR:MASTER_PORT`` unless a task is asked for."""
         if task_type is not None and task_id is not None:
             return super().master(task_type, task_id, rpc_layer)

@@ -227,9 +227,7 @@ def parse_tf_config(
     try:
         config = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
-        raise ClusterSpecError(
-            "TF_CONFIG", _short(str(text)), f"is not valid JSON ({e})", hint=hint
-        ) from None
+        raise ClusterSpecError("TF_CONFIG", _short(str(text)), f"is not valid JSON ({e})", hint=hint) from None
     if not isinstance(config, dict):
         raise ClusterSpecError("TF_CONFIG", _short(text), "must be a JSON object", hint=hint)
     for part in ("cluster", "task") if require_task else ("cluster",):
@@ -239,9 +237,7 @@ def parse_tf_config(
     if not isinstance(cluster, dict):
         raise ClusterSpecError("cluster", cluster, "must be an object of job name to addresses", hint=hint)
     if not isinstance(task, dict):
-        raise ClusterSpecError(
-            "task", task, 'must be an object like {"type": "worker", "index": 0}', hint=hint
-        )
+        raise ClusterSpecError("task", task, 'must be an object like {"type": "worker", "index": 0}', hint=hint)
     rpc_layer = config.get("rpc_layer")
     if rpc_layer is not None and not isinstance(rpc_layer, str):
         raise ClusterSpecError("rpc_layer", rpc_layer, "must be a string", hint='e.g. "grpc"')

@@ -1,0 +1,125 @@
+"""``phalanx run``: start the replica processes of a job on this host and supervise them.
+
+Process management is torch.distributed.elastic's (``start_processes``): per-process log files,
+error files written by the replicas, and termination of the survivors when one fails. phalanx
+adds the replica identity (:class:`~phalanx.launch.env.ReplicaEnv`), the "root cause" report
+(the earliest failure, with its rank, exit code and traceback tail) and whole-group restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.self_launch import default_log_dir
+
+RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What ``phalanx run`` starts on this host.
+
+    Attributes:
+        command: the program and its arguments (``["train.py", "--epochs", "3"]``, or ``["-m", "pkg"]``).
+        nproc: replica processes on this host.
+        nnodes, node_rank, master_addr, master_port: the multi-host layout (1 node by default).
+        max_restarts: how many times the whole group is restarted after a failure.
+    """
+
+    command: tuple[str, ...]
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    max_restarts: int = 0
+    log_dir: str = ""
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
+    rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+    global_rank = spec.node_rank * spec.nproc + rank
+    detail = failure.message if isinstance(failure.message, str) and failure.error_file_data else ""
+    if not detail:
+        detail = _tail(result.stderrs.get(rank, "")) or _tail(result.stdouts.get(rank, ""))
+    code = failure.exitcode
+    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    text = (f"phalanx: root cause (first failure): worker:{spec.node_rank} local rank {rank} "
+            f"(global rank {global_rank}, pid {failure.pid}) failed with {how}\n{detail}")
+    return (code if code > 0 else 1), text
+
+
+def run_job(spec: JobSpec) -> int:
+    """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
+    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    log_dir = spec.log_dir or default_log_dir(run_id)
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"phalanx: {spec.nproc} replica(s) on this host; logs in {log_dir}", file=sys.stderr, flush=True)
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):  # noqa: ANN001
+        stop["signal"] = signum
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for attempt in range(spec.max_restarts + 1):
+            code = _run_attempt(spec, run_id, log_dir, attempt)
+            if code == 0:
+                return 0
+            if attempt < spec.max_restarts:
+                print(f"phalanx: restarting the job (attempt {attempt + 2} of {spec.max_restarts + 1})",
+                      file=sys.stderr, flush=True)
+        return code
+    except KeyboardInterrupt:
+        return 128 + (stop["signal"] or signal.SIGINT)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _run_attempt(spec: JobSpec, run_id: str, log_dir: str, attempt: int) -> int:
+    port = spec.master_port or free_port(spec.master_addr)
+    world = spec.nproc * spec.nnodes
+    envs, args = {}, {}
+    for local in range(spec.nproc):
+        env = ReplicaEnv(rank=spec.node_rank * spec.nproc + local, world_size=world, local_rank=local,
+                         local_world_size=spec.nproc, master_addr=spec.master_addr, master_port=port,
+                         node_rank=spec.node_rank, num_nodes=spec.nnodes, run_id=run_id, log_dir=log_dir)
+        envs[local] = {**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1"}
+        args[local] = tuple(spec.command)
+    # Replica 0 of the first node writes to the terminal (and its log); the others only to logs.
+    tee = {r: (Std.ALL if r == 0 and spec.node_rank == 0 else Std.NONE) for r in range(spec.nproc)}
+    redirects = {r: Std.ALL for r in range(spec.nproc)}
+    ctx = start_processes(name=f"phalanx-{attempt}", entrypoint=sys.executable, args=args, envs=envs,
+                          logs_specs=DefaultLogsSpecs(log_dir=os.path.join(log_dir, f"attempt_{attempt}"),
+                                                      redirects=redirects, tee=tee))
+    try:
+        while True:
+            result = ctx.wait(timeout=0.1, period=0.05)
+            if result is None:
+                continue
+            if not result.is_failed():
+                return 0
+            code, text = _root_cause(result, spec)
+            print(text, file=sys.stderr, flush=True)
+            return code
+    finally:
+        ctx.close(death_sig=signal.SIGKILL)

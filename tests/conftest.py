@@ -1,0 +1,122 @@
+"""Test harness: hygiene checks for every test and a hard-timeout runner for multi-process jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+# Prepended to every replica script: a stack dump on SIGUSR1, so a hung replica shows where it is.
+PRELUDE = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    """Fails a test that leaks child processes, threads or environment variables."""
+    env_before = dict(os.environ)
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    me = psutil.Process()
+    deadline = time.monotonic() + 5
+    while me.children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaked = me.children(recursive=True)
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"test leaked child processes: {[(p.pid, p.cmdline()) for p in leaked]}"
+    env_after = dict(os.environ)
+    env_after.pop("PYTEST_CURRENT_TEST", None)
+    env_before.pop("PYTEST_CURRENT_TEST", None)
+    assert env_after == env_before, "test leaked environment variables: " + str(
+        {k for k in env_before.keys() ^ env_after.keys()} | {k for k in env_before if env_after.get(k, env_before[k]) != env_before[k]})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t.ident not in threads_before and not t.daemon and t.is_alive()]
+        if not extra:
+            break
+        time.sleep(0.05)
+    assert not extra, f"test leaked threads: {extra}"
+
+
+class JobResult:
+    def __init__(self, returncode: int, output: str, log_dir: Path, elapsed: float) -> None:
+        self.returncode, self.output, self.log_dir, self.elapsed = returncode, output, log_dir, elapsed
+
+    def logs(self) -> str:
+        parts = [self.output]
+        for path in sorted(self.log_dir.rglob("*.log")):
+            parts.append(f"--- {path} ---\n{path.read_text(errors='replace')}")
+        return "\n".join(parts)
+
+
+def _session_processes(pid: int) -> list[psutil.Process]:
+    try:
+        sid = os.getsid(pid)
+    except ProcessLookupError:
+        return []
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == sid:
+                found.append(p)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            continue
+    return found
+
+
+def run_job(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None,
+            log_dir: Path | None = None) -> JobResult:
+    """Runs ``cmd`` in its own session; on timeout dumps every process's stack, kills all, fails."""
+    log_dir = log_dir or (cwd / "logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("PYTEST_CURRENT_TEST", None)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs = _session_processes(proc.pid)
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        result = JobResult(-9, out, log_dir, time.monotonic() - start)
+        pytest.fail(f"job timed out after {timeout}s: {cmd}\n{result.logs()[-20000:]}")
+    finally:
+        for p in _session_processes(proc.pid):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    return JobResult(proc.returncode, out, log_dir, time.monotonic() - start)
+
+
+@pytest.fixture
+def script(tmp_path: Path):
+    """Writes a replica script (with the stack-dump prelude) and returns its path."""
+
+    def write(body: str, name: str = "job.py") -> Path:
+        path = tmp_path / name
+        path.write_text(PRELUDE + textwrap.dedent(body))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

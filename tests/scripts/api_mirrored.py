@@ -1,0 +1,105 @@
+"""Exercises the Strategy API across real replicas; each replica writes what it saw as JSON.
+
+Usage: python api_mirrored.py OUT_DIR N   (or under `phalanx run -n N api_mirrored.py OUT_DIR N`)
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+import phalanx as px
+from phalanx.errors import BatchSizeError, ContextError
+
+out_dir, n = sys.argv[1], int(sys.argv[2])
+strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+rank = strategy.extended._comm.rank
+res = {"rank": rank, "num_replicas": strategy.num_replicas_in_sync, "chief": strategy.extended.should_checkpoint}
+
+# run returns per-replica values; replica ids
+ids = strategy.run(lambda: torch.tensor(px.get_replica_context().replica_id_in_sync_group))
+res["run_type"] = type(ids).__name__
+res["local_id"] = int(strategy.experimental_local_results(ids)[0])
+
+# reduce: SUM / MEAN, axis None and axis=0 with uneven per-replica lengths
+uneven = strategy.run(lambda: torch.arange(rank + 1, dtype=torch.float32) + 10 * rank)  # lengths 1, 2, 3...
+res["sum_axis0"] = float(strategy.reduce("SUM", uneven, axis=0))
+res["mean_axis0"] = float(strategy.reduce(px.ReduceOp.MEAN, uneven, axis=0))
+scal = strategy.run(lambda: torch.tensor(float(rank + 1)))
+res["sum_none"] = float(strategy.reduce("SUM", scal, axis=None))
+res["mean_none"] = float(strategy.reduce("MEAN", scal, axis=None))
+res["nested"] = {k: float(v) for k, v in strategy.reduce("SUM", {"a": scal, "b": scal}, axis=None).items()}
+try:
+    strategy.reduce("SUM", torch.tensor(1.0), axis=None)
+    res["sum_plain"] = "no error"
+except ContextError as e:
+    res["sum_plain"] = type(e).__name__
+
+# gather with uneven lengths
+res["gather"] = strategy.gather(uneven, axis=0).tolist()
+
+# replica context collectives
+def replica_fn():
+    ctx = px.get_replica_context()
+    s = ctx.all_reduce(px.ReduceOp.SUM, torch.tensor([1.0, float(ctx.replica_id_in_sync_group)]))
+    m = ctx.all_reduce("MEAN", torch.tensor(float(ctx.replica_id_in_sync_group)))
+    g = ctx.all_gather(torch.full((2,), float(ctx.replica_id_in_sync_group)), axis=0)
+    merged = ctx.merge_call(lambda s_, v: s_.reduce("SUM", v, axis=None) * 100, args=(torch.tensor(1.0),))
+    return s, m, g, merged
+
+s, m, g, merged = strategy.run(replica_fn)
+res["ctx_sum"] = strategy.experimental_local_results(s)[0].tolist()
+res["ctx_mean"] = float(strategy.experimental_local_results(m)[0])
+res["ctx_gather"] = strategy.experimental_local_results(g)[0].tolist()
+res["merge"] = float(strategy.experimental_local_results(merged)[0])
+
+# values from function
+v = strategy.experimental_distribute_values_from_function(lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 7))
+res["values_fn"] = int(strategy.experimental_local_results(v)[0])
+
+# distributed dataset: 5 rows then a final batch of 1 (smaller than N): nothing dropped, no hang
+x = torch.arange(6, dtype=torch.float32).unsqueeze(1)
+seen, totals = [], []
+for batch in strategy.experimental_distribute_dataset([x[:5], x[5:6]]):
+    local = strategy.experimental_local_results(batch)[0]
+    seen.append(local.squeeze(1).tolist())
+    totals.append(float(strategy.reduce("SUM", strategy.run(lambda b: b.sum(), args=(batch,)), axis=None)))
+res["dataset_slices"] = seen
+res["dataset_totals"] = totals
+
+# first batch smaller than the replica count
+try:
+    list(strategy.experimental_distribute_dataset([x[:1]]))
+    res["small_batch"] = "no error"
+except BatchSizeError as e:
+    res["small_batch"] = str(e)
+
+# datasets from function with uneven lengths: replica r has r + 2 batches
+def dataset_fn(ctx):
+    return [torch.ones(2, 1) * ctx.input_pipeline_id for _ in range(ctx.input_pipeline_id + 2)]
+
+steps = 0
+for batch in strategy.distribute_datasets_from_function(dataset_fn):
+    steps += 1
+    strategy.run(lambda b: b, args=(batch,))
+res["fn_dataset_steps"] = steps
+res["fn_dataset_ctx"] = [strategy.extended._comm.world_size, rank]
+
+# BatchNorm buffers follow replica 0; parameters stay identical through training
+with strategy.scope():
+    torch.manual_seed(rank)  # different init per replica: the broadcast must fix it
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(b):
+    loss = px.nn.compute_average_loss(model(b).pow(2).sum(1))
+    opt.zero_grad(); loss.backward(); opt.step()
+    return loss
+for b in strategy.experimental_distribute_dataset([torch.randn(8, 3) * (rank + 1) for _ in range(3)]):
+    strategy.run(train, args=(b,))
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+res["param_checksum"] = strategy.gather(strategy.run(lambda: flat.sum().reshape(1)), axis=0).tolist()
+res["extended"] = [list(strategy.extended.worker_devices), list(strategy.extended.parameter_devices)]
+
+with open(os.path.join(out_dir, f"api_{rank}.json"), "w") as f:
+    json.dump(res, f)

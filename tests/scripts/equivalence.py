@@ -1,0 +1,80 @@
+"""K steps of a small MLP under a strategy; each replica saves its parameters.
+
+Usage: python equivalence.py OUT_DIR OPTIMIZER STRATEGY [N]   (STRATEGY: mirrored | one_device | reference)
+"""
+
+import faulthandler
+import os
+import signal
+import sys
+
+import torch
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+import phalanx as px  # noqa: E402
+
+STEPS, GLOBAL_BATCH, FEATURES = 20, 24, 10
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def data():
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(STEPS * GLOBAL_BATCH, 1, generator=g)
+    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+
+
+def reference(opt_name):
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_optimizer(opt_name, model.parameters())
+    for x, y in data():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def distributed(strategy, opt_name):
+    # A different seed per replica: the initial broadcast from replica 0 must make them equal.
+    torch.manual_seed(0 if strategy.extended.should_checkpoint else 99)
+    with strategy.scope():
+        model = make_model()
+        opt = make_optimizer(opt_name, model.parameters())
+
+    def step(x, y):
+        per_example = ((model(x) - y) ** 2).mean(dim=1)
+        loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for x, y in strategy.experimental_distribute_dataset(data()):
+        strategy.run(step, args=(x, y))
+    return model
+
+
+if __name__ == "__main__":
+    out, opt_name, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+    if kind == "reference":
+        model, rank = reference(opt_name), 0
+    else:
+        n = int(sys.argv[4])
+        strategy = (px.OneDeviceStrategy("cpu") if kind == "one_device"
+                    else px.MirroredStrategy([f"cpu:{i}" for i in range(n)]))
+        model, rank = distributed(strategy, opt_name), px.get_strategy().extended._comm.rank
+        rank = strategy.extended._comm.rank
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
