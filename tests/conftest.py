@@ -105,6 +105,67 @@ def run_job(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | 
     return JobResult(proc.returncode, out, log_dir, time.monotonic() - start)
 
 
+def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cwd: Path,
+             kill_after_first_failure: bool = False) -> list[JobResult]:
+    """Runs several commands at once (e.g. one per TF_CONFIG task) under one hard deadline."""
+    log_root = cwd / "logs"
+    procs = []
+    start = time.monotonic()
+    for i, (cmd, env) in enumerate(jobs):
+        out = open(cwd / f"job_{i}.out", "w")  # noqa: SIM115
+        full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_root / str(i)), "PYTHONUNBUFFERED": "1", **env}
+        full_env.pop("PYTEST_CURRENT_TEST", None)
+        procs.append((subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True), out))
+    ended = {}
+    try:
+        while len(ended) < len(procs):
+            for i, (p, _) in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i] = time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                for p, _ in procs:
+                    for q in _session_processes(p.pid):
+                        try:
+                            q.send_signal(signal.SIGUSR1)
+                        except psutil.Error:
+                            pass
+                time.sleep(1.0)
+                text = "\n".join(f"--- job {i} ---\n" + (cwd / f"job_{i}.out").read_text() for i in range(len(procs)))
+                pytest.fail(f"jobs timed out after {timeout}s\n{text[-20000:]}")
+            time.sleep(0.02)
+    finally:
+        for p, out in procs:
+            for q in _session_processes(p.pid):
+                try:
+                    q.kill()
+                except psutil.Error:
+                    pass
+            p.wait()
+            out.close()
+    return [JobResult(p.returncode, (cwd / f"job_{i}.out").read_text(), log_root / str(i), ended.get(i, -1.0))
+            for i, (p, _) in enumerate(procs)]
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def tf_config(workers: list[str], index: int, task_type: str = "worker", **extra_jobs: list[str]) -> dict[str, str]:
+    import json
+
+    return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers, **extra_jobs},
+                                     "task": {"type": task_type, "index": index}})}
+
+
 @pytest.fixture
 def script(tmp_path: Path):
     """Writes a replica script (with the stack-dump prelude) and returns its path."""

@@ -9,7 +9,8 @@ Example:
     1
 """
 
-from phalanx import experimental, nn
+from phalanx import cluster_resolver, experimental, nn
+from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -26,6 +27,11 @@ from phalanx.context import (
 )
 from phalanx.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
 from phalanx.strategies.mirrored import MirroredStrategy
+from phalanx.strategies.multi_worker_mirrored import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
 from phalanx.strategies.one_device import OneDeviceStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
@@ -39,7 +45,8 @@ def is_chief() -> bool:
 
 
 __all__ = [
-    "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
+    "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
+    "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
     "ValueContext", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",

@@ -1,4 +1,13 @@
 """TF 2.0's ``tf.distribute.experimental`` names, for code written against them."""
 
-from phalanx.input.context import InputOptions as InputOptions  # noqa: F401
-from phalanx.values import ReduceOp as ReduceOp  # noqa: F401
+from phalanx.input.context import InputOptions
+from phalanx.strategies.multi_worker_mirrored import (
+    CollectiveCommunication,
+    CommunicationImplementation,
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
+from phalanx.values import ReduceOp
+
+__all__ = ["CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions", "InputOptions",
+           "MultiWorkerMirroredStrategy", "ReduceOp"]

@@ -65,6 +65,8 @@ class StrategyExtended:
         self._reducer: GradientReducer | None = None
         self._step = 0
         self._global_batch_size: int | None = None  # of the batch being consumed, set by input
+        self._agree_on_input_end = False  # strategies whose processes may hold different data set it
+        self._num_workers, self._worker_index = 1, 0  # hosts, for auto-sharding across workers
 
     # ---------------------------------------------------------------- TF's public properties
     @property

@@ -73,8 +73,11 @@ if __name__ == "__main__":
         model, rank = reference(opt_name), 0
     else:
         n = int(sys.argv[4])
-        strategy = (px.OneDeviceStrategy("cpu") if kind == "one_device"
-                    else px.MirroredStrategy([f"cpu:{i}" for i in range(n)]))
-        model, rank = distributed(strategy, opt_name), px.get_strategy().extended._comm.rank
-        rank = strategy.extended._comm.rank
+        if kind == "one_device":
+            strategy = px.OneDeviceStrategy("cpu")
+        elif kind == "mwms":
+            strategy = px.MultiWorkerMirroredStrategy()
+        else:
+            strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+        model, rank = distributed(strategy, opt_name), strategy.extended._comm.rank
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))

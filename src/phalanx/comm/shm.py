@@ -79,7 +79,6 @@ _MAX_CHUNK_BYTES = 1 << 20
 # with back-off so a waiting rank does not starve a computing one on a small box.
 _SPIN_S, _YIELD_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 5e-6, 2e-3, 50e-6, 1e-3
 _LIVENESS_S = 5e-3
-_CROWDED_S = 1e9  # a sched_yield this long means another task ran here
 
 # x86-64 is TSO: a store is never seen before an earlier store, so a peer that sees a counter
 # sees the data written before it. Elsewhere use sched_yield as a fence: the kernel's
@@ -394,11 +393,7 @@ class ShmAllReduce:
                     self._check_peers(pending, now >= deadline)
                     check = now + _LIVENESS_S
                 if now < yield_end:
-                    os.sched_yield()
-                    if time.perf_counter() - now > _CROWDED_S:
-                        # Another task ran on our core, perhaps a peer that the scheduler put
-                        # there: sleep, so that our wake-up can move us to an idle core.
-                        time.sleep(_MIN_SLEEP_S)
+                    os.sched_yield()  # lets a peer that shares our core run
                 else:
                     time.sleep(nap)
                     nap = min(2 * nap, _MAX_SLEEP_S)

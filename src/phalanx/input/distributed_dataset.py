@@ -27,7 +27,7 @@ import torch
 
 from phalanx import nest
 from phalanx.errors import BatchSizeError
-from phalanx.input.context import InputContext, InputOptions
+from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions
 
 if TYPE_CHECKING:
     from phalanx.strategy import Strategy
@@ -99,8 +99,24 @@ class DistributedDataset:
             raise TypeError(f"experimental_distribute_dataset needs an iterable of batches; received "
                             f"{type(dataset).__name__}")
         self._strategy = strategy
-        self._dataset = dataset
         self._options = options or InputOptions()
+        ext = strategy.extended
+        workers = ext._num_workers
+        local_world = strategy.num_replicas_in_sync // workers
+        policy = self._options.auto_shard_policy
+        shardable = callable(getattr(dataset, "shard", None))
+        # (number of parts, index of ours) each batch read by this process is split into
+        if workers > 1 and policy is AutoShardPolicy.FILE and not shardable:
+            raise ValueError(f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
+                             f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches.")
+        if workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
+            dataset = dataset.shard(workers, ext._worker_index)  # type: ignore[attr-defined]
+            self._split = (local_world, ext._comm.rank % local_world)
+        elif workers > 1 and policy is AutoShardPolicy.OFF:
+            self._split = (local_world, ext._comm.rank % local_world)
+        else:
+            self._split = (strategy.num_replicas_in_sync, ext._comm.rank)
+        self._dataset = dataset
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self._generate(), self._strategy)
@@ -108,32 +124,24 @@ class DistributedDataset:
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
 
-    def _generate(self) -> Iterator[Any]:
-        ext = self._strategy.extended
-        num = self._strategy.num_replicas_in_sync
-        rank = ext._comm.rank
-        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+    def _slices(self) -> Iterator[tuple[Any, int]]:
+        num, index = self._split
         first = True
-        pending = None
         for element in self._dataset:
             element = nest.map_structure(_to_tensor, element)
             size = batch_size_of(element)
             if first and size < num:
                 raise BatchSizeError(size, num)
             first = False
-            start, end = slice_bounds(size, num, rank)
-            local = nest.map_structure(
-                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, element)
-            ready = (place(local), size)
-            if pending is not None:
-                yield self._emit(*pending)
-            pending = ready
-        if pending is not None:
-            yield self._emit(*pending)
+            start, end = slice_bounds(size, num, index)
+            yield nest.map_structure(
+                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, element), size
 
-    def _emit(self, local: Any, global_size: int) -> Any:
-        self._strategy.extended._global_batch_size = global_size
-        return self._strategy._wrap_local(local)
+    def _generate(self) -> Iterator[Any]:
+        ext = self._strategy.extended
+        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+        source = _agreed(ext, (e for e, _ in self._slices())) if ext._agree_on_input_end else self._slices()
+        yield from _emit(self._strategy, source, place)
 
 
 class DatasetFromFunction:
@@ -153,33 +161,48 @@ class DatasetFromFunction:
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
         place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
-        source = iter(self._dataset)
-        last = None
-        while True:
-            element = next(source, None)
-            if element is not None:
-                element = nest.map_structure(_to_tensor, element)
-                last = element
-            local_size = batch_size_of(element) if element is not None else 0
-            # One small collective per step: does anyone still have data, and how many examples
-            # make up this step's global batch?
-            flags = ext._all_reduce_tensors(
-                [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)],
-                _sum())[0]
-            if flags[0] == 0:
-                return
-            if element is None:
-                if last is None:
-                    raise ValueError(
-                        f"The input pipeline of {ext._comm.name(ext._comm.rank)} produced no batch at "
-                        "all while others did; every pipeline needs at least one batch.")
-                element = nest.map_structure(
-                    lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
-            ext._global_batch_size = int(flags[1])
-            yield self._strategy._wrap_local(place(element))
+        elements = (nest.map_structure(_to_tensor, e) for e in self._dataset)
+        yield from _emit(self._strategy, _agreed(ext, elements), place)
 
 
-def _sum() -> Any:
+def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int]], place: _Placer) -> Iterator[Any]:
+    """Yields wrapped per-replica batches, moving each to the device one batch ahead of use."""
+    pending = None
+    for local, global_size in source:
+        ready = (place(local), global_size)
+        if pending is not None:
+            strategy.extended._global_batch_size = pending[1]
+            yield strategy._wrap_local(pending[0])
+        pending = ready
+    if pending is not None:
+        strategy.extended._global_batch_size = pending[1]
+        yield strategy._wrap_local(pending[0])
+
+
+def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
+    """Yields ``(local batch, global batch size)`` until *every* process's input is exhausted.
+
+    A process that ran out feeds empty batches shaped like its last one, so every replica keeps
+    taking part in the step's collectives and all stop at the same step.
+    """
     from phalanx.values import ReduceOp
 
-    return ReduceOp.SUM
+    last = None
+    for_ever = iter(elements)
+    while True:
+        element = next(for_ever, None)
+        local_size = batch_size_of(element) if element is not None else 0
+        # One small collective per step: does anyone still have data, and how many examples
+        # make up this step's global batch?
+        flags = ext._all_reduce_tensors(
+            [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)], ReduceOp.SUM)[0]
+        if flags[0] == 0:
+            return
+        if element is None:
+            if last is None:
+                raise ValueError(f"The input of {ext._comm.name(ext._comm.rank)} produced no batch at all while "
+                                 "others did; every input pipeline needs at least one batch.")
+            element = nest.map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
+        else:
+            last = element
+        yield element, int(flags[1])
