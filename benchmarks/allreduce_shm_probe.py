@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -23,8 +24,15 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def _iters(nbytes: int) -> int:
-    """Calls per timed block: ~20 ms of gloo time, at least 3."""
-    return max(3, min(300, int(30e6 / max(nbytes, 1) + 0.5)))
+    """Calls per timed block: a few ms of shm time, at least 5 calls."""
+    return max(5, min(1000, int(8e7 / max(nbytes, 1))))
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole host has been busy (all CPUs), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, queue) -> None:
@@ -34,8 +42,9 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
     shm = ShmAllReduce(rank, world, store, prefix="probe")
-    impls = {"shm": lambda t: shm.all_reduce(t), "gloo": lambda t: dist.all_reduce(t)}
+    impls = {"shm": shm.all_reduce, "gloo": dist.all_reduce}
     times: dict[tuple[str, int], list[float]] = {}
+    foreign: list[float] = []
     try:
         for size in sizes:  # warm up: page faults, gloo buffers
             t = torch.ones(size // 4)
@@ -43,33 +52,42 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
                 for _ in range(3):
                     fn(t)
         for rnd in range(rounds):
+            dist.barrier()
+            wall0, cpu0, busy0 = time.perf_counter(), time.process_time(), _busy_seconds()
             for size in sizes:
                 t = torch.rand(size // 4)
-                order = list(impls) if rnd % 2 == 0 else list(impls)[::-1]
-                for name in order:
+                for name in (list(impls) if rnd % 2 == 0 else list(impls)[::-1]):
                     fn, iters = impls[name], _iters(size)
                     fn(t)
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         fn(t)
-                    elapsed = (time.perf_counter() - t0) / iters
-                    # The slower rank defines the collective's time.
-                    e = torch.tensor([elapsed], dtype=torch.float64)
-                    dist.all_reduce(e, op=dist.ReduceOp.MAX)
+                    e = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                    dist.all_reduce(e, op=dist.ReduceOp.MAX)  # the slower rank's time
                     times.setdefault((name, size), []).append(e.item())
+            # Other tenants' CPU use during the round: host busy time minus our own.
+            own = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+            dist.all_reduce(own)
+            wall = time.perf_counter() - wall0
+            foreign.append(max(0.0, _busy_seconds() - busy0 - own.item()) / (wall * os.cpu_count()))
         if rank == 0:
-            queue.put(times)
+            queue.put((times, foreign))
     finally:
         shm.close()
         dist.destroy_process_group()
 
 
-def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2) -> list[dict]:
-    """Measures shm vs gloo all-reduce; returns one dict per size.
+def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2,
+            max_foreign: float = 0.10) -> list[dict]:
+    """Measures shm vs gloo all-reduce, interleaved in rounds; returns one dict per size.
+
+    Rounds in which other processes used more than ``max_foreign`` of the host's CPU are
+    dropped (unless fewer than 3 would remain).
 
     Keys: ``bytes``, ``shm_us`` / ``gloo_us`` (median time per call), ``shm_busbw_GBps`` /
-    ``gloo_busbw_GBps`` (from the medians) and ``speedup`` (median over rounds of gloo/shm time).
+    ``gloo_busbw_GBps`` (from those medians), ``speedup`` (median over rounds of gloo/shm time),
+    ``rounds`` (rounds used) and ``foreign_pct`` (median foreign CPU load of those rounds).
     """
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -79,23 +97,28 @@ def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2) -> list[d
     for p in procs:
         p.start()
     for p in procs:
-        p.join(900)
+        p.join(1800)
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"probe workers failed: exit codes {[p.exitcode for p in procs]}")
-    times = queue.get()
+    times, foreign = queue.get()
+    keep = [i for i, f in enumerate(foreign) if f <= max_foreign]
+    if len(keep) < 3:
+        keep = list(range(rounds))
     factor = 2 * (world - 1) / world
     rows = []
     for size in sizes:
-        shm, gloo = times[("shm", size)], times[("gloo", size)]
+        shm = [times[("shm", size)][i] for i in keep]
+        gloo = [times[("gloo", size)][i] for i in keep]
         ms, mg = statistics.median(shm), statistics.median(gloo)
         rows.append({
             "bytes": size, "shm_us": ms * 1e6, "gloo_us": mg * 1e6,
             "shm_busbw_GBps": size / ms * factor / 1e9, "gloo_busbw_GBps": size / mg * factor / 1e9,
             "speedup": statistics.median(g / s for g, s in zip(gloo, shm)),
+            "rounds": len(keep), "foreign_pct": 100 * statistics.median(foreign[i] for i in keep),
         })
     return rows
 
@@ -105,10 +128,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes (float32)")
     args = parser.parse_args()
-    print(f"{'size':>10} {'shm us':>10} {'gloo us':>10} {'shm GB/s':>9} {'gloo GB/s':>9} {'speedup':>8}")
-    for r in measure(args.sizes, args.rounds):
+    rows = measure(args.sizes, args.rounds)
+    print(f"2 processes, float32, {rows[0]['rounds']}/{args.rounds} rounds used "
+          f"(median foreign CPU load {rows[0]['foreign_pct']:.1f}%); busbw in GB/s")
+    print(f"{'bytes':>10} {'shm us':>10} {'gloo us':>10} {'shm busbw':>10} {'gloo busbw':>10} {'speedup':>8}")
+    for r in rows:
         print(f"{r['bytes']:>10} {r['shm_us']:>10.1f} {r['gloo_us']:>10.1f} "
-              f"{r['shm_busbw_GBps']:>9.2f} {r['gloo_busbw_GBps']:>9.2f} {r['speedup']:>7.2f}x")
+              f"{r['shm_busbw_GBps']:>10.2f} {r['gloo_busbw_GBps']:>10.2f} {r['speedup']:>7.2f}x")
 
 
 if __name__ == "__main__":

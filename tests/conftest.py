@@ -106,8 +106,11 @@ def run_job(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | 
 
 
 def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cwd: Path,
-             kill_after_first_failure: bool = False) -> list[JobResult]:
-    """Runs several commands at once (e.g. one per TF_CONFIG task) under one hard deadline."""
+             wait_for: list[int] | None = None) -> list[JobResult]:
+    """Runs several commands at once (e.g. one per TF_CONFIG task) under one hard deadline.
+
+    ``wait_for`` names the jobs whose end is awaited (default: all); the rest are killed after.
+    """
     log_root = cwd / "logs"
     procs = []
     start = time.monotonic()
@@ -119,7 +122,8 @@ def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cw
                                        stdin=subprocess.DEVNULL, start_new_session=True), out))
     ended = {}
     try:
-        while len(ended) < len(procs):
+        awaited = set(range(len(procs)) if wait_for is None else wait_for)
+        while not awaited <= set(ended):
             for i, (p, _) in enumerate(procs):
                 if i not in ended and p.poll() is not None:
                     ended[i] = time.monotonic() - start

@@ -223,24 +223,28 @@ class GlooCommunicator:
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
         """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest."""
-        suspects = []
         host = socket.gethostname()
-        remote = []
-        for r, info in self._peers.items():
-            if r == self.rank:
-                continue
-            if info["host"] == host:
-                if _process_state(info["pid"]) in ("", "Z", "T", "t", "X"):
-                    suspects.append(r)
-            else:
-                remote.append(r)
+        local = [r for r, info in self._peers.items() if r != self.rank and info["host"] == host]
+        remote = [r for r in self._peers if r != self.rank and r not in local]
+        suspects: list[int] = []
+        # A peer whose socket just closed may still be exiting; give it a moment to be gone.
+        deadline = time.monotonic() + 1.0
+        while local and not suspects and time.monotonic() < deadline:
+            suspects = [r for r in local if _process_state(self._peers[r]["pid"]) in ("", "Z", "X", "T", "t")]
+            if not suspects:
+                time.sleep(0.02)
         if remote:
             try:
                 client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
                                        datetime.timedelta(seconds=2), wait_for_workers=False)
-                before = {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}
+
+                def beats() -> dict[int, bytes]:
+                    return {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}
+
+                before = beats()
                 time.sleep(4 * HEARTBEAT_INTERVAL)
-                suspects += [r for r in remote if (client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"") == before[r]]
+                after = beats()
+                suspects += [r for r in remote if after[r] == before[r]]
             except Exception:  # noqa: BLE001 - the store lives in rank 0's process
                 suspects.append(0)
         return sorted(set(suspects))

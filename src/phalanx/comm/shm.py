@@ -69,10 +69,11 @@ _RANK_BYTES = 256
 _ARRIVED, _SIG, _REDUCED = 0, 1, 16  # _SIG + parity
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
 
-# Tuned on a 2-core VM (benchmarks/allreduce_shm_probe.py): below _SMALL_MAX_BYTES one
-# copy + every rank reducing everything beats the second wait of reduce-scatter/all-gather;
-# chunks above _MAX_CHUNK_BYTES fall out of the L2/L3 caches between the peers' passes.
-_SMALL_MAX_BYTES = 64 << 10
+# Tuned on a 2-core VM, 2 processes: up to 256 KiB one copy + every rank reducing everything
+# (11-30 us) beats reduce-scatter/all-gather with its second wait (25-36 us); steps of 1-2 MiB
+# gave the best bandwidth (9-13 GB/s; 0.25 MiB: 7, 8 MiB: 5.5, where data leaves the caches
+# between the peers' passes).
+_SMALL_MAX_BYTES = 256 << 10
 _MAX_CHUNK_BYTES = 1 << 20
 
 # Waiting: spin (lowest latency when peers arrive together), then yield the core, then sleep
@@ -296,7 +297,7 @@ class ShmAllReduce:
         try:
             with torch.no_grad():
                 nbytes = flat.numel() * flat.element_size()
-                if nbytes <= _SMALL_MAX_BYTES:
+                if nbytes <= min(_SMALL_MAX_BYTES, self._chunk_bytes):
                     self._small(flat, fn, key == "mean", sig)
                 else:
                     step_elems = self._chunk_bytes // flat.element_size()

@@ -74,3 +74,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def install_error_recorder() -> None:
+    """In a replica started by ``phalanx run``: write uncaught exceptions to torch elastic's error file.
+
+    The launcher reads these files to name the first failure (with its traceback) as the root cause.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    previous = sys.excepthook
+    if getattr(previous, "_phalanx", False):
+        return
+
+    def hook(kind, value, tb):  # noqa: ANN001
+        try:
+            ErrorHandler().record_exception(value)
+        finally:
+            previous(kind, value, tb)
+
+    hook._phalanx = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -54,11 +54,17 @@ def _tail(path: str, lines: int = 20) -> str:
 
 
 def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
+    # Replicas record their uncaught exception (with a timestamp) in elastic's error file; the
+    # earliest one is the root cause, the others usually just saw their peer disappear.
     rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
     global_rank = spec.node_rank * spec.nproc + rank
-    detail = failure.message if isinstance(failure.message, str) and failure.error_file_data else ""
-    if not detail:
-        detail = _tail(result.stderrs.get(rank, "")) or _tail(result.stdouts.get(rank, ""))
+    detail = ""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    if isinstance(message, dict) and message.get("message"):
+        detail = f"error: {message['message']}\n"
+    log_tail = _tail(result.stderrs.get(rank, ""), 12) or _tail(result.stdouts.get(rank, ""), 12)
+    detail += f"last lines of its log:\n{log_tail}" if log_tail else ""
     code = failure.exitcode
     how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     text = (f"phalanx: root cause (first failure): worker:{spec.node_rank} local rank {rank} "

@@ -11,7 +11,7 @@ import torch
 
 from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
 from phalanx.errors import ClusterSpecError
-from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.env import ReplicaEnv, install_error_recorder
 
 DEFAULT_TIMEOUT = 300.0  # seconds for one collective; CommunicationOptions(timeout_seconds=...) overrides
 DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
@@ -40,6 +40,7 @@ def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, 
                        names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
                        backend: str = "gloo") -> Any:
     """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
+    install_error_recorder()
     if env is None or env.world_size == 1:
         return LocalCommunicator()
     spec = GroupSpec(

@@ -1,0 +1,155 @@
+"""Bounded failure detection: a dead, stalled or missing peer, disagreeing cluster specs, uneven input.
+
+Every case ends in a typed error naming the culprit within its bound, and every process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_ports, run_job, run_jobs, tf_config
+
+FAULTS = Path(__file__).parent / "scripts" / "faults.py"
+TIMEOUT = 5.0  # the collective timeout the script sets
+
+
+def _record(out: Path, index: int) -> dict:
+    return json.loads((out / f"fault_{index}.json").read_text())
+
+
+def _jobs(tmp_path: Path, mode: str, n: int = 2, extra_env: dict | None = None) -> list:
+    workers = [f"127.0.0.1:{p}" for p in free_ports(n)]
+    return [([sys.executable, str(FAULTS), str(tmp_path), mode], {**tf_config(workers, i), **(extra_env or {})})
+            for i in range(n)]
+
+
+def test_dead_peer_is_named_within_two_seconds(tmp_path):
+    results = run_jobs(_jobs(tmp_path, "die", n=3), timeout=90, cwd=tmp_path)
+    assert [r.returncode != 0 for r in results] == [True, True, True], [r.output for r in results]
+    dead = _record(tmp_path, 1)
+    for survivor in (0, 2):
+        rec = _record(tmp_path, survivor)
+        assert rec["error"] == "PeerUnavailableError", rec
+        assert "worker:1" in rec["message"], rec["message"]
+        assert "step 6" in rec["message"], rec["message"]
+        delay = rec["t_error"] - dead["t_fault"]
+        print(f"\ndead peer: worker:{survivor} raised after {delay:.3f}s: {rec['message'][:160]}")
+        assert delay < 2.0
+
+
+def test_stalled_peer_is_named_within_timeout_plus_health_check(tmp_path):
+    jobs = _jobs(tmp_path, "stall")
+    results = run_jobs(jobs, timeout=90, cwd=tmp_path, wait_for=[0])
+    assert results[0].returncode != 0, results[0].output
+    rec, stalled = _record(tmp_path, 0), _record(tmp_path, 1)
+    assert rec["error"] == "CollectiveTimeoutError", rec
+    assert "worker:1" in rec["message"], rec["message"]
+    delay = rec["t_error"] - stalled["t_fault"]
+    print(f"\nstalled peer: raised after {delay:.3f}s (collective timeout {TIMEOUT}s): {rec['message'][:160]}")
+    assert delay < TIMEOUT + 1.0 + 2.0
+
+
+def test_missing_peer_is_named_within_rendezvous_timeout(tmp_path):
+    jobs = _jobs(tmp_path, "ok", extra_env={"PHALANX_RENDEZVOUS_TIMEOUT": "4"})[:1]  # worker 1 never starts
+    start = time.monotonic()
+    results = run_jobs(jobs, timeout=60, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    rec = _record(tmp_path, 0)
+    assert results[0].returncode != 0
+    assert rec["error"] == "RendezvousTimeoutError" and "worker:1" in rec["message"], rec
+    print(f"\nmissing peer: raised after {elapsed:.2f}s (rendezvous timeout 4s): {rec['message'][:160]}")
+    assert elapsed < 4 + 2 + 3  # + interpreter start-up and torch import
+
+
+def test_mismatched_cluster_specs_fail_on_every_worker(tmp_path):
+    p = free_ports(3)
+    base = [f"127.0.0.1:{p[0]}", f"127.0.0.1:{p[1]}"]
+    jobs = [([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base, 0)),
+            ([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base + [f"127.0.0.1:{p[2]}"], 1))]
+    for _, env in jobs:
+        env["PHALANX_RENDEZVOUS_TIMEOUT"] = "10"
+    start = time.monotonic()
+    results = run_jobs(jobs, timeout=60, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    for i in range(2):
+        rec = _record(tmp_path, i)
+        assert results[i].returncode != 0
+        assert rec["error"] == "ClusterSpecMismatchError", rec
+        assert "world_size" in rec["message"] or "cluster.worker" in rec["message"], rec["message"]
+        print(f"\nmismatch: worker:{i}: {rec['message'][:200]}")
+    assert elapsed < 10 + 2 + 3
+
+
+def test_uneven_inputs_end_together_with_identical_replicas(tmp_path):
+    start = time.monotonic()
+    results = run_jobs(_jobs(tmp_path, "uneven"), timeout=60, cwd=tmp_path)
+    assert all(r.returncode == 0 for r in results), [r.output for r in results]
+    a, b = _record(tmp_path, 0), _record(tmp_path, 1)
+    assert a["steps"] == b["steps"] == 11, (a["steps"], b["steps"])  # the longer input decides
+    assert a["params"] == b["params"]
+    print(f"\nuneven inputs: both stopped after {a['steps']} steps in {time.monotonic() - start:.2f}s")
+
+
+def test_listeners_bind_to_the_task_address_only(tmp_path):
+    results = run_jobs(_jobs(tmp_path, "listeners"), timeout=60, cwd=tmp_path)
+    assert all(r.returncode == 0 for r in results), [r.output for r in results]
+    for i in range(2):
+        rec = _record(tmp_path, i)
+        mine = [line for line in rec["ss"].splitlines() if f"pid={rec['pid']}," in line]
+        assert mine, rec["ss"]  # gloo listens in every process
+        for line in mine:
+            local = line.split()[3]
+            assert local.startswith("127.0.0.1:"), f"listener on {local}: {line}"
+
+
+def test_phalanx_run_reports_root_cause_and_stops_the_rest(tmp_path, script):
+    job = script("""
+        import os, sys, time, phalanx as px, torch
+        s = px.MirroredStrategy()
+        if s.extended._comm.rank == 1:
+            raise RuntimeError("boom in replica one")
+        s.gather(s.run(lambda: torch.ones(1)), axis=0)
+    """)
+    start = time.monotonic()
+    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)], timeout=90, cwd=tmp_path,
+                  env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    assert res.returncode != 0
+    assert "root cause" in res.output and "local rank 1" in res.output and "boom in replica one" in res.output, res.output
+    assert time.monotonic() - start < 30
+
+
+def test_phalanx_run_restarts_the_group(tmp_path, script):
+    job = script("""
+        import os, sys, phalanx as px, torch
+        s = px.MirroredStrategy()
+        attempt = int(os.environ["PHALANX_RESTART_COUNT"])
+        if attempt == 0 and s.extended._comm.rank == 1:
+            sys.exit(3)
+        total = s.reduce("SUM", s.run(lambda: torch.ones(())), axis=None)
+        if s.extended.should_checkpoint:
+            open("done.txt", "w").write(f"{attempt} {float(total)}")
+    """)
+    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "1", str(job)],
+                  timeout=90, cwd=tmp_path, env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    assert res.returncode == 0, res.logs()
+    assert (tmp_path / "done.txt").read_text() == "1 2.0"
+
+
+def test_self_launched_replica_failure_fails_the_job(tmp_path, script):
+    job = script("""
+        import os, phalanx as px, torch
+        s = px.MirroredStrategy(["cpu:0", "cpu:1"])
+        if s.extended._comm.rank == 1:
+            os._exit(7)
+        for _ in range(3):
+            s.gather(s.run(lambda: torch.ones(1)), axis=0)
+    """)
+    res = run_job([sys.executable, str(job)], timeout=60, cwd=tmp_path, env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    assert res.returncode != 0
+    assert "PeerUnavailableError" in res.output or "root cause" in res.output, res.output
