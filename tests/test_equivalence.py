@@ -54,3 +54,16 @@ def test_one_device_matches_plain_torch(tmp_path, references, opt):
     res = run_job([sys.executable, str(SCRIPT), str(tmp_path), opt, "one_device", "1"], timeout=60, cwd=tmp_path)
     assert res.returncode == 0, res.logs()
     assert _max_diff(_load(tmp_path / "params_0.pt"), references[opt]) < 1e-6
+
+
+@pytest.mark.parametrize("ops,n", [("one", 3), ("hier", 2), ("hier", 4), ("packs", 2)])
+def test_cross_device_ops_algorithms_match_one_device(tmp_path, references, ops, n):
+    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "sgd", "mirrored", str(n)], timeout=120,
+                  cwd=tmp_path, env={"EQUIV_CROSS_DEVICE_OPS": ops})
+    assert res.returncode == 0, res.logs()
+    replicas = [_load(tmp_path / f"params_{r}.pt") for r in range(n)]
+    diff = _max_diff(replicas[0], references["sgd"])
+    print(f"\n{ops} x{n}: max diff {diff:.3g}")
+    assert diff < 1e-5
+    for other in replicas[1:]:
+        assert all(torch.equal(replicas[0][k], other[k]) for k in replicas[0]), "replicas diverged"
