@@ -26,6 +26,7 @@ from phalanx.context import (
     in_cross_replica_context,
 )
 from phalanx.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
+from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.mirrored import MirroredStrategy
 from phalanx.strategies.multi_worker_mirrored import (
     CommunicationImplementation,
@@ -45,7 +46,7 @@ def is_chief() -> bool:
 
 
 __all__ = [
-    "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
+    "CentralStorageStrategy", "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
     "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",

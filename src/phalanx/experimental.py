@@ -1,6 +1,7 @@
 """TF 2.0's ``tf.distribute.experimental`` names, for code written against them."""
 
 from phalanx.input.context import InputOptions
+from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.multi_worker_mirrored import (
     CollectiveCommunication,
     CommunicationImplementation,
@@ -9,5 +10,5 @@ from phalanx.strategies.multi_worker_mirrored import (
 )
 from phalanx.values import ReduceOp
 
-__all__ = ["CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions", "InputOptions",
+__all__ = ["CentralStorageStrategy", "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions", "InputOptions",
            "MultiWorkerMirroredStrategy", "ReduceOp"]

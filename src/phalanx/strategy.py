@@ -154,6 +154,9 @@ class StrategyExtended:
             with torch.no_grad():
                 self._broadcast_tensors(self._buffers)
 
+    def _after_run(self) -> None:
+        """Hook for strategies that must settle state after each step (mirrored: nothing to do)."""
+
     # ---------------------------------------------------------------- collectives on values
     def _all_reduce_structure(self, op: ReduceOp, structure: Any) -> Any:
         leaves, spec = nest.flatten_with_spec(structure)
@@ -272,6 +275,7 @@ class Strategy:
             ext._before_run()
             with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self):
                 result = fn(*args, **kwargs)
+            ext._after_run()
         return self._wrap_local(result)
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,

@@ -75,6 +75,8 @@ if __name__ == "__main__":
         n = int(sys.argv[4])
         if kind == "one_device":
             strategy = px.OneDeviceStrategy("cpu")
+        elif kind == "central":
+            strategy = px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
         elif kind == "mwms":
             strategy = px.MultiWorkerMirroredStrategy()
         else:

@@ -308,6 +308,11 @@ class GlooCommunicator:
     def host_of(self, rank: int) -> str:
         return str(self._peers[rank]["host"])
 
+    @property
+    def store(self) -> dist.Store:
+        """The job's key-value store (rendezvous), for small out-of-band exchanges."""
+        return self._store
+
     def subgroup(self, ranks: list[int], tag: str) -> Any:
         """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
         opts = dist.ProcessGroupGloo._Options()

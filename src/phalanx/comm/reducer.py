@@ -41,11 +41,16 @@ class GradientReducer:
         params: the parameters to synchronise (those created in ``strategy.scope()``).
         all_reduce: ``(flat_tensor) -> handle`` starting an in-place sum; ``handle.wait()`` ends it.
         bucket_bytes: target bucket size; ``bytes_per_pack`` of ``CommunicationOptions``.
+        num_packs: split the parameters into at least this many buckets.
+        keep_grads: write the sums into ``.grad`` (True) or drop ``.grad`` after reducing (False).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], all_reduce: Callable[[torch.Tensor], Any],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1, keep_grads: bool = True) -> None:
         self._all_reduce = all_reduce
+        # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
+        # dropping .grad frees its memory and makes the optimizer skip the parameter.
+        self._keep_grads = keep_grads
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self._hooks: list[Any] = []
@@ -53,6 +58,7 @@ class GradientReducer:
         self._next = 0
         self._lock = threading.Lock()  # autograd may run hooks of different devices on other threads
         self.enabled = True
+        self.reductions = 0  # completed backward passes, for strategies that act after one
         self.add(params, bucket_bytes, num_packs)
 
     def add(self, params: list[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -115,11 +121,14 @@ class GradientReducer:
                 for p in bucket.params:
                     n = p.numel()
                     chunk = flat[offset:offset + n].view_as(p)
-                    if p.grad is None:
+                    if not self._keep_grads:
+                        p.grad = None
+                    elif p.grad is None:
                         p.grad = chunk.clone()
                     else:
                         p.grad.copy_(chunk)
                     offset += n
+            self.reductions += 1
         finally:
             for bucket in self._buckets:
                 bucket.ready.clear()

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
-from phalanx.errors import ClusterSpecError
+from phalanx.devices import LogicalDevice, canonicalize, default_devices
+from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv, install_error_recorder
 
 DEFAULT_TIMEOUT = 300.0  # seconds for one collective; CommunicationOptions(timeout_seconds=...) overrides
@@ -62,3 +63,36 @@ def close_at_exit(strategy: Any) -> None:
             s.close()
 
     atexit.register(_close)
+
+
+def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -> list[LogicalDevice]:
+    """The replicas' devices on this host: as given, else one per process the launcher started,
+    else every visible GPU or the CPU."""
+    if devices is None:
+        if env is None:
+            return default_devices()
+        kind = "cuda" if torch.cuda.device_count() >= env.local_world_size else "cpu"
+        return [LogicalDevice(kind, i) for i in range(env.local_world_size)]
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices]
+    parsed = [canonicalize(d) for d in devices]
+    if not parsed:
+        raise InvalidDeviceError(devices, hint=f"give at least one device in `{what}`, e.g. ['cpu:0', 'cpu:1']")
+    if len(set(parsed)) != len(parsed):
+        raise InvalidDeviceError(list(devices), hint=f"each device may appear once in `{what}`")
+    return parsed
+
+
+def replica_env_for(strategy: Any, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
+    """This process's identity: from the launcher, or by starting the other replicas now."""
+    env = ReplicaEnv.from_environ()
+    if env is None and len(devices) > 1:
+        from phalanx.launch.self_launch import ReplicaLauncher
+
+        strategy._launcher = ReplicaLauncher(len(devices))
+        env = strategy._launcher.env
+    if env is not None and env.local_world_size != len(devices):
+        raise ClusterSpecError(what, [str(d) for d in devices],
+                               f"the launcher started {env.local_world_size} replica processes on this host",
+                               hint="pass as many devices as `phalanx run -n` starts, or none")
+    return env

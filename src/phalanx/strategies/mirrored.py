@@ -20,31 +20,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-
 from phalanx.comm.cross_device_ops import CrossDeviceOps
-from phalanx.devices import LogicalDevice, canonicalize, default_devices
-from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import build_communicator, close_at_exit, configure_cpu_threads
+from phalanx.strategies.common import (
+    build_communicator,
+    close_at_exit,
+    configure_cpu_threads,
+    local_devices,
+    replica_env_for,
+)
 from phalanx.strategy import Strategy, StrategyExtended, _tf_name
-
-
-def _local_devices(devices: Sequence[Any] | None, env: ReplicaEnv | None) -> list[LogicalDevice]:
-    if devices is None:
-        if env is None:
-            return default_devices()
-        gpus = torch.cuda.device_count()
-        kind = "cuda" if gpus >= env.local_world_size else "cpu"
-        return [LogicalDevice(kind, i) for i in range(env.local_world_size)]
-    if isinstance(devices, (str, torch.device)):
-        devices = [devices]
-    parsed = [canonicalize(d) for d in devices]
-    if not parsed:
-        raise InvalidDeviceError(devices, hint="give at least one device, e.g. ['cpu:0', 'cpu:1']")
-    if len(set(parsed)) != len(parsed):
-        raise InvalidDeviceError(list(devices), hint="each device may appear once")
-    return parsed
 
 
 class MirroredStrategy(Strategy):
@@ -62,17 +47,8 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
-        env = ReplicaEnv.from_environ()
-        local = _local_devices(devices, env)
-        if env is None and len(local) > 1:
-            from phalanx.launch.self_launch import ReplicaLauncher
-
-            self._launcher = ReplicaLauncher(len(local))
-            env = self._launcher.env
-        if env is not None and env.local_world_size != len(local):
-            raise ClusterSpecError("devices", [str(d) for d in local],
-                                   f"the launcher started {env.local_world_size} replica processes on this host",
-                                   hint="pass as many devices as `phalanx run -n` starts, or none")
+        local = local_devices(devices, ReplicaEnv.from_environ())
+        env = replica_env_for(self, local)
         local_rank = env.local_rank if env is not None else 0
         configure_cpu_threads(len(local), local[local_rank].type)
         names = tuple(_tf_name(d) for d in local)

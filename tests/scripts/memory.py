@@ -1,0 +1,70 @@
+"""Memory of a job with a 64 MB model under a strategy. Usage: python memory.py OUT_DIR central|mirrored N
+
+Replica 0 sums the proportional set size (PSS: shared pages split between their users) of every
+replica process before the model exists and after two SGD-with-momentum steps, and writes both.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+import phalanx as px
+
+out_dir, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+devices = [f"cpu:{i}" for i in range(n)]
+strategy = px.CentralStorageStrategy(devices) if kind == "central" else px.MirroredStrategy(devices)
+rank = strategy.extended._comm.rank
+
+
+def pss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+
+
+def job_pss() -> int:
+    pids = strategy.gather(strategy.run(lambda: torch.tensor([os.getpid()])), axis=0).tolist()
+    return sum(pss_kib(p) for p in pids) * 1024
+
+
+def warm_up():
+    # The first optimizer and the first backward load code and thread pools (tens of MB per
+    # process) that have nothing to do with the model; pay for them before the baseline.
+    with strategy.scope():
+        tiny = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(tiny.parameters(), lr=0.1, momentum=0.9)
+
+    def tiny_step(x):
+        opt.zero_grad(set_to_none=True)
+        px.nn.compute_average_loss(tiny(x).squeeze(1)).backward()
+        opt.step()
+
+    for x in strategy.experimental_distribute_dataset([torch.ones(6, 4)] * 2):
+        strategy.run(tiny_step, args=(x,))
+
+
+warm_up()
+before = job_pss()
+torch.manual_seed(0)
+with strategy.scope():
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def step(x):
+    loss = px.nn.compute_average_loss(model(x).pow(2).sum(1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+for x in strategy.experimental_distribute_dataset([torch.randn(6, 4096) for _ in range(2)]):
+    strategy.run(step, args=(x,))
+optimizer.zero_grad(set_to_none=True)
+after = job_pss()
+param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+if rank == 0:
+    with open(os.path.join(out_dir, f"memory_{kind}.json"), "w") as f:
+        json.dump({"before": before, "after": after, "param_bytes": param_bytes, "replicas": n}, f)
