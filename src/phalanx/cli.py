@@ -30,6 +30,8 @@ def _positive(text: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from phalanx.launch.runner import JobSpec, run_job
 
+    if args.module:
+        args.command = ["-m", args.module, *args.command]
     if not args.command:
         print("phalanx run: give the script to run, e.g. `phalanx run -n 2 train.py`", file=sys.stderr)
         return 2
@@ -58,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
     run.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
     run.add_argument("--log-dir", default=None, help="where per-replica logs go (default: a temp dir)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
+    run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
     run.set_defaults(func=_run)
 
     demo = sub.add_parser("demo", help="train the seed MLP on scikit-learn's digits under each strategy")

@@ -1,0 +1,129 @@
+"""One timed training job. Usage (from the repository root):
+
+    python -m benchmarks.worker CONFIG MODEL OUT_JSON [--seconds S]
+
+CONFIG: px_mirrored (self-launched 2 replicas) | px_mwms | ddp | local2 (launched by
+``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw (1 process, 1 thread).
+Each process trains on global batch 256 (its share of it) with Adam and writes steps/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.models import batches, make_model
+
+GLOBAL_BATCH = 256
+
+
+def _timed(step, data, seconds: float, sync=lambda: None) -> tuple[int, float]:
+    for x, y in data[:5]:  # warm-up
+        step(x, y)
+    sync()
+    start, steps = time.perf_counter(), 0
+    while True:
+        for x, y in data:
+            step(x, y)
+            steps += 1
+        sync()  # every process stops together, so the slowest one decides
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return steps, elapsed
+
+
+def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
+    import phalanx as px
+
+    if kind == "px_mirrored":
+        strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+    elif kind == "px_mwms":
+        strategy = px.MultiWorkerMirroredStrategy()
+    else:
+        torch.set_num_threads(1)
+        strategy = px.OneDeviceStrategy("cpu")
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = make_model(model_name)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train_step(x, y):
+        loss = px.nn.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none"),
+                                          global_batch_size=GLOBAL_BATCH)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    data = list(strategy.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20)))
+
+    def step(x, y):
+        strategy.run(train_step, args=(x, y))
+
+    def sync():
+        if strategy.num_replicas_in_sync > 1:
+            strategy.extended._comm.barrier()
+
+    steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync)
+    return {"rank": strategy.extended._comm.rank, "steps": steps, "seconds": elapsed}
+
+
+def run_torch(kind: str, model_name: str, seconds: float) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("PHALANX_RANK", 0)), int(os.environ.get("PHALANX_WORLD_SIZE", 1))
+    if kind in ("ddp", "local2", "raw"):
+        torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['PHALANX_MASTER_ADDR']}:"
+                                f"{os.environ['PHALANX_MASTER_PORT']}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = make_model(model_name)
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    local_batch = GLOBAL_BATCH // world
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def sync():
+        if world > 1:
+            dist.barrier()
+
+    data = [(x[rank * local_batch:(rank + 1) * local_batch], y[rank * local_batch:(rank + 1) * local_batch])
+            for x, y in batches(GLOBAL_BATCH, 20)]
+    steps, elapsed = _timed(step, data, seconds, sync)
+    if world > 1:
+        dist.destroy_process_group()
+    return {"rank": rank, "steps": steps, "seconds": elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--seconds", type=float, default=2.0)
+    args = parser.parse_args()
+    if args.config.startswith("px_"):
+        result = run_phalanx(args.config, args.model, args.seconds)
+    else:
+        result = run_torch(args.config, args.model, args.seconds)
+    result["samples_per_s"] = result["steps"] * GLOBAL_BATCH / result["seconds"]
+    if result["rank"] == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""How bytes move between replicas: the communicator, cross-device ops, gradient buckets."""
