@@ -265,9 +265,11 @@ class Strategy:
             raise NotCallableError(fn)
         if not isinstance(args, (tuple, list)):
             args = (args,)
-        local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
-        args = nest.map_structure(local, tuple(args))
-        kwargs = nest.map_structure(local, dict(kwargs or {}))
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            # Replace distributed values by this replica's part (skipped for plain tensors: hot path).
+            local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
+            args, kwargs = nest.map_structure(local, args), nest.map_structure(local, kwargs)
         ext = self._extended
         ext._step += 1
         ext._comm.step = ext._step

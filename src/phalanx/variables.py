@@ -1,14 +1,18 @@
 """Capturing the parameters and buffers created inside ``strategy.scope()``.
 
 torch calls a global *registration hook* whenever a module registers a parameter or buffer;
-plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs the
-hook only while a scope is open and only acts for modules created under *its* strategy in the
-current thread, so nothing is monkey-patched and nothing outside the scope is touched.
+plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs
+one pair of such hooks, once, and they act only while a capture is active in the current thread
+(a context variable says which), and only for modules created under that capture's strategy.
+Nothing is monkey-patched and nothing outside a scope is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -20,6 +24,54 @@ from torch.nn.modules.module import (
 from phalanx import context
 
 
+@dataclass(frozen=True)
+class _Capture:
+    owner: object
+    device: torch.device
+    on_parameter: Callable[[torch.nn.Parameter], None]
+    on_buffer: Callable[[torch.Tensor], None]
+
+
+_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
+_INSTALLED = threading.Lock()
+_installed = False
+
+
+def _current() -> _Capture | None:
+    cap = _ACTIVE.get()
+    return cap if cap is not None and context.get_strategy() is cap.owner else None
+
+
+def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
+    cap = _current()
+    if cap is None or param is None:
+        return None
+    if param.device != cap.device:
+        param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
+        cap.on_parameter(param)
+        return param
+    cap.on_parameter(param)
+    return None
+
+
+def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
+    cap = _current()
+    if cap is None or buffer is None:
+        return None
+    moved = buffer.to(cap.device) if buffer.device != cap.device else buffer
+    cap.on_buffer(moved)
+    return moved if moved is not buffer else None
+
+
+def _install() -> None:
+    global _installed
+    with _INSTALLED:
+        if not _installed:
+            register_module_parameter_registration_hook(_on_param)
+            register_module_buffer_registration_hook(_on_buffer)
+            _installed = True
+
+
 @contextlib.contextmanager
 def capture(owner: object, device: torch.device,
             on_parameter: Callable[[torch.nn.Parameter], None],
@@ -29,33 +81,11 @@ def capture(owner: object, device: torch.device,
     Tensors are created on ``device`` (``torch.device`` as a context manager sets the default
     device for factory functions); stragglers created elsewhere are moved there.
     """
-
-    def on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
-        if param is None or context.get_strategy() is not owner:
-            return None
-        if param.device != device:
-            param = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
-            on_parameter(param)
-            return param
-        on_parameter(param)
-        return None
-
-    def on_buf(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
-        if buffer is None or context.get_strategy() is not owner:
-            return None
-        if buffer.device != device:
-            buffer = buffer.to(device)
-            on_buffer(buffer)
-            return buffer
-        on_buffer(buffer)
-        return None
-
-    param_hook = register_module_parameter_registration_hook(on_param)
-    buffer_hook = register_module_buffer_registration_hook(on_buf)
+    _install()
+    token = _ACTIVE.set(_Capture(owner, device, on_parameter, on_buffer))
     try:
         # The default-device mode intercepts every torch call; on the CPU it would only cost time.
         with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
             yield
     finally:
-        param_hook.remove()
-        buffer_hook.remove()
+        _ACTIVE.reset(token)
