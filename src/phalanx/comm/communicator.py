@@ -138,6 +138,8 @@ class GlooCommunicator:
     """
 
     def __init__(self, spec: GroupSpec, backend: str = "gloo") -> None:
+        if not spec.bind_addr:
+            raise ValueError("GroupSpec.bind_addr must name this task's own address")
         self.spec = spec
         self.rank, self.world_size = spec.rank, spec.world_size
         self.step: int | None = None
@@ -205,7 +207,7 @@ class GlooCommunicator:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
             # Gloo's listening sockets bind to the device's address: the task's own, never 0.0.0.0.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr or "127.0.0.1")]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
             return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
 
     def _beat(self) -> None:
@@ -317,7 +319,7 @@ class GlooCommunicator:
         """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=self.spec.timeout)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr or "127.0.0.1")]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
         with self._translate(f"creating group {tag}"):
             return dist.ProcessGroupGloo(dist.PrefixStore(f"sub/{tag}", self._store),
                                          ranks.index(self.rank), len(ranks), opts)

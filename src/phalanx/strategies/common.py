@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
@@ -46,7 +47,9 @@ def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, 
         return LocalCommunicator()
     spec = GroupSpec(
         rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
-        bind_addr=bind_addr or (env.master_addr if env.num_nodes == 1 else ""), names=names,
+        # With no address from a cluster spec, listen on the local address that routes to the master
+        # (loopback for a single host): never on all interfaces, never on an address peers cannot reach.
+        bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
         timeout=timeout or env_seconds("PHALANX_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT),
         rendezvous_timeout=env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT),
         fingerprint=fingerprint)

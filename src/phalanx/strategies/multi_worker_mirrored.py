@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from phalanx.cluster import ClusterResolver, SimpleClusterResolver, TaskPlacement, resolve_from_environment
+from phalanx.cluster.placement import own_address_for
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.cross_device_ops import NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
@@ -77,7 +78,7 @@ def _placement(resolver: ClusterResolver | None, env: ReplicaEnv | None) -> Task
     if env is not None:
         return TaskPlacement("worker", env.node_rank, env.rank, env.world_size, env.local_rank, env.local_world_size,
                              env.node_rank, env.num_nodes, env.master_addr, env.master_port,
-                             env.master_addr if env.num_nodes == 1 else "")
+                             own_address_for(env.master_addr))
     return TaskPlacement("worker", 0, 0, 1, 0, 1, 0, 1, "127.0.0.1", 0, "127.0.0.1")
 
 
