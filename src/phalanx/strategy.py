@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -245,6 +247,9 @@ class Strategy:
         Raises:
             StrategyScopeError: another strategy's scope is already open.
         """
+        if "keras" in sys.modules and "phalanx.keras" not in sys.modules:
+            # The user works with Keras: load the integration (it never imports Keras itself first).
+            importlib.import_module("phalanx.keras")
         with context.enter_scope(self):
             with self._extended._variable_scope(self):
                 yield self

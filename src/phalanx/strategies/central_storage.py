@@ -42,6 +42,7 @@ from phalanx.strategies.common import (
     build_communicator,
     close_at_exit,
     configure_cpu_threads,
+    select_device,
     local_devices,
     replica_env_for,
 )
@@ -59,7 +60,10 @@ class CentralStorageExtended(StrategyExtended):
         self._reduced_in_run = 0
 
     def _sync_new_variables(self) -> None:
-        params = list(self._new_params)
+        # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
+        # seed generators) is written by every replica during its forward pass, so it stays
+        # per replica (mirrored from replica 0) rather than being raced on in shared memory.
+        params = [p for p in self._new_params if p.requires_grad]
         super()._sync_new_variables()
         if params and self._comm.world_size > 1:
             with torch.no_grad():
@@ -149,8 +153,9 @@ class CentralStorageStrategy(Strategy):
                                      "supports CPU compute devices and a CPU parameter device")
         env = replica_env_for(self, compute, "compute_devices")
         local_rank = env.local_rank if env is not None else 0
-        configure_cpu_threads(len(compute), compute[local_rank].type)
+        select_device(compute[local_rank])
         comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
+        configure_cpu_threads(comm, compute[local_rank].type)
         extended = CentralStorageExtended(comm, compute[local_rank], tuple(_tf_name(d) for d in compute),
                                           (_tf_name(parameter),))
         super().__init__(extended)

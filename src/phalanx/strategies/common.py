@@ -32,10 +32,24 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
-def configure_cpu_threads(local_world_size: int, device_type: str) -> None:
-    """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS)."""
-    if device_type == "cpu" and local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+def configure_cpu_threads(comm: Any, device_type: str) -> None:
+    """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS).
+
+    Counts every process of the job on this host (after rendezvous), so two TF_CONFIG workers
+    started separately on one machine do not each claim all of its cores.
+    """
+    if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ or comm.world_size == 1:
+        return
+    here = comm.host_of(comm.rank)
+    on_this_host = sum(1 for r in range(comm.world_size) if comm.host_of(r) == here)
+    if on_this_host > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_host))
+
+
+def select_device(device: LogicalDevice) -> None:
+    """Makes the replica's GPU the current CUDA device (Keras and torch create tensors there)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index)
 
 
 def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,

@@ -26,6 +26,7 @@ from phalanx.strategies.common import (
     build_communicator,
     close_at_exit,
     configure_cpu_threads,
+    select_device,
     local_devices,
     replica_env_for,
 )
@@ -50,8 +51,9 @@ class MirroredStrategy(Strategy):
         local = local_devices(devices, ReplicaEnv.from_environ())
         env = replica_env_for(self, local)
         local_rank = env.local_rank if env is not None else 0
-        configure_cpu_threads(len(local), local[local_rank].type)
+        select_device(local[local_rank])
         names = tuple(_tf_name(d) for d in local)
         comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
+        configure_cpu_threads(comm, local[local_rank].type)
         super().__init__(StrategyExtended(comm, local[local_rank], names, names, cross_device_ops))
         close_at_exit(self)

@@ -32,7 +32,7 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import build_communicator, close_at_exit, configure_cpu_threads
+from phalanx.strategies.common import build_communicator, close_at_exit, configure_cpu_threads, select_device
 from phalanx.strategy import Strategy, StrategyExtended, _tf_name
 
 
@@ -114,7 +114,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                                                   "CommunicationImplementation.RING (gloo) on CPUs")
         backend = "nccl" if use_gpu and options.implementation is not CommunicationImplementation.RING else "gloo"
         device = LogicalDevice("cuda" if use_gpu else "cpu", placement.local_rank)
-        configure_cpu_threads(placement.local_world_size, device.type)
+        select_device(device)
         if placement.world_size > 1 and placement.master_port == 0:
             raise ClusterSpecError("master_port", 0, "a multi-process job needs the chief's port",
                                    hint="set TF_CONFIG, MASTER_ADDR/MASTER_PORT, or use phalanx run")
@@ -128,6 +128,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             run_env, timeout=options.timeout_seconds, bind_addr=placement.bind_addr,
             names=tuple(placement.describe_rank(r) for r in range(placement.world_size)),
             fingerprint=fingerprint, backend=backend)
+        configure_cpu_threads(comm, device.type)
         task = f"/job:{placement.task_type}/replica:0/task:{placement.task_id}"
         local = tuple(_tf_name(LogicalDevice(device.type, i), task) for i in range(placement.local_world_size))
         extended = StrategyExtended(comm, device, local, local, NcclAllReduce(),

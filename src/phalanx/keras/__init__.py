@@ -1,0 +1,54 @@
+"""Keras 3 (torch backend) under every phalanx strategy: build and compile in ``scope()``, then ``fit``.
+
+``import phalanx.keras`` once; from then on a Keras model created inside ``strategy.scope()``
+trains, evaluates and predicts distributed, with tf.keras' semantics: ``batch_size`` is the global
+batch, split across the replicas; the update equals one-device training on that batch; the
+losses and metrics in the progress bar, in ``History`` and from ``evaluate`` are aggregated over
+all replicas (the same on every replica); ``predict`` returns each input row once, in order;
+writing callbacks (``ModelCheckpoint``, ``TensorBoard``, ...) and the progress bar run on the
+chief; a callback that stops training on one replica stops all of them.
+
+Example (``train.py``; ``python train.py`` starts the second replica itself)::
+
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
+    import numpy as np
+    import phalanx as px
+    import phalanx.keras  # noqa: F401
+
+    strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(np.random.rand(512, 64), np.random.randint(10, size=512), epochs=2, batch_size=64)
+
+Importing this module sets ``KERAS_BACKEND=torch`` when Keras is not imported yet, checks that
+the Keras is a supported one (``>=3.6,<3.16``) on the torch backend, and registers one torch
+module-registration hook that finds Keras models created in a strategy's scope. ``import
+phalanx`` itself never imports Keras.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "keras" not in sys.modules:
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+
+from phalanx.keras._version import SUPPORTED, UnsupportedKerasError, check_keras_version  # noqa: E402
+
+try:
+    import keras  # noqa: E402
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise UnsupportedKerasError(f"phalanx.keras needs Keras 3 ({SUPPORTED}); importing keras failed: {e}",
+                                hint="pip install 'phalanx[keras]'") from e
+
+check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
+
+from phalanx.keras.callbacks import Coordinator  # noqa: E402
+from phalanx.keras.model import DistributedModel, InputMismatchError, distribute, distributed_model  # noqa: E402
+
+__all__ = ["Coordinator", "DistributedModel", "InputMismatchError", "SUPPORTED", "UnsupportedKerasError",
+           "distribute", "distributed_model"]

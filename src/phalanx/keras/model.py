@@ -1,0 +1,514 @@
+"""The one place where a Keras model object is adapted to a strategy (instance level only).
+
+Keras 3 has no distribution hook for its torch backend, so phalanx adapts the *model objects*
+created under ``strategy.scope()``, and nothing else: no Keras or torch class is changed.
+
+How a model is found. Keras-on-torch layers are ``torch.nn.Module`` s. While a strategy's scope is
+open, torch's module-registration hook (a public torch extension point) reports every Keras
+``Model`` that registers a sub-module: a model built in scope registers its parameter dict, a
+subclassed model its layers. Each such model gets :class:`DistributedModel` attached.
+
+What the adaptation is, on that instance only:
+
+* ``fit`` / ``evaluate`` / ``predict`` are wrapped: the chief keeps the progress bar and the
+  writing callbacks, a :class:`~phalanx.keras.callbacks.Coordinator` is appended (stopping,
+  shuffling and restored state agreed across replicas), then the model's own method runs
+  unchanged.
+* ``train_function`` / ``test_function`` / ``predict_function``, the attributes Keras' trainer
+  calls each step (and re-creates only when they are None), are wrapped around the functions
+  Keras makes. Each step receives the *global* batch Keras sliced from the input; the wrapper
+  gives this replica its part (``torch.tensor_split`` bounds, as ``experimental_distribute_dataset``
+  does) and runs Keras' step inside ``strategy.run``.
+* The model's optimizer gets an ``apply`` that, on a replica left without gradients because
+  its strategy reduced them to the chief (CentralStorageStrategy: the chief alone updates the one
+  copy of the variables), skips the update instead of raising, and counts the step.
+
+Semantics (tf.keras under tf.distribute):
+
+* Gradients. Keras' loss is the mean over the replica's ``b`` examples (plus regularisation).
+  phalanx sums gradients across replicas, so each replica's gradient is scaled by ``b / B`` (a
+  tensor hook on each trainable parameter): the sum is the gradient of the mean over the global
+  batch ``B`` plus the regularisation once, exactly one-device training on the global batch.
+* Metrics (and the loss tracker) keep additive state (totals, counts, confusion matrices). Each
+  step every replica's contribution is all-reduced and added to the state, so the progress bar,
+  ``History`` and ``evaluate`` report the global values, the same on every replica.
+* Non-trainable state a step updates (BatchNormalization's moving statistics) is averaged,
+  weighted by each replica's share of the batch, so replicas stay identical.
+* ``predict`` gathers every replica's outputs in replica order: each input row once, in order.
+* A final batch smaller than the number of replicas leaves some replicas without rows. They run
+  the step on a stand-in row with weight 0 (no gradient, no metric contribution), so every
+  replica takes part in every collective and nothing hangs.
+* Variables created lazily, outside the scope (a subclassed model is built by its first
+  ``fit``), are broadcast from the chief and given gradient synchronisation at the first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import keras
+import numpy as np
+import torch
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from phalanx import context, nest
+from phalanx.errors import PhalanxError, StrategyScopeError
+from phalanx.input.distributed_dataset import slice_bounds
+from phalanx.keras import callbacks as px_callbacks
+from phalanx.values import ReduceOp
+
+if TYPE_CHECKING:
+    from phalanx.strategy import Strategy
+
+_ATTR = "_phalanx_distributed"
+_KINDS = ("train", "test", "predict")
+
+
+class InputMismatchError(PhalanxError, RuntimeError):
+    """Replicas were fed different global batches (the inputs differ between workers)."""
+
+
+class _GradScale:
+    """A gradient hook: multiplies by this replica's share of the batch during a training step.
+
+    One per strategy, shared by all its models, and registered once per parameter, so that a
+    layer shared by two models is scaled once.
+    """
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        value = self.value
+        return grad if value == 1.0 else grad * value
+
+
+_GRAD_SCALES: "weakref.WeakKeyDictionary[Any, _GradScale]" = weakref.WeakKeyDictionary()
+
+
+def distributed_model(model: Any) -> "DistributedModel | None":
+    """The adaptation attached to ``model``, or None if it is a plain Keras model."""
+    return model.__dict__.get(_ATTR)
+
+
+def distribute(model: Any, strategy: "Strategy | None" = None) -> Any:
+    """Makes ``model.fit`` / ``evaluate`` / ``predict`` run under ``strategy``.
+
+    Models that register layers or variables inside ``strategy.scope()`` are adapted
+    automatically; call this for one that does not (e.g. a ``Sequential`` without an input
+    shape, whose layers are only built by ``fit``). Idempotent.
+
+    Args:
+        model: a Keras 3 model (torch backend).
+        strategy: default: the current strategy (call it inside ``strategy.scope()``).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+        StrategyScopeError: no strategy is given or current, or the model already belongs to
+            another strategy.
+
+    Example::
+
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(16), keras.layers.Dense(1)])  # no input shape
+            phalanx.keras.distribute(model)
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=64)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"phalanx.keras.distribute needs a keras.Model; received {type(model).__name__}")
+    if strategy is None:
+        if not context.has_strategy():
+            raise StrategyScopeError("phalanx.keras.distribute(model) was called outside any strategy scope.",
+                                     hint="pass the strategy, or call it inside `with strategy.scope():`")
+        strategy = context.get_strategy()
+    existing = distributed_model(model)
+    if existing is not None:
+        if existing.strategy is not strategy:
+            raise StrategyScopeError(f"The Keras model {model.name!r} already belongs to {existing.strategy!r}; "
+                                     f"it cannot also be distributed by {strategy!r}.",
+                                     hint="create the model again inside the new strategy's scope")
+        return model
+    DistributedModel(model, strategy)
+    return model
+
+
+def _on_module_registered(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+    if not (isinstance(module, keras.Model) and context.has_strategy() and context.in_cross_replica_context()):
+        return
+    strategy = context.get_strategy()
+    adapted = distributed_model(module) or DistributedModel(module, strategy)
+    if submodule is not None and adapted.strategy is strategy:
+        # Registered in this scope, these parameters were captured (and will be synchronised)
+        # by the strategy itself; the first step need not broadcast them again.
+        adapted._mark_synced(submodule.parameters())
+
+
+_registration_hook = register_module_module_registration_hook(_on_module_registered)
+
+
+# ---------------------------------------------------------------------------------- batches
+def _batch_size(batch: Any) -> int:
+    for leaf in nest.flatten(batch):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
+    raise ValueError(f"A Keras batch must contain an array with a batch dimension; received {batch!r:.200}")
+
+
+def _rows(batch: Any, start: int, end: int) -> Any:
+    def cut(leaf: Any) -> Any:
+        shape = getattr(leaf, "shape", None)
+        return leaf[start:end] if shape is not None and len(shape) > 0 else leaf
+
+    return nest.map_structure(cut, batch)
+
+
+def _is_float(variable: Any) -> bool:
+    return "float" in str(variable.dtype)
+
+
+class _Step:
+    """This replica's part of one global batch."""
+
+    def __init__(self, batch: Any, num_replicas: int, rank: int) -> None:
+        self.global_size = _batch_size(batch)
+        start, end = slice_bounds(self.global_size, num_replicas, rank)
+        self.empty = end <= start
+        # A replica past the end of a short final batch computes on a stand-in row, weight 0.
+        self.local = _rows(batch, 0, 1) if self.empty else _rows(batch, start, end)
+        self.share = 0.0 if self.empty else (end - start) / self.global_size
+
+
+# ---------------------------------------------------------------------------------- the adapter
+class DistributedModel:
+    """A Keras model's fit / evaluate / predict under a strategy; see the module docstring.
+
+    Created by the scope (or :func:`distribute`); reach it with ``distributed_model(model)``.
+    """
+
+    def __init__(self, model: Any, strategy: "Strategy") -> None:
+        self._model_ref = weakref.ref(model)
+        self.strategy = strategy
+        self._grad_scale = _GRAD_SCALES.setdefault(strategy, _GradScale())
+        self._synced: dict[int, torch.Tensor] = {}
+        self._decorrelated = False
+        self._checks_left = 0
+        self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
+        model.__dict__[_ATTR] = self
+        for method in ("fit", "evaluate", "predict"):
+            wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
+                                               getattr(type(model), method))
+            # object.__setattr__: an instance attribute, bypassing Keras' and torch's tracking.
+            object.__setattr__(model, method, wrapper)
+        # Also now, in case the model is adapted by its own first fit() (a model without input
+        # shape, fitted inside the scope): that fit then takes phalanx's step functions.
+        self._prepare()
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def model(self) -> Any:
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("the Keras model was garbage-collected")
+        return model
+
+    @property
+    def _ext(self) -> Any:
+        return self.strategy.extended
+
+    @property
+    def _num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def _rank(self) -> int:
+        return self._ext._comm.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return bool(self._ext.should_checkpoint)
+
+    # ------------------------------------------------------------------------------ public methods
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        call, arguments = self._bind(type(model).fit, model, args, kwargs)
+        user = _flat_callbacks(arguments.get("callbacks"))
+        if isinstance(arguments.get("callbacks"), keras.callbacks.CallbackList):
+            # The caller built the list: keep it, and make sure it ends with one coordinator.
+            cbl = arguments["callbacks"]
+            cbl.callbacks = [cb for cb in cbl.callbacks if not isinstance(cb, px_callbacks.Coordinator)]
+            coordinator = px_callbacks.Coordinator(self.strategy, cbl.callbacks)
+            coordinator.set_model(model)
+            cbl.callbacks.append(coordinator)
+        else:
+            arguments["callbacks"] = px_callbacks.for_replica(user, self.is_chief) + [
+                px_callbacks.Coordinator(self.strategy, user)]
+        if not self.is_chief:
+            arguments["verbose"] = 0
+        self._prepare()
+        self._stat_vars = None
+        return call(arguments)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_inference(type(self.model).evaluate, args, kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_inference(type(self.model).predict, args, kwargs)
+
+    def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        model = self.model
+        call, arguments = self._bind(method, model, args, kwargs)
+        passed = arguments.get("callbacks")
+        if not isinstance(passed, keras.callbacks.CallbackList):  # fit's own list when validating
+            if passed is not None:
+                arguments["callbacks"] = px_callbacks.for_replica(_flat_callbacks(passed), self.is_chief)
+            if not self.is_chief:
+                arguments["verbose"] = 0
+        self._prepare()
+        return call(arguments)
+
+    @staticmethod
+    def _bind(method: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> tuple[Callable, dict]:
+        try:
+            bound = inspect.signature(method).bind(model, *args, **kwargs)
+        except TypeError:
+            # A custom signature phalanx cannot read: pass the call through as given.
+            return (lambda _: method(model, *args, **kwargs)), dict(kwargs)
+        params = inspect.signature(method).parameters
+
+        def call(arguments: dict) -> Any:
+            for name in ("callbacks", "verbose"):
+                if name in arguments and name in params:
+                    bound.arguments[name] = arguments[name]
+            return method(*bound.args, **bound.kwargs)
+
+        return call, dict(bound.arguments)
+
+    # ------------------------------------------------------------------------------ step functions
+    def _prepare(self) -> None:
+        """Wraps the step functions Keras made (again after ``compile`` reset them)."""
+        model = self.model
+        self._checks_left = 2  # look for lazily built variables at the first two steps
+        self._adapt_optimizer(getattr(model, "optimizer", None))
+        for kind in _KINDS:
+            current = getattr(model, f"{kind}_function", None)
+            if current is not None and getattr(current, "_phalanx_raw", None) is not None:
+                continue
+            getattr(model, f"make_{kind}_function")(force=True)
+            raw = getattr(model, f"{kind}_function")
+            step = getattr(self, f"_{kind}_step")
+            wrapped = functools.partial(step, raw)
+            wrapped._phalanx_raw = raw  # type: ignore[attr-defined]
+            setattr(model, f"{kind}_function", wrapped)
+
+    def _adapt_optimizer(self, optimizer: Any) -> None:
+        """Lets a replica whose strategy sent its gradients elsewhere skip the optimizer update.
+
+        A strategy that keeps one copy of the variables (CentralStorageStrategy) reduces the
+        gradients to the chief, which alone updates that copy; the other replicas are left
+        without gradients, where Keras' ``optimizer.apply`` would raise. On those replicas the
+        update is skipped and only the step is counted, as on the chief.
+        """
+        if optimizer is None or optimizer.__dict__.get("_phalanx_apply") is not None:
+            return
+        original = optimizer.apply
+
+        def apply(grads: Any, trainable_variables: Any = None) -> Any:
+            grads = list(grads)
+            if grads and all(g is None for g in grads) and self._num_replicas > 1 and not self.is_chief:
+                optimizer.iterations.assign_add(1)
+                return None
+            return original(grads, trainable_variables)
+
+        optimizer.__dict__["_phalanx_apply"] = original
+        object.__setattr__(optimizer, "apply", functools.update_wrapper(apply, original))
+
+    def _run_local(self, raw: Callable[[Any], Any], step: _Step, scale: float) -> Any:
+        out: dict[str, Any] = {}
+
+        def replica_fn() -> None:
+            self._grad_scale.value = scale
+            try:
+                out["result"] = raw([step.local])
+            finally:
+                self._grad_scale.value = 1.0
+
+        self.strategy.run(replica_fn)
+        return out["result"]
+
+    def _begin(self, data: Any) -> _Step:
+        if self._checks_left > 0:
+            self._checks_left -= 1
+            self._sync_new_variables()
+        return _Step(data[0], self._num_replicas, self._rank)
+
+    def _train_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
+        step = self._begin(data)
+        model = self.model
+        metric_vars = self._metric_variables()
+        saved = self._zero(metric_vars)
+        versions = None
+        if self._stat_vars is None and self._num_replicas > 1:
+            candidates = [v for v in model.non_trainable_weights if _is_float(v)]
+            versions = [v.value._version for v in candidates]
+        logs = self._run_local(raw, step, step.share)
+        if versions is not None:
+            changed = torch.tensor([float(v.value._version != before) for v, before in zip(candidates, versions)])
+            changed = self._ext._all_reduce_tensors([changed], ReduceOp.SUM)[0] if len(candidates) else changed
+            self._stat_vars = [v for v, c in zip(candidates, changed.tolist()) if c > 0]
+        stat_vars = self._stat_vars or []
+        # In float64, so that a value every replica updated alike comes back exactly.
+        extra = [v.value.detach().double() * step.share for v in stat_vars]
+        reduced_extra = self._merge(step, metric_vars, saved, extra)
+        with torch.no_grad():
+            for v, value in zip(stat_vars, reduced_extra):
+                v.assign(value.to(v.value.dtype))
+        return self._global_logs(logs, step)
+
+    def _test_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
+        step = self._begin(data)
+        metric_vars = self._metric_variables()
+        saved = self._zero(metric_vars)
+        logs = self._run_local(raw, step, 1.0)
+        self._merge(step, metric_vars, saved, [])
+        return self._global_logs(logs, step)
+
+    def _predict_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
+        first = self._checks_left > 0
+        step = self._begin(data)
+        outputs = self._run_local(raw, step, 1.0)
+        if first and self._num_replicas > 1 and self._has_unsynced_variables():
+            # predict() does not build the model first: it was built by this very step, with each
+            # replica's own initial values. Make them the chief's and compute the step again.
+            self._sync_new_variables()
+            outputs = self._run_local(raw, step, 1.0)
+        if self._num_replicas == 1:
+            return outputs
+
+        def gather(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            return self._ext._all_gather(t[:0] if step.empty else t, 0)
+
+        return nest.map_structure(gather, outputs)
+
+    # ------------------------------------------------------------------------------ metrics
+    def _metric_variables(self) -> list[Any]:
+        seen: dict[int, Any] = {}
+        for metric in self.model.metrics:
+            for v in metric.variables:
+                seen.setdefault(id(v), v)
+        return list(seen.values())
+
+    def _zero(self, variables: list[Any]) -> list[torch.Tensor]:
+        """Saves the (global) metric state and zeroes it, so the step leaves only its contribution."""
+        if self._num_replicas == 1:
+            return []
+        saved = [v.value.detach().clone() for v in variables]
+        for v in variables:
+            v.assign(torch.zeros_like(v.value))
+        return saved
+
+    def _merge(self, step: _Step, metric_vars: list[Any], saved: list[torch.Tensor],
+               extra: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Global metric state = saved + every replica's contribution; ``extra`` summed.
+
+        One collective per dtype (float32 metrics, the float64 ``extra``), shared with the check
+        that every replica was fed a global batch of the same size.
+        """
+        if self._num_replicas == 1:
+            return extra
+        contributions = [torch.zeros_like(v.value) if step.empty else v.value.detach().clone() for v in metric_vars]
+        header = torch.tensor([float(step.global_size)], dtype=torch.float32)
+        reduced = self._ext._all_reduce_tensors([header, *contributions, *extra], ReduceOp.SUM)
+        if round(float(reduced[0][0])) != step.global_size * self._num_replicas:
+            raise InputMismatchError(
+                f"Replicas disagree on the size of the global batch at step {self._ext._step}: this replica "
+                f"({self._ext._comm.name(self._rank)}) has {step.global_size}, the sum over "
+                f"{self._num_replicas} replicas is {float(reduced[0][0]):g}.",
+                hint="every worker must call fit/evaluate/predict with the same data and batch_size; "
+                     "batch_size is the global batch")
+        n = len(metric_vars)
+        for v, base, total in zip(metric_vars, saved, reduced[1:1 + n]):
+            v.assign(base + total.to(base.dtype))
+        return list(reduced[1 + n:])
+
+    def _global_logs(self, logs: Any, step: _Step) -> Any:
+        """Replaces the step's local metric values by the global ones (the same on every replica)."""
+        if self._num_replicas == 1 or not isinstance(logs, dict):
+            return logs
+        metric_logs = self.model.get_metrics_result()
+        result = {k: metric_logs.get(k, v) for k, v in logs.items()}
+        # Values a custom train_step returns that are not model metrics: average by batch share.
+        custom = sorted(k for k, v in logs.items() if k not in metric_logs and _is_scalar(v))
+        if custom:
+            values = torch.tensor([float(logs[k]) * step.share for k in custom], dtype=torch.float64)
+            reduced = self._ext._all_reduce_tensors([values], ReduceOp.SUM)[0]
+            result.update({k: float(x) for k, x in zip(custom, reduced.tolist())})
+        return result
+
+    # ------------------------------------------------------------------------------ variables
+    def _mark_synced(self, params: Any) -> None:
+        for p in params:
+            self._synced[id(p)] = p
+
+    def _has_unsynced_variables(self) -> bool:
+        return any(id(v.value) not in self._synced for v in self.model.weights)
+
+    def _sync_new_variables(self) -> None:
+        """Broadcasts variables the scope did not see (built lazily) and synchronises their gradients."""
+        model = self.model
+        weights = model.weights
+        new = [v.value for v in weights if id(v.value) not in self._synced]
+        if new and self._num_replicas > 1:
+            ext = self._ext
+            ext._new_params.extend(p for p in new if isinstance(p, torch.nn.Parameter))
+            ext._sync_new_variables()  # a collective: every replica reaches it at the same step
+        for p in new:
+            self._synced[id(p)] = p
+        if self._num_replicas > 1:
+            for v in model.trainable_weights:
+                p = v.value
+                if p.requires_grad and getattr(p, "_phalanx_grad_scale", None) is None:
+                    p.register_hook(self._grad_scale)
+                    p._phalanx_grad_scale = self._grad_scale
+            if not self._decorrelated:
+                self._decorrelated = True
+                self._decorrelate_seeds(model)
+
+    def _decorrelate_seeds(self, model: Any) -> None:
+        """Gives each replica its own dropout (and other random-layer) stream.
+
+        Seed-generator state created in scope was broadcast from the chief, so replicas would draw
+        the same masks for their different rows; offsetting the seed by the replica index keeps
+        the chief's stream (and one-device behaviour) and makes the others independent.
+        """
+        if self._rank == 0:
+            return
+        for v in model.variables:
+            if v.path.endswith("seed_generator_state") and not _is_float(v):
+                offset = torch.tensor([self._rank * 1_000_003, 0], dtype=v.value.dtype)
+                v.assign(v.value + offset)
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        return True
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
+def _flat_callbacks(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    if isinstance(callbacks, (list, tuple)):
+        return [cb for item in callbacks for cb in _flat_callbacks(item)]
+    return [callbacks]

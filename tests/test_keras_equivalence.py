@@ -1,0 +1,93 @@
+"""Keras fit / evaluate / predict under every strategy equal one-device Keras on the same global batch.
+
+One script run per strategy covers every case of ``scripts/keras_equivalence.py``: Sequential with
+SGD + momentum + L2 and a final batch of one row (replicas without rows), functional with Adam and
+validation_split, a lazily built subclassed model on a torch DataLoader with validation_data, a
+PyDataset, a Sequential without input shape; each followed by evaluate and predict on 101 rows in
+batches of 20 (the last batch has one row).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import free_ports, run_job, run_jobs, tf_config
+
+SCRIPT = Path(__file__).parent / "scripts" / "keras_equivalence.py"
+# One thread per process: on a small shared CI host, OpenMP pools of several processes (two
+# "workers" on one host, or other jobs) fight over the cores and a step can take 10x longer.
+ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+COMPARED = ["sgd", "adam", "subclassed_dataloader", "pydataset", "lazy_sequential"]
+ALL = COMPARED + ["batchnorm"]
+TOL = 1e-5
+
+
+def _load(out: Path, prefix: str, case: str, rank: int) -> tuple[dict, dict]:
+    arrays = dict(np.load(out / f"{prefix}_{case}_{rank}.npz"))
+    return arrays, json.loads((out / f"{prefix}_{case}_{rank}.json").read_text())
+
+
+def _diffs(a: tuple[dict, dict], b: tuple[dict, dict]) -> dict[str, float]:
+    (wa, ja), (wb, jb) = a, b
+    assert ja["history"].keys() == jb["history"].keys() and ja["evaluate"].keys() == jb["evaluate"].keys()
+    out = {"weights": max(float(np.abs(wa[k] - wb[k]).max()) for k in wb if k.startswith("w")),
+           "predict": float(np.abs(wa["predictions"] - wb["predictions"]).max())}
+    for key, values in jb["history"].items():
+        out[f"history.{key}"] = max(abs(x - y) for x, y in zip(ja["history"][key], values, strict=True))
+    for key, value in jb["evaluate"].items():
+        out[f"evaluate.{key}"] = abs(ja["evaluate"][key] - value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """Plain Keras and OneDeviceStrategy, in one process."""
+    out = tmp_path_factory.mktemp("keras-ref")
+    res = run_job([sys.executable, str(SCRIPT), str(out), "reference"], timeout=150, cwd=out, env=ENV)
+    assert res.returncode == 0, res.logs()[-8000:]
+    return out
+
+
+def _check_against_reference(out: Path, ref: Path, prefix: str, world: int) -> None:
+    worst: dict[str, float] = {}
+    for case in COMPARED:
+        replicas = [_load(out, prefix, case, r) for r in range(world)]
+        diffs = _diffs(replicas[0], _load(ref, "ref", case, 0))
+        print(f"\n{prefix} x{world} {case}: " + ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))
+        for key, value in diffs.items():
+            worst[key.split(".")[0] if key.startswith("evaluate") else key] = max(worst.get(key, 0.0), value)
+        assert all(v < TOL for v in diffs.values()), (case, diffs)
+        assert replicas[0][0]["predictions"].shape == (101, 3), "predict must return each of the 101 rows once"
+    for case in ALL:
+        replicas = [_load(out, prefix, case, r) for r in range(world)]
+        for other in replicas[1:]:
+            # Every replica holds the same weights and reports the same (global) losses and metrics.
+            assert all(np.array_equal(replicas[0][0][k], other[0][k]) for k in replicas[0][0]), case
+            assert replicas[0][1] == other[1], case
+    print(f"\n{prefix} x{world}, worst over cases: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
+
+
+def test_one_device_strategy_is_plain_keras(reference):
+    for case in ALL:
+        diffs = _diffs(_load(reference, "one", case, 0), _load(reference, "ref", case, 0))
+        assert all(v == 0.0 for v in diffs.values()), (case, diffs)
+
+
+@pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
+def test_two_cpu_replicas_match_one_device(tmp_path, reference, mode):
+    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), mode], timeout=150, cwd=tmp_path, env=ENV)
+    assert res.returncode == 0, res.logs()[-8000:]
+    _check_against_reference(tmp_path, reference, mode, 2)
+
+
+def test_multi_worker_two_workers_tf_config_match_one_device(tmp_path, reference):
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    jobs = [([sys.executable, str(SCRIPT), str(tmp_path), "mwms"], {**ENV, **tf_config(workers, i)}) for i in range(2)]
+    results = run_jobs(jobs, timeout=150, cwd=tmp_path)
+    assert all(r.returncode == 0 for r in results), [r.output[-4000:] for r in results]
+    _check_against_reference(tmp_path, reference, "mwms", 2)
