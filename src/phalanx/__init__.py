@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import cluster_resolver, experimental, nn
+from phalanx import checkpoint, cluster_resolver, coordinator, experimental, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -34,6 +34,7 @@ from phalanx.strategies.multi_worker_mirrored import (
     MultiWorkerMirroredStrategy,
 )
 from phalanx.strategies.one_device import OneDeviceStrategy
+from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
@@ -50,6 +51,6 @@ __all__ = [
     "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
-    "ValueContext", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
+    "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "is_chief", "nn",
 ]

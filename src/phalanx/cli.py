@@ -4,6 +4,7 @@ Examples::
 
     phalanx run -n 2 train.py --epochs 3          # 2 replicas on this host
     phalanx run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -n 1 train.py
+    phalanx run --ps 2 --workers 3 train.py       # a parameter-server cluster on this host
     phalanx demo --strategy all --epochs 10
 """
 
@@ -43,8 +44,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"phalanx run: --node-rank must be in [0, {args.nnodes}); received {args.node_rank}", file=sys.stderr)
         return 2
     command = tuple(args.command[1:] if args.command[0] == "--" else args.command)
+    if (args.ps or args.workers) and (args.ps < 1 or args.workers < 1 or args.nproc != 1 or args.nnodes != 1):
+        print("phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without "
+              "-n or --nnodes", file=sys.stderr)
+        return 2
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                   master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "")
+                   master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
+                   ps=args.ps, workers=args.workers)
     return run_job(spec)
 
 
@@ -58,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nnodes", type=_positive, default=1, help="number of hosts")
     run.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
-    run.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)")
+    run.add_argument("--ps", type=int, default=0, help="parameter servers of a local ParameterServerStrategy cluster")
+    run.add_argument("--workers", type=int, default=0, help="workers of a local ParameterServerStrategy cluster")
     run.add_argument("--log-dir", default=None, help="where per-replica logs go (default: a temp dir)")
     run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
     run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")

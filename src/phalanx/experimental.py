@@ -1,6 +1,11 @@
 """TF 2.0's ``tf.distribute.experimental`` names, for code written against them."""
 
+import sys as _sys
+
+from phalanx import coordinator
+from phalanx.checkpoint.preemption import PreemptionCheckpointHandler, TerminationConfig
 from phalanx.input.context import InputOptions
+from phalanx.ps import partitioners
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.multi_worker_mirrored import (
     CollectiveCommunication,
@@ -8,7 +13,13 @@ from phalanx.strategies.multi_worker_mirrored import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
+from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.values import ReduceOp
 
+# `import phalanx.experimental.coordinator` / `.partitioners` work as in TF (aliases of the real modules).
+_sys.modules[__name__ + ".coordinator"] = coordinator
+_sys.modules[__name__ + ".partitioners"] = partitioners
+
 __all__ = ["CentralStorageStrategy", "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions", "InputOptions",
-           "MultiWorkerMirroredStrategy", "ReduceOp"]
+           "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler", "ReduceOp",
+           "TerminationConfig", "coordinator", "partitioners"]

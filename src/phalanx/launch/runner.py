@@ -32,7 +32,10 @@ class JobSpec:
         command: the program and its arguments (``["train.py", "--epochs", "3"]``, or ``["-m", "pkg"]``).
         nproc: replica processes on this host.
         nnodes, node_rank, master_addr, master_port: the multi-host layout (1 node by default).
-        max_restarts: how many times the whole group is restarted after a failure.
+        max_restarts: how many times the whole group is restarted after a failure (with ``ps``:
+            how many times each failed worker is restarted).
+        ps, workers: when ``ps > 0``, start a parameter-server cluster instead (one chief,
+            ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
     """
 
     command: tuple[str, ...]
@@ -43,6 +46,8 @@ class JobSpec:
     master_port: int = 0
     max_restarts: int = 0
     log_dir: str = ""
+    ps: int = 0
+    workers: int = 0
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -74,6 +79,10 @@ def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
 
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
+    if spec.ps > 0:
+        from phalanx.ps.launcher import ClusterJob, run_cluster
+
+        return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir))
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     log_dir = spec.log_dir or default_log_dir(run_id)
     os.makedirs(log_dir, exist_ok=True)

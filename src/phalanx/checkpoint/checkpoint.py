@@ -1,0 +1,351 @@
+"""``Checkpoint``: save the objects of a training program under one strategy, restore under any.
+
+As ``tf.train.Checkpoint``: name the objects once, then ``save`` (numbered) or ``write`` (exact
+path), and ``restore`` / ``read``. Objects may be
+
+* anything with ``state_dict()`` / ``load_state_dict()``: modules, optimizers, LR schedulers,
+  :class:`~phalanx.checkpoint.Counter`, :class:`~phalanx.checkpoint.InputPosition`;
+* tensors (a parameter, a 0-d step tensor): restored in place with ``copy_``;
+* sharded variables (:mod:`phalanx.checkpoint.sharding`), stored as one full tensor;
+* numbers, strings, None, and lists / tuples / dicts of those and of tensors: containers are
+  restored in place where they can be, immutable values are replaced, so read them back as
+  ``checkpoint.<name>``.
+
+Parameters are plain tensors that are identical on every replica, and a checkpoint holds one
+full copy of each, so the program that restores may use any strategy and any number of replicas,
+or no strategy at all (:func:`load_state`). Saving is collective (all processes call it; the chief
+writes, see :mod:`~phalanx.checkpoint.coordination`); restoring is local (every process reads the
+files, which must be on storage that all of them see).
+
+Example:
+    >>> import tempfile, torch
+    >>> from phalanx.checkpoint import Checkpoint, Counter
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> ckpt = Checkpoint(model=model, optimizer=opt, step=Counter(5))
+    >>> path = ckpt.save(tempfile.mkdtemp() + "/ckpt")
+    >>> path.endswith("ckpt-1")
+    True
+    >>> ckpt.step.assign(9)
+    9
+    >>> status = ckpt.restore(path)
+    >>> int(ckpt.step)
+    5
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+import torch
+
+from phalanx import context
+from phalanx.checkpoint import codec, sharding, storage
+from phalanx.checkpoint.coordination import Participants
+from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from phalanx.checkpoint.state import Counter
+
+_RESERVED = ("save_counter",)
+
+
+class LoadStatus:
+    """What a restore matched (``tf.train.Checkpoint.restore``'s status object).
+
+    Attributes:
+        restored: names of the objects restored.
+        missing: objects of the Checkpoint that the file does not hold (left as they were).
+        unused: objects in the file that the Checkpoint does not name.
+    """
+
+    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str]) -> None:
+        self.path, self.restored, self.missing, self.unused = path, restored, missing, unused
+
+    def assert_consumed(self) -> "LoadStatus":
+        """Raises unless every object was restored and every saved object was used."""
+        if self.path is None:
+            raise CheckpointError("Nothing was restored (the path was None).")
+        if self.missing or self.unused:
+            raise CheckpointMismatchError(self.path, f"objects not in the checkpoint: {self.missing}; "
+                                                     f"saved objects not restored: {self.unused}")
+        return self
+
+    def assert_existing_objects_matched(self) -> "LoadStatus":
+        """Raises if an object of the Checkpoint had no saved value."""
+        if self.missing:
+            raise CheckpointMismatchError(self.path or "<none>", f"objects not in the checkpoint: {self.missing}")
+        return self
+
+    def expect_partial(self) -> "LoadStatus":
+        return self
+
+    def __repr__(self) -> str:
+        return f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, unused={self.unused})"
+
+
+class Checkpoint:
+    """Groups the objects to save; see the module docstring.
+
+    Args:
+        root: an object saved under the name ``"root"`` (TF's positional root).
+        **objects: the objects to save, by name.
+
+    Raises:
+        ValueError: a name is reserved (``save_counter``) or starts with an underscore.
+    """
+
+    def __init__(self, root: Any = None, **objects: Any) -> None:
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_strategy", context.get_strategy() if context.has_strategy() else None)
+        object.__setattr__(self, "_save_counter", Counter(0))
+        if root is not None:
+            objects = {"root": root, **objects}
+        for name, obj in objects.items():
+            self._check_name(name)
+            self._objects[name] = obj
+
+    # ---------------------------------------------------------------- objects
+    @staticmethod
+    def _check_name(name: str) -> None:
+        if name in _RESERVED or name.startswith("_"):
+            raise ValueError(f"Checkpoint object name {name!r} is reserved; choose another name")
+
+    def _track(self, name: str, obj: Any) -> None:
+        """Adds an object under a name users cannot pick (phalanx's own state, e.g. run counters)."""
+        self._objects[name] = obj
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint has no object {name!r}; it holds {sorted(objects)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        self._check_name(name)
+        self._objects[name] = value
+
+    @property
+    def save_counter(self) -> Counter:
+        """How many times :meth:`save` was called (restored by :meth:`restore`, not :meth:`read`)."""
+        return self._save_counter
+
+    def _all_objects(self) -> dict[str, Any]:
+        return {"save_counter": self._save_counter, **self._objects}
+
+    # ---------------------------------------------------------------- saving
+    def save(self, file_prefix: str) -> str:
+        """Saves to ``{file_prefix}-{save_counter}`` after counting this save; returns that path.
+
+        Collective: every process calls it. See :meth:`write`.
+        """
+        number = self._save_counter.assign_add(1)
+        return self.write(f"{file_prefix}-{number}")
+
+    def write(self, file_prefix: str, *, _after_commit: Callable[[], None] | None = None) -> str:
+        """Writes a checkpoint at exactly ``file_prefix`` (a directory); returns its absolute path.
+
+        Collective: every process calls it; the chief writes; all return once it is on disk.
+
+        Raises:
+            CheckpointError: the chief's write failed (raised on every process).
+            UnsupportedStateError: an object's state holds something that cannot be stored.
+        """
+        who = Participants.resolve(self._strategy)
+        path = os.path.abspath(os.fspath(file_prefix))
+        manifest_objects: dict[str, Any] = {}
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        for name, obj in self._all_objects().items():
+            # Every process collects its state (a sharded variable may gather its shards); only
+            # the writer copies tensors out.
+            doc, tensors = codec.encode(_state_of(obj), label=name, materialize=who.is_writer)
+            entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
+            if tensors:
+                entry["file"] = _file_name(name, files)
+                files[entry["file"]] = tensors
+            manifest_objects[name] = entry
+        error: BaseException | None = None
+        if who.is_writer:
+            try:
+                storage.write_checkpoint(path, files, {"objects": manifest_objects, "saved_by": who.describe()})
+                if _after_commit is not None:
+                    _after_commit()
+            except Exception as e:  # noqa: BLE001 - reported to every process below
+                error = e
+        if who.any(error is not None):
+            if error is not None:
+                raise error
+            raise CheckpointError(f"The chief failed to write the checkpoint {path!r}.",
+                                  hint="see the chief's (replica 0's) log for its error")
+        return path
+
+    # ---------------------------------------------------------------- restoring
+    def restore(self, save_path: str | None) -> LoadStatus:
+        """Restores every object (and ``save_counter``) from ``save_path``; None does nothing.
+
+        Raises:
+            CheckpointNotFoundError: ``save_path`` holds no complete checkpoint.
+            CheckpointMismatchError: a saved value does not fit its object (shape, keys).
+            UnsafeCheckpointError / CorruptCheckpointError: a file is not a clean tensor file.
+        """
+        return self._restore(save_path, self._all_objects())
+
+    def read(self, save_path: str) -> LoadStatus:
+        """Like :meth:`restore`, but leaves ``save_counter`` alone (TF's ``read``)."""
+        return self._restore(save_path, dict(self._objects))
+
+    def _restore(self, save_path: str | None, live: dict[str, Any]) -> LoadStatus:
+        if save_path is None:
+            return LoadStatus(None, [], sorted(live), [])
+        path = os.path.abspath(os.fspath(save_path))
+        saved, manifest = _load(path, set(live))
+        restored = []
+        for name, state in saved.items():
+            replacement = _restore_into(name, live[name], state)
+            if replacement is not _IN_PLACE:
+                self._objects[name] = replacement
+            restored.append(name)
+        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(sorted(self._objects))})"
+
+
+def load_state(path: str, names: set[str] | None = None) -> dict[str, Any]:
+    """Reads a checkpoint into plain state dicts, with no strategy and no live objects.
+
+    This is how plain PyTorch reads a phalanx checkpoint::
+
+        state = phalanx.checkpoint.load_state("/ckpts/ckpt-7")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]["value"]          # a Counter's state
+
+    (A module's file is also its ``state_dict`` for ``torch.load(path + "/model.pt", weights_only=True)``.)
+
+    Args:
+        path: the checkpoint directory.
+        names: read only these objects (default: all).
+
+    Returns:
+        ``{name: state}``: what each object's ``state_dict()`` returned (tensors on the CPU),
+        or the tensor / value itself.
+    """
+    return _load(os.path.abspath(os.fspath(path)), names)[0]
+
+
+def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    manifest = storage.read_manifest(path)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, Any] = {}
+    for name, entry in manifest["objects"].items():
+        if names is not None and name not in names:
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        if "file" in entry:
+            file = entry["file"]
+            if file not in files:
+                record = manifest["files"].get(file)
+                if record is None:
+                    raise CheckpointMismatchError(name, f"the manifest names file {file!r} but records no such file")
+                files[file] = storage.load_tensors(path, file, record)
+            tensors = files[file]
+        out[name] = codec.decode(entry["state"], tensors)
+    return out, manifest
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The most recently written complete checkpoint in ``directory``, or None.
+
+    Directories without a valid manifest (a save that crashed) are skipped.
+    """
+    found = storage.list_checkpoints(os.fspath(directory))
+    return found[-1][0] if found else None
+
+
+# --------------------------------------------------------------------------- helpers
+_IN_PLACE = object()
+
+
+def _kind(obj: Any) -> str:
+    if sharding.is_sharded(obj):
+        return "sharded"
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return f"state_dict:{type(obj).__module__}.{type(obj).__qualname__}"
+    return "value"
+
+
+def _state_of(obj: Any) -> Any:
+    if sharding.is_sharded(obj) or isinstance(obj, torch.Tensor):
+        return obj
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return obj.state_dict()
+    return obj
+
+
+def _file_name(name: str, taken: dict[str, Any]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".") or "object"
+    candidate, n = f"{base}.pt", 1
+    while candidate in taken or candidate == storage.MANIFEST:
+        n += 1
+        candidate = f"{base}_{n}.pt"
+    return candidate
+
+
+def _restore_into(name: str, live: Any, saved: Any) -> Any:
+    """Puts ``saved`` into ``live`` in place; returns the replacement for immutable values."""
+    if sharding.is_sharded(live):
+        if not isinstance(saved, torch.Tensor):
+            raise CheckpointMismatchError(name, f"a sharded variable needs a tensor; the checkpoint holds "
+                                                f"{type(saved).__name__}")
+        sharding.assign_full(live, saved)
+        return _IN_PLACE
+    if isinstance(live, torch.Tensor):
+        _copy_tensor(name, live, saved)
+        return _IN_PLACE
+    if hasattr(live, "load_state_dict") and hasattr(live, "state_dict"):
+        try:
+            live.load_state_dict(saved)
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointMismatchError(name, f"{type(live).__name__}.load_state_dict refused the saved "
+                                                f"state: {str(e).strip()[:500]}",
+                                          hint="restore into an object built the same way as the one saved") from e
+        return _IN_PLACE
+    if isinstance(live, (dict, list)) and type(saved) is type(live):
+        _assign_container(name, live, saved)
+        return _IN_PLACE
+    return saved
+
+
+def _copy_tensor(name: str, live: torch.Tensor, saved: Any) -> None:
+    if not isinstance(saved, torch.Tensor):
+        raise CheckpointMismatchError(name, f"expected a tensor, the checkpoint holds {type(saved).__name__}")
+    if live.shape != saved.shape:
+        raise CheckpointMismatchError(name, f"shape {tuple(live.shape)} here, {tuple(saved.shape)} in the checkpoint")
+    with torch.no_grad():
+        live.copy_(saved)
+
+
+def _assign_container(path: str, live: Any, saved: Any) -> None:
+    keys = list(saved.keys()) if isinstance(saved, dict) else range(len(saved))
+    if isinstance(live, list) and len(live) != len(saved):
+        live[:] = saved
+        return
+    if isinstance(live, dict):
+        for stale in [k for k in live if k not in saved]:
+            del live[stale]
+    for k in keys:
+        current = live.get(k) if isinstance(live, dict) else live[k]
+        if isinstance(current, torch.Tensor) and isinstance(saved[k], torch.Tensor) \
+                and current.shape == saved[k].shape:
+            with torch.no_grad():
+                current.copy_(saved[k])
+        elif isinstance(current, (dict, list)) and type(saved[k]) is type(current):
+            _assign_container(f"{path}/{k}", current, saved[k])
+        else:
+            live[k] = saved[k]

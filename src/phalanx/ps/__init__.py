@@ -1,0 +1,46 @@
+"""Parameter-server training: servers, workers, the coordinator, partitioners and sharded variables.
+
+The user-facing pieces are :class:`phalanx.ParameterServerStrategy` and
+:class:`phalanx.coordinator.ClusterCoordinator`; this package holds what they are built from:
+
+=================  ==========================================================================
+``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code)
+``transport``      gRPC with generic handlers (no generated code); an in-process fake for tests
+``client``         calls to one task with timeouts, transient retries and typed errors
+``server``         the parameter server's fixed operations and its optimizers
+``worker``         running scheduled functions; pushing gradients from ``optimizer.step()``
+``pickling``       cloudpickle with per-worker objects (variables, datasets) by reference
+``coordinator``    ``ClusterCoordinator``: dispatch to workers, heartbeats, fault handling
+``closures``       ``RemoteValue``, per-worker datasets, the queue of scheduled functions
+``partitioners``   ``FixedShardsPartitioner``, ``MinSizePartitioner``, ``MaxSizePartitioner``
+``variables``      variable layout, ``ShardedVariable``, ``RemoteVariable``
+``launcher``       ``phalanx run --ps M --workers N``: a local cluster
+``testing``        ``InProcessCluster``: every task in one process, for tests
+=================  ==========================================================================
+
+Importing this package does not import gRPC or cloudpickle (the ``phalanx[ps]`` extra); they are
+loaded when a cluster is started.
+"""
+
+from phalanx.ps.closures import PerWorkerDataset, PerWorkerIterator, RemoteValue
+from phalanx.ps.coordinator import ClusterCoordinator, WorkerState
+from phalanx.ps.errors import (
+    AuthenticationError,
+    CancelledError,
+    ClusterSecretError,
+    CoordinatorClosedError,
+    ParameterServerUnavailableError,
+    RemoteError,
+    TaskUnavailableError,
+    VariableError,
+    WorkerUnavailableError,
+)
+from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
+from phalanx.ps.variables import RemoteVariable, ShardedVariable
+
+__all__ = [
+    "AuthenticationError", "CancelledError", "ClusterCoordinator", "ClusterSecretError", "CoordinatorClosedError",
+    "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "ParameterServerUnavailableError",
+    "Partitioner", "PerWorkerDataset", "PerWorkerIterator", "RemoteError", "RemoteValue", "RemoteVariable",
+    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError",
+]

@@ -1,0 +1,138 @@
+"""One peer task as its callers see it: signed calls, bounded waits, transient retries, typed errors.
+
+A call that fails with a *transient* transport error (unavailable, deadline) is retried up to
+``attempts`` times in all, 0.1 s apart, as TF's coordinator ignores a few transient parameter-server
+errors (``TF_COORDINATOR_IGNORE_TRANSIENT_PS_FAILURES``, 3 reports). A deadline is not retried: the
+call already waited the whole RPC timeout. What still fails becomes
+:class:`~phalanx.ps.errors.ParameterServerUnavailableError` (or ``TaskUnavailableError`` for a
+worker), naming the task.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from phalanx.ps import wire
+from phalanx.ps.errors import (
+    AuthenticationError,
+    ParameterServerUnavailableError,
+    ProtocolError,
+    TaskUnavailableError,
+    VariableError,
+)
+from phalanx.ps.transport import TransportError
+
+TRANSIENT_ATTEMPTS = 3
+RETRY_DELAY = 0.1
+PS_SERVICE = "phalanx.ParameterServer"
+WORKER_SERVICE = "phalanx.Worker"
+
+
+class RemoteTask:
+    """Calls to one task (``job``/``index`` at ``address``) over ``transport``.
+
+    Args:
+        rpc_timeout: deadline of each call, in seconds (None: no deadline; for closures, which a
+            heartbeat watches instead).
+    """
+
+    def __init__(self, job: str, index: int, address: str, transport: Any, secret: bytes, rpc_timeout: float) -> None:
+        self.job, self.index, self.address = job, index, address
+        self.name = f"{job}:{index}"
+        self._transport = transport
+        self._secret = secret
+        self.rpc_timeout = rpc_timeout
+        self._service = PS_SERVICE if job == "ps" else WORKER_SERVICE
+        self._channel = transport.connect(address, self._service)
+
+    def reconnect(self) -> None:
+        """A fresh channel (after the task died: no stale connection state is kept)."""
+        old, self._channel = self._channel, self._transport.connect(self.address, self._service)
+        old.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def unavailable(self, cause: str) -> TaskUnavailableError:
+        cls = ParameterServerUnavailableError if self.job == "ps" else TaskUnavailableError
+        return cls(self.index, self.address, cause)
+
+    def translate(self, method: str, e: TransportError) -> Exception:
+        """The typed error for a failed call."""
+        if e.transient or e.code == "cancelled":
+            return self.unavailable(f"{method}: {e.code} ({e.detail})")
+        if e.code == "unauthenticated":
+            return AuthenticationError(f"{self.name} at {self.address} refused our {method!r} request: {e.detail}",
+                                       hint="every task must have the same PHALANX_CLUSTER_SECRET")
+        if e.code == "not_found":
+            if self.job == "ps":
+                # A parameter server that no longer knows a variable has restarted and lost its state.
+                return self.unavailable(f"{method}: {e.detail} (the parameter server restarted and lost its variables?)")
+            return VariableError(f"{self.name}: {e.detail}")
+        if e.code == "invalid":
+            return VariableError(f"{self.name} refused {method!r}: {e.detail}")
+        return ProtocolError(f"{self.name} failed {method!r}: {e.code} ({e.detail})")
+
+    def encode(self, method: str, header: Mapping[str, Any] | None = None, tensors: Sequence[torch.Tensor] = (),
+               blobs: Sequence[bytes] = ()) -> bytes:
+        return wire.encode(method, header, tensors, blobs, secret=self._secret)
+
+    def decode(self, method: str, reply: bytes) -> wire.Message:
+        return wire.decode(method, reply, secret=self._secret, reply=True)
+
+    def call(self, method: str, header: Mapping[str, Any] | None = None, tensors: Sequence[torch.Tensor] = (),
+             blobs: Sequence[bytes] = (), *, timeout: float | None = -1.0, attempts: int = TRANSIENT_ATTEMPTS
+             ) -> wire.Message:
+        """Sends one request and returns the verified reply."""
+        body = self.encode(method, header, tensors, blobs)
+        return self.call_encoded(method, body, timeout=timeout, attempts=attempts)
+
+    def call_encoded(self, method: str, body: bytes, *, timeout: float | None = -1.0,
+                     attempts: int = TRANSIENT_ATTEMPTS) -> wire.Message:
+        timeout = self.rpc_timeout if timeout == -1.0 else timeout
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.decode(method, self._channel.call(method, body, timeout))
+            except TransportError as e:
+                if not e.transient or e.code == "deadline" or attempt == attempts:
+                    raise self.translate(method, e) from None
+            time.sleep(RETRY_DELAY)
+        raise AssertionError("unreachable")
+
+    def start(self, method: str, body: bytes, timeout: float | None = -1.0) -> Any:
+        timeout = self.rpc_timeout if timeout == -1.0 else timeout
+        return self._channel.start(method, body, timeout)
+
+
+def call_all(calls: Sequence[tuple[RemoteTask, str, Mapping[str, Any], Sequence[torch.Tensor]]]
+             ) -> list[wire.Message]:
+    """Sends requests to several tasks at once and returns their replies in order.
+
+    A request that fails transiently is retried on its own (see :class:`RemoteTask`); the first
+    error that remains is raised after every request has ended.
+    """
+    if len(calls) == 1:
+        task, method, header, tensors = calls[0]
+        return [task.call(method, header, tensors)]
+    bodies = [task.encode(method, header, tensors) for task, method, header, tensors in calls]
+    pending = [task.start(method, body) for (task, method, _, _), body in zip(calls, bodies)]
+    out: list[wire.Message | None] = []
+    first_error: Exception | None = None
+    for (task, method, _, _), body, p in zip(calls, bodies, pending):
+        try:
+            try:
+                out.append(task.decode(method, p.result(timeout=None)))
+            except TransportError as e:
+                if not e.transient or e.code == "deadline":
+                    raise task.translate(method, e) from None
+                out.append(task.call_encoded(method, body, attempts=TRANSIENT_ATTEMPTS - 1))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every call has ended
+            out.append(None)
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return out  # type: ignore[return-value]

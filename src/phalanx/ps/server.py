@@ -1,0 +1,238 @@
+"""A parameter server: holds variable shards and applies updates to them as they arrive.
+
+The service has a fixed set of operations and nothing else (gRPC answers any other method name
+with ``UNIMPLEMENTED``); none of them deserializes code. Every request must carry the cluster
+secret's signature, checked before the request is parsed (:mod:`phalanx.ps.wire`).
+
+=========  ===================================================================================
+ping       who am I (task, pid, incarnation), how many variables and updates
+create     create variables with initial values; an existing one keeps its value
+read       current values
+assign     overwrite values (the chief restoring a checkpoint, or writing a variable)
+add        add deltas atomically (counters, moving statistics changed by a scheduled function)
+apply      apply gradients with this server's optimizer for the variable
+shutdown   stop serving (the coordinator shuts the cluster down)
+=========  ===================================================================================
+
+Optimizer state lives here, next to its variable: the first ``apply`` for a variable builds a
+``torch.optim`` optimizer of the class the worker's optimizer has (by name, only classes defined
+in ``torch.optim``), with that optimizer's hyperparameters; later requests refresh the
+hyperparameters (so a learning-rate schedule on the chief reaches the servers). Updates are
+asynchronous: each is applied under its variable's lock as soon as it arrives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx.ps import wire
+from phalanx.ps.client import PS_SERVICE
+from phalanx.ps.errors import AuthenticationError, ProtocolError
+from phalanx.ps.transport import ServiceError
+
+log = logging.getLogger("phalanx.ps")
+
+_REFUSED_OPTIMIZERS = {"LBFGS"}  # needs a closure that re-evaluates the loss: not possible on a server
+
+
+def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` optimizer class called ``name``; nothing outside ``torch.optim`` is accepted."""
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if (not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer) or cls is torch.optim.Optimizer
+            or not cls.__module__.startswith("torch.optim") or name in _REFUSED_OPTIMIZERS):
+        raise ServiceError("invalid", f"optimizer {name!r} is not a torch.optim optimizer that a parameter server "
+                                      f"can run (LBFGS and optimizers outside torch.optim are not supported)")
+    return cls
+
+
+def _hyper(config: dict[str, Any]) -> dict[str, Any]:
+    # JSON turns tuples (Adam's betas) into lists; torch.optim wants tuples.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.get("hyper", {}).items()}
+
+
+class _Slot:
+    __slots__ = ("lock", "optimizer", "optimizer_class", "updates", "value")
+
+    def __init__(self, value: torch.Tensor, trainable: bool) -> None:
+        self.value = torch.nn.Parameter(value, requires_grad=True) if trainable else value
+        self.lock = threading.Lock()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_class = ""
+        self.updates = 0
+
+    def apply(self, grad: torch.Tensor, config: dict[str, Any]) -> None:
+        if not isinstance(self.value, torch.nn.Parameter):
+            raise ServiceError("invalid", "gradient for a non-trainable variable")
+        name = config.get("class")
+        hyper = _hyper(config)
+        if self.optimizer is None or self.optimizer_class != name:
+            cls = optimizer_class(name)
+            accepted = inspect.signature(cls.__init__).parameters
+            try:
+                self.optimizer = cls([self.value], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
+            except (TypeError, ValueError) as e:
+                raise ServiceError("invalid", f"cannot build {name}: {e}") from None
+            self.optimizer_class = name
+        group = self.optimizer.param_groups[0]
+        for k, v in hyper.items():
+            if k != "params" and k in group:
+                group[k] = v
+        self.value.grad = grad
+        self.optimizer.step()
+        self.value.grad = None
+        self.updates += 1
+
+
+class ParameterServerService:
+    """The operations of parameter server ``ps:index``; see the module docstring.
+
+    Args:
+        index: this server's task index.
+        secret: the cluster secret; requests without its signature are refused and logged.
+        on_shutdown: called once when the coordinator asks the server to stop.
+    """
+
+    NAME = PS_SERVICE
+    METHODS = ("ping", "create", "read", "assign", "add", "apply", "shutdown")
+
+    def __init__(self, index: int, secret: bytes, on_shutdown: Callable[[], None] | None = None) -> None:
+        self.index = index
+        self.task = f"ps:{index}"
+        self.incarnation = uuid.uuid4().hex
+        self._secret = secret
+        self._on_shutdown = on_shutdown
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+        self.last_contact = 0.0
+
+    # ------------------------------------------------------------------------------ dispatch
+    def handle(self, method: str, body: bytes, peer: str) -> bytes:
+        if method not in self.METHODS:
+            raise ServiceError("unimplemented", f"{self.task} has no operation {method!r}")
+        try:
+            msg = wire.decode(method, body, secret=self._secret)
+        except AuthenticationError as e:
+            self.refused += 1
+            log.warning("phalanx %s: refused a %r request from %s: %s", self.task, method, peer, e)
+            raise ServiceError("unauthenticated", str(e)) from None
+        except ProtocolError as e:
+            log.warning("phalanx %s: malformed %r request from %s: %s", self.task, method, peer, e)
+            raise ServiceError("invalid", str(e)) from None
+        self.last_contact = time.monotonic()
+        if msg.blobs:
+            # No operation of a parameter server takes anything but tensors: nothing is ever unpickled here.
+            raise ServiceError("invalid", f"{self.task}: {method!r} takes tensors only; the request carried blobs")
+        header, tensors = getattr(self, f"_op_{method}")(msg)
+        return wire.encode(method, header, tensors, secret=self._secret, reply=True)
+
+    def _keys(self, msg: wire.Message, with_tensors: bool = True) -> list[str]:
+        keys = msg.header.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ServiceError("invalid", "'keys' must be a list of variable names")
+        if with_tensors and len(keys) != len(msg.tensors):
+            raise ServiceError("invalid", f"{len(keys)} keys but {len(msg.tensors)} tensors")
+        return keys
+
+    def _slot(self, key: str) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise ServiceError("not_found", f"{self.task} has no variable {key!r}")
+        return slot
+
+    @staticmethod
+    def _check(slot: _Slot, key: str, value: torch.Tensor) -> None:
+        if value.shape != slot.value.shape or value.dtype != slot.value.dtype:
+            raise ServiceError("invalid", f"variable {key!r} is {slot.value.dtype} {list(slot.value.shape)}; "
+                                          f"received {value.dtype} {list(value.shape)}")
+
+    # ------------------------------------------------------------------------------ operations
+    def _op_ping(self, msg: wire.Message) -> tuple[dict, list]:
+        with self._lock:
+            updates = sum(s.updates for s in self._slots.values())
+            count = len(self._slots)
+        return {"task": self.task, "pid": os.getpid(), "incarnation": self.incarnation, "variables": count,
+                "updates": updates, "refused": self.refused}, []
+
+    def _op_create(self, msg: wire.Message) -> tuple[dict, list]:
+        specs = msg.header.get("vars")
+        if not isinstance(specs, list) or len(specs) != len(msg.tensors):
+            raise ServiceError("invalid", "'vars' must list one entry per tensor")
+        created, existing = [], []
+        with self._lock:
+            for spec, value in zip(specs, msg.tensors):
+                key = spec.get("key") if isinstance(spec, dict) else None
+                if not isinstance(key, str):
+                    raise ServiceError("invalid", f"malformed variable entry {spec!r}")
+                if key in self._slots:
+                    self._check(self._slots[key], key, value)
+                    existing.append(key)
+                else:
+                    self._slots[key] = _Slot(value, bool(spec.get("trainable", False)) and value.is_floating_point())
+                    created.append(key)
+        return {"created": created, "existing": existing}, []
+
+    def _op_read(self, msg: wire.Message) -> tuple[dict, list]:
+        out = []
+        for key in self._keys(msg, with_tensors=False):
+            slot = self._slot(key)
+            with slot.lock:
+                out.append(slot.value.detach().clone())
+        return {}, out
+
+    def _op_assign(self, msg: wire.Message) -> tuple[dict, list]:
+        for key, value in zip(self._keys(msg), msg.tensors):
+            slot = self._slot(key)
+            self._check(slot, key, value)
+            with slot.lock, torch.no_grad():
+                slot.value.copy_(value)
+        return {}, []
+
+    def _op_add(self, msg: wire.Message) -> tuple[dict, list]:
+        for key, delta in zip(self._keys(msg), msg.tensors):
+            slot = self._slot(key)
+            self._check(slot, key, delta)
+            with slot.lock, torch.no_grad():
+                slot.value.add_(delta)
+        return {}, []
+
+    def _op_apply(self, msg: wire.Message) -> tuple[dict, list]:
+        keys = self._keys(msg)
+        group_of, optimizers = msg.header.get("group_of"), msg.header.get("optimizers")
+        if (not isinstance(group_of, list) or len(group_of) != len(keys) or not isinstance(optimizers, list)
+                or not all(isinstance(g, int) and 0 <= g < len(optimizers) for g in group_of)
+                or not all(isinstance(o, dict) for o in optimizers)):
+            raise ServiceError("invalid", "'group_of' must give each key an index into 'optimizers'")
+        for key, grad, g in zip(keys, msg.tensors, group_of):
+            slot = self._slot(key)
+            self._check(slot, key, grad)
+            with slot.lock:
+                slot.apply(grad, optimizers[g])
+        return {}, []
+
+    def _op_shutdown(self, msg: wire.Message) -> tuple[dict, list]:
+        log.info("phalanx %s: shutting down at the coordinator's request", self.task)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        return {}, []
+
+    # ------------------------------------------------------------------------------ introspection
+    def value(self, key: str) -> torch.Tensor:
+        """The current value of ``key`` (for tests and debugging in the server's process)."""
+        slot = self._slot(key)
+        with slot.lock:
+            return slot.value.detach().clone()
+
+    @property
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)

@@ -1,0 +1,134 @@
+"""ParameterServerStrategy with real processes over gRPC: convergence, worker and PS faults, security.
+
+Each cluster is a set of processes on 127.0.0.1 under a hard timeout (conftest's run_job / run_jobs).
+The chief of tests/scripts/ps_job.py writes what it measured to JSON; the tests check it here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_ports, run_job, run_jobs
+
+pytest.importorskip("grpc")
+pytest.importorskip("cloudpickle")
+
+SCRIPTS = Path(__file__).parent / "scripts"
+JOB = SCRIPTS / "ps_job.py"
+SECRET = "test-cluster-secret-0123456789abcdef"
+RPC_TIMEOUT = 2.0
+
+
+def _cluster_jobs(out: Path, mode: str, num_ps: int, num_workers: int, chief: bool = True) -> list:
+    ports = free_ports(1 + num_ps + num_workers)
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
+               "worker": [f"127.0.0.1:{p}" for p in ports[1:1 + num_workers]],
+               "ps": [f"127.0.0.1:{p}" for p in ports[1 + num_workers:]]}
+    tasks = ([("chief", 0)] if chief else []) + [("worker", i) for i in range(num_workers)] + \
+        [("ps", i) for i in range(num_ps)]
+    env = {"PHALANX_CLUSTER_SECRET": SECRET, "PHALANX_RPC_TIMEOUT": str(RPC_TIMEOUT), "OMP_NUM_THREADS": "1"}
+    return [([sys.executable, str(JOB), str(out), mode],
+             {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})}) for t, i in tasks]
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory):
+    """One `phalanx run --ps 2 --workers 3` job: fault-free convergence, then worker faults."""
+    out = tmp_path_factory.mktemp("ps_cluster")
+    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "--ps", "2", "--workers", "3", "--max-restarts", "2",
+                      str(JOB), str(out), "converge"],
+                     timeout=170, cwd=out, env={"PHALANX_RPC_TIMEOUT": str(RPC_TIMEOUT)})
+    assert result.returncode == 0, result.logs()[-6000:]
+    return out, result
+
+
+def _read(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_two_ps_three_workers_converge_like_one_device(cluster_run):
+    out, _ = cluster_run
+    rec = _read(out, "converge")
+    gap = abs(rec["ps_loss"] - rec["ref_loss"]) / rec["ref_loss"]
+    print(f"\nconvergence: PS (2 ps, 3 workers) loss {rec['ps_loss']:.6f}, one device {rec['ref_loss']:.6f} "
+          f"(gap {100 * gap:.2f}%), {rec['steps_per_s']:.0f} steps/s, per worker {rec['per_worker']}")
+    assert gap < 0.02
+    assert rec["iterations"] == 300
+    assert sum(rec["per_worker"]) == 300 and min(rec["per_worker"]) > 0  # every worker took part
+    assert sum(rec["updates"]) == 2 * 300  # weight on one server, bias on the other: one update each per step
+
+
+def test_worker_killed_between_functions_gives_exactly_n(cluster_run):
+    rec = _read(cluster_run[0], "workers")
+    assert rec["between"]["iterations"] == rec["between"]["expected"], rec["between"]
+
+
+def test_worker_killed_mid_function_reruns_at_least_once(cluster_run):
+    rec = _read(cluster_run[0], "workers")
+    mid = rec["mid"]
+    print(f"\nmid-function kill: {mid}")
+    assert rec["killed_mid_function"]
+    assert mid["all_fetched"]
+    assert mid["scheduled"] <= mid["iterations"] <= mid["scheduled"] + max(1, mid["in_flight"])
+    assert abs(rec["loss"] - rec["ref_loss"]) / rec["ref_loss"] < 0.02
+
+
+def test_restarted_workers_rejoin_with_rebuilt_datasets(cluster_run):
+    out, result = cluster_run
+    rec = _read(out, "workers")
+    assert rec["restarted_first_batch"] == [0, 0], rec  # both came back, got work, read their dataset from the start
+    assert "restarting it" in result.output
+
+
+def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_path):
+    start = time.time()
+    results = run_jobs(_cluster_jobs(tmp_path, "ps_fault", num_ps=2, num_workers=2), timeout=120, cwd=tmp_path)
+    rec = _read(tmp_path, "ps_fault")
+    logs = "\n".join(r.output for r in results)
+    assert results[0].returncode == 0, logs[-6000:]
+    ends = [start + r.elapsed for r in results]
+    print(f"\nPS killed: {rec['error']} after {rec['detect_s']:.2f}s (RPC timeout {rec['rpc_timeout']}s), "
+          f"shutdown {rec['shutdown_s']:.2f}s, every process gone {max(ends) - rec['t_err']:.2f}s after the error\n"
+          f"  {rec['message'][:150]}")
+    assert rec["error"] == "ParameterServerUnavailableError"
+    assert "/job:ps/replica:0/task:1" in rec["message"]
+    assert rec["detect_s"] < rec["rpc_timeout"] + 1.0
+    assert rec["schedule_raised"] == "ParameterServerUnavailableError"
+    assert rec["shutdown_s"] < 10.0
+    assert max(ends) - rec["t_err"] < 10.0
+    assert results[-1].returncode == -9  # ps:1, killed; the others ended on the coordinator's shutdown
+    assert all(r.returncode == 0 for r in results[:-1]), [r.returncode for r in results]
+
+    # A new cluster (other ports, one ps and one worker) restores the checkpoint through the chief.
+    results = run_jobs(_cluster_jobs(tmp_path, "resume", num_ps=1, num_workers=1), timeout=120, cwd=tmp_path)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.output for r in results)[-6000:]
+    resumed = _read(tmp_path, "resume")
+    print(f"resumed from step {resumed['start']}: steps {resumed['steps']}, loss {resumed['loss']:.6f} "
+          f"(one device {resumed['ref_loss']:.6f})")
+    assert resumed["start"] == rec["checkpoint_step"] == 60
+    assert resumed["steps"] == [resumed["start"] + 60 * k for k in range(1, 5)]  # monotone from the checkpoint
+    assert abs(resumed["loss"] - resumed["ref_loss"]) / resumed["ref_loss"] < 0.02
+
+
+def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path):
+    jobs = _cluster_jobs(tmp_path, "serve", num_ps=1, num_workers=1, chief=False)
+    cluster = json.loads(jobs[0][1]["TF_CONFIG"])["cluster"]
+    attacker = ([sys.executable, str(SCRIPTS / "ps_attack.py"), str(tmp_path), cluster["ps"][0], cluster["worker"][0]],
+                {"PHALANX_CLUSTER_SECRET": SECRET})
+    results = run_jobs(jobs + [attacker], timeout=90, cwd=tmp_path)
+    logs = "\n".join(r.output for r in results)
+    assert all(r.returncode == 0 for r in results), logs[-6000:]
+    rec = _read(tmp_path, "attack")
+    assert not rec["marker_exists"] and not (tmp_path / "pwned").exists()
+    for r in rec["results"]:
+        expected = "unimplemented" if r["payload"] == "unknown method" else \
+            "invalid" if r["payload"].startswith("correctly signed") else "unauthenticated"
+        assert r["code"] == expected, r
+        assert r["seconds"] < 1.0, r
+    assert rec["after"]["ps"]["refused"] >= 7 and rec["after"]["worker"]["refused"] >= 8
+    assert rec["listening"] and all(a.rsplit(":", 1)[0] in ("127.0.0.1", "::ffff:127.0.0.1") for a in rec["listening"])
+    assert "refused a 'create' request from ipv4:127.0.0.1" in results[1].output  # logged with the peer
