@@ -64,3 +64,22 @@ def test_phalanx_run_single_host_mwms(tmp_path):
                    "0"], timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.logs()
     _check_equivalence(tmp_path, 2, tmp_path, "adam")
+
+
+def test_hierarchical_all_reduce_two_hosts_of_two(tmp_path):
+    """Shared memory within each (simulated) host, gloo between hosts; same numbers as one device."""
+    (port,) = free_ports(1)
+    jobs = [([sys.executable, "-m", "phalanx.cli", "run", "--nnodes", "2", "--node-rank", str(i),
+              "--master", f"127.0.0.1:{port}", "-n", "2", str(EQUIV), str(tmp_path), "adam", "mwms", "0"],
+             {"PHALANX_HOST_ID": f"host{i}"}) for i in range(2)]
+    results = run_jobs(jobs, timeout=150, cwd=tmp_path)
+    assert all(r.returncode == 0 for r in results), [r.output for r in results]
+    diff = _check_equivalence(tmp_path, 4, tmp_path, "adam")
+    print(f"\nMWMS 2 hosts x 2, shared memory + gloo: max diff {diff:.3g}")
+
+
+def test_plain_gloo_path_without_shared_memory(tmp_path):
+    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms",
+                   "0"], timeout=120, cwd=tmp_path, env={"PHALANX_SHM": "0"})
+    assert res.returncode == 0, res.logs()
+    _check_equivalence(tmp_path, 2, tmp_path, "sgd")

@@ -115,6 +115,14 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _host_id() -> str:
+    """What makes two processes "the same host" (shared memory, /proc): the hostname.
+
+    ``PHALANX_HOST_ID`` overrides it, so tests can make processes of one machine act as hosts.
+    """
+    return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
+
+
 def _process_state(pid: int) -> str:
     """'R'/'S'/... from /proc, 'Z' for a zombie, 'T' when stopped, '' when gone."""
     try:
@@ -148,6 +156,7 @@ class GlooCommunicator:
         self._peers = self._rendezvous(spec)
         self.same_host = len({p["host"] for p in self._peers.values()}) == 1
         self.pg = self._make_group(backend, dist.PrefixStore("pg", self._store))
+        self._shm, self._cross = self._fast_path(backend)
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -172,7 +181,7 @@ class GlooCommunicator:
         """Publishes this rank's fingerprint, waits for everyone's and compares them."""
         mine = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
                 **dict(spec.fingerprint)}
-        me = {"fingerprint": mine, "host": socket.gethostname(), "pid": os.getpid()}
+        me = {"fingerprint": mine, "host": _host_id(), "pid": os.getpid()}
         self._store.set(f"rdzv/{spec.rank}", json.dumps(me, sort_keys=True, default=str))
         deadline = time.monotonic() + spec.rendezvous_timeout
         peers: dict[int, dict[str, Any]] = {spec.rank: me}
@@ -210,6 +219,37 @@ class GlooCommunicator:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
             return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
 
+    def _fast_path(self, backend: str) -> tuple[Any, Any]:
+        """Shared memory among the ranks of each host, gloo between hosts (hierarchical).
+
+        Within a host, all-reduces go through a shared-memory segment: no sockets, no thread
+        hand-offs. Across hosts, after the local sum, the ranks with the same local index
+        all-reduce over gloo, so each host's sum crosses the network once per local rank and
+        every rank ends with the same bits. ``PHALANX_SHM=0`` turns the fast path off.
+        """
+        if backend != "gloo" or os.environ.get("PHALANX_SHM", "1") == "0":
+            return None, None
+        from phalanx.comm.shm import ShmAllReduce
+
+        hosts: dict[str, list[int]] = {}
+        for r in sorted(self._peers):
+            hosts.setdefault(str(self._peers[r]["host"]), []).append(r)
+        order = sorted(hosts, key=lambda h: hosts[h][0])
+        mine = hosts[str(self._peers[self.rank]["host"])]
+        if len(hosts) > 1 and len({len(v) for v in hosts.values()}) != 1:
+            return None, None  # uneven hosts: plain gloo keeps every rank's collectives alike
+        shm = None
+        if len(mine) > 1:
+            with self._translate("shared-memory set-up"):
+                shm = ShmAllReduce(mine.index(self.rank), len(mine),
+                                   dist.PrefixStore(f"shm/{order.index(str(self._peers[self.rank]['host']))}",
+                                                    self._store), timeout=self.spec.timeout)
+        cross = None
+        if len(hosts) > 1:
+            k = mine.index(self.rank)
+            cross = self.subgroup([hosts[h][k] for h in order], tag=f"cross-host-{k}")
+        return shm, cross
+
     def _beat(self) -> None:
         # A separate client connection, so the heartbeat never queues behind the main thread's calls.
         try:
@@ -225,7 +265,7 @@ class GlooCommunicator:
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
         """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest."""
-        host = socket.gethostname()
+        host = _host_id()
         local = [r for r, info in self._peers.items() if r != self.rank and info["host"] == host]
         remote = [r for r in self._peers if r != self.rank and r not in local]
         suspects: list[int] = []
@@ -270,10 +310,27 @@ class GlooCommunicator:
         """Starts an in-place all-reduce of ``tensor``; ``op`` is sum, mean, max, min or product."""
         native = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                   "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[op]
+        if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
+            return self._hierarchical_all_reduce(tensor, op, native)
         with self._translate("all-reduce"):
             work = self.pg.allreduce([tensor], native)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" else None
         return Handle(tensor, lambda: self._wait(work, "all-reduce"), post)
+
+    def _hierarchical_all_reduce(self, tensor: torch.Tensor, op: str, native: Any) -> Handle:
+        if self._shm is not None:
+            try:
+                self._shm.all_reduce(tensor, "sum" if op == "mean" else op)
+            except PeerUnavailableError as e:  # keep its kind (dead vs stalled); name peers the job's way
+                peers = [self.spec.name(r) for r in self._unresponsive_peers()]
+                raise type(e)(peers, step=self.step, operation=f"all-reduce on {self.spec.name(self.rank)}",
+                              cause=str(e.args[0]).split(" HINT:")[0][:300]) from e
+        with self._translate("all-reduce"):
+            if self._cross is not None:
+                self._cross.allreduce([tensor], native).wait()
+        if op == "mean":
+            tensor.div_(self.world_size) if tensor.is_floating_point() else tensor.floor_divide_(self.world_size)
+        return Handle(tensor)
 
     def _wait(self, work: Any, operation: str) -> None:
         with self._translate(operation):
@@ -330,7 +387,9 @@ class GlooCommunicator:
             return
         self._closed = True
         self._stop.set()
-        self._heartbeat.join(timeout=2)
+        if self._shm is not None:
+            self._shm.close()
+        self._heartbeat.join(timeout=6)  # it may be inside a store call with a 5 s timeout
         with contextlib.suppress(Exception):
             self.pg.shutdown()
         self.pg = None

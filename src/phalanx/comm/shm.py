@@ -3,7 +3,7 @@
 The processes of a job that share a host exchange tensors through one shared-memory segment
 instead of loopback TCP, as NCCL's SHM transport and DeepSpeed's CPU all-reduce do. Gloo pays
 ~200-600 us per call on thread hand-offs and socket wake-ups; here a small all-reduce is a
-copy, a counter store and a handful of torch ops.
+copy, a counter store and a few vectorised array ops on the calling thread.
 
 Protocol. Every call is split into *steps* (one step for a small tensor, one per chunk for a
 large one); all ranks run the same steps, numbered 1, 2, ... Each rank owns two int64 counters in
@@ -14,8 +14,12 @@ step ``s``; it can only reach step ``s + 2`` after every peer arrived at ``s + 1
 every peer finished reading step ``s``. Hence one wait per step for small tensors and two
 (reduce-scatter, all-gather) for large ones.
 
-Determinism. Every element is reduced in rank order (``((x0 + x1) + x2) ...``) by exactly one
-set of torch ops, so all ranks get the same bits and SUM equals the rank-order sum.
+Determinism. Every element is reduced in rank order (``((x0 + x1) + x2) ...``), rounding after
+each binary op in the tensor's dtype, by the same code on every rank, so all ranks get the same
+bits and SUM equals the rank-order sum computed with torch.
+
+Threads. Nothing here uses torch's intra-op thread pool (see ``_STORAGE``), so results and speed
+do not depend on ``torch.set_num_threads``, and no global setting is touched.
 
 Failure. Every wait has a deadline and polls the peers' liveness every few milliseconds, so a
 dead peer raises :class:`~phalanx.errors.PeerUnavailableError` and a stalled one
@@ -43,6 +47,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from phalanx.errors import (
@@ -54,12 +59,23 @@ from phalanx.errors import (
 
 __all__ = ["ShmAllReduce"]
 
-_OPS = {"sum": torch.add, "mean": torch.add, "product": torch.mul,
-        "max": torch.maximum, "min": torch.minimum}
-_OP_CODES = {name: code for code, name in enumerate(_OPS)}
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate((
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64))}
+_UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply,
+           "max": np.maximum, "min": np.minimum}
+_TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul,
+              "max": torch.maximum, "min": torch.minimum}
+_OP_CODES = {name: code for code, name in enumerate(_UFUNCS)}
+# Data moves as numpy arrays over the tensors' memory: numpy never starts threads, while a
+# torch op above 32768 elements enters the intra-op pool, and with 2 threads in each of 2
+# processes on 2 cores, pool threads and waiting peers starve each other (1 MB: 130 ms).
+_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+            torch.bfloat16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+            torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_STORAGE)}
+# numpy has no bfloat16 and no vectorised float16 math (40x slower than torch), and no
+# truncating integer division: these use torch ops of at most at::internal::GRAIN_SIZE
+# elements, which torch runs on the calling thread.
+_TORCH_MATH = (torch.float16, torch.bfloat16)
+_GRAIN = 32768
 
 _MAGIC = 0x3178_6E61_6C61_6870  # b"phalanx1", little-endian
 # Control block of one rank, in int64 slots: `arrived` shares its cache line with the step
@@ -69,10 +85,11 @@ _RANK_BYTES = 256
 _ARRIVED, _SIG, _REDUCED = 0, 1, 16  # _SIG + parity
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
 
-# Tuned on a 2-core VM, 2 processes: up to 256 KiB one copy + every rank reducing everything
-# (11-30 us) beats reduce-scatter/all-gather with its second wait (25-36 us); steps of 1-2 MiB
-# gave the best bandwidth (9-13 GB/s; 0.25 MiB: 7, 8 MiB: 5.5, where data leaves the caches
-# between the peers' passes).
+# Tuned on a 2-core VM, 2 processes (medians of 7 interleaved rounds): up to 256 KiB one copy
+# + every rank reducing everything (32 KiB: 14 us, 256 KiB: 30 us) beats reduce-scatter/
+# all-gather with its second wait (22, 37 us; equal at 512 KiB). Steps of 1 MiB gave the best
+# bandwidth at 1/16/64 MiB (12/9.3/9.0 GB/s; 256 KiB steps: 8.6/6.9/6.7, 4 MiB: 12/5.4/6.0,
+# where a step no longer stays in the caches between the peers' passes).
 _SMALL_MAX_BYTES = 256 << 10
 _MAX_CHUNK_BYTES = 1 << 20
 
@@ -135,8 +152,8 @@ class _Segment:
         finally:
             os.close(fd)
         self.words = memoryview(self.mm).cast("q")  # counters: fast scalar reads/writes
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
+        self.views: dict[Any, list[list[np.ndarray]]] = {}
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -151,7 +168,7 @@ class _Segment:
         if self.mm is None:
             return
         self.views.clear()
-        self.bytes = None  # type: ignore[assignment]
+        self.bytes = None
         self.words.release()
         try:
             self.mm.close()
@@ -160,15 +177,49 @@ class _Segment:
         self.mm = None
 
 
+class _Reduction:
+    """``out = ((srcs[0] op srcs[1]) op srcs[2]) ...`` (/ world_size for MEAN), in place."""
+
+    def __init__(self, dtype: torch.dtype, op: str, world_size: int) -> None:
+        self.dtype, self.world_size, self.mean = dtype, world_size, op == "mean"
+        self.ufunc = None if dtype in _TORCH_MATH else _UFUNCS[op]
+        self.torch_fn = _TORCH_FNS[op]
+
+    def __call__(self, out: np.ndarray, srcs: list[np.ndarray]) -> None:
+        if self.ufunc is not None:
+            self.ufunc(srcs[0], srcs[1], out=out)
+            for src in srcs[2:]:
+                self.ufunc(out, src, out=out)
+            if not self.mean:
+                return
+            if out.dtype.kind == "f":
+                np.true_divide(out, self.world_size, out=out)
+                return
+        # torch math, in pieces that stay on this thread (one piece if torch has one thread)
+        piece = max(1, out.size) if torch.get_num_threads() == 1 else _GRAIN
+        view = (lambda a: torch.from_numpy(a).view(self.dtype)) if self.dtype == torch.bfloat16 \
+            else torch.from_numpy
+        for i in range(0, out.size, piece):
+            o = view(out[i:i + piece])
+            if self.ufunc is None:
+                ins = [view(src[i:i + piece]) for src in srcs]
+                self.torch_fn(ins[0], ins[1], out=o)
+                for t in ins[2:]:
+                    self.torch_fn(o, t, out=o)
+            if self.mean:
+                if o.is_floating_point():
+                    o.div_(self.world_size)
+                else:
+                    o.div_(self.world_size, rounding_mode="trunc")
+
+
 class ShmAllReduce:
     """All-reduce through shared memory among the ``world_size`` processes of one host.
 
     All ranks must construct their instances in the same order and call :meth:`all_reduce`
-    with tensors of the same shape, dtype and op in the same order, as with any collective.
-    Tensors are CPU tensors of dtype float32/64, float16, bfloat16 or (u)int8/16/32/64.
-    Torch ops run with the process's intra-op thread setting, which this class leaves alone;
-    with one process per core, ``torch.set_num_threads(1)`` in each process avoids
-    oversubscription.
+    with tensors of the same numel, dtype and op in the same order, as with any collective
+    (a mismatch is detected and raises). One thread per instance at a time.
+    Tensors are CPU tensors of dtype float32/64, float16, bfloat16, int8/16/32/64 or uint8.
 
     Args:
         rank: this process's index among the processes sharing the segment, 0..world_size-1.
@@ -177,9 +228,10 @@ class ShmAllReduce:
             the segment name and the pids (with the store's own timeout).
         prefix: namespace for store keys and the segment name.
         timeout: seconds any single wait may take before `CollectiveTimeoutError`.
-        capacity_bytes: size of the segment's data area. A step moves at most
-            ``capacity_bytes / (2 * world_size)`` bytes of the tensor (capped at a tuned 1 MiB);
-            larger tensors are processed in chunks.
+        capacity_bytes: upper bound on the segment's data area, which holds two (parities)
+            step buffers per rank. A step moves ``capacity_bytes / (2 * world_size)`` bytes of
+            the tensor, capped at a tuned 1 MiB (so the default 16 MiB maps 4 MiB for 2 ranks);
+            larger tensors are processed in chunks of that size.
 
     Example:
         >>> comm = ShmAllReduce(rank, world_size, store)  # doctest: +SKIP
@@ -202,7 +254,7 @@ class ShmAllReduce:
             raise ValueError(f"capacity_bytes={capacity_bytes} is too small; need at least "
                              f"{2 * world_size * 4096}.")
         self._chunk_bytes = chunk
-        self._header = -(-(world_size + 1) * _RANK_BYTES // 4096) * 4096  # block 0: magic, n, size
+        self._header = -(-(world_size + 1) * _RANK_BYTES // 4096) * 4096  # block 0: magic, world_size
         self._stride = _RANK_BYTES // 8
         size = self._header + 2 * world_size * chunk
         self._seg, self._peers = self._rendezvous(store, prefix, size)
@@ -218,8 +270,6 @@ class ShmAllReduce:
         if rank == 0:
             name = f"{prefix}-shm-{os.getpid()}-{secrets.token_hex(8)}"
             seg = _Segment(os.path.join(_SHM_DIR, name), size, create=True)
-            seg.words[1], seg.words[2], seg.words[0] = n, size, _MAGIC
-            store.set(f"{base}/name", name)
         else:
             name = store.get(f"{base}/name").decode()
             try:
@@ -228,17 +278,21 @@ class ShmAllReduce:
                 raise DistributedRuntimeError(
                     f"Rank {rank} cannot open shared segment {name!r} in {_SHM_DIR}.",
                     hint="ShmAllReduce needs every rank on one host (and one /dev/shm)") from None
-            if (seg.words[0], seg.words[1]) != (_MAGIC, n):
-                seg.release()
+        try:
+            if rank == 0:
+                seg.words[1], seg.words[0] = n, _MAGIC
+                store.set(f"{base}/name", name)
+            elif (seg.words[0], seg.words[1]) != (_MAGIC, n):
                 raise DistributedRuntimeError(f"Shared segment {name!r} is not for this job.",
                                               hint="all ranks must pass the same world_size")
-        try:
             store.set(f"{base}/pid/{rank}", f"{os.getpid()} {_start_time(os.getpid())}")
             keys = [f"{base}/pid/{j}" for j in range(n)]
             try:
                 store.wait(keys)
             except Exception:
                 missing = [f"rank {j}" for j in range(n) if not store.check([keys[j]])]
+                if not missing:
+                    raise
                 raise RendezvousTimeoutError(missing, store.timeout.total_seconds()) from None
             peers = {}
             for j in range(n):
@@ -250,14 +304,13 @@ class ShmAllReduce:
         seg.unlink()  # every rank has mapped it: the kernel frees it with the last mapping
         return seg, peers
 
-    def _regions(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
-        """Typed views of the data regions, indexed [parity][rank]; cached per dtype."""
+    def _regions(self, dtype: Any) -> list[list[np.ndarray]]:
+        """Typed views of the data regions, indexed [parity][rank]; cached per numpy dtype."""
         views = self._seg.views.get(dtype)
         if views is None:
-            n, chunk, esz = self.world_size, self._chunk_bytes, torch.empty((), dtype=dtype).element_size()
-            views = [[self._seg.bytes[self._header + (p * n + r) * chunk:][:chunk].view(dtype)
+            n, chunk, at = self.world_size, self._chunk_bytes, self._header
+            views = [[self._seg.bytes[at + (p * n + r) * chunk:][:chunk].view(dtype)
                       for r in range(n)] for p in range(2)]
-            assert all(v.numel() == chunk // esz for row in views for v in row)
             self._seg.views[dtype] = views
         return views
 
@@ -274,38 +327,40 @@ class ShmAllReduce:
             ``tensor``, holding the result, bit-identical on every rank.
 
         Raises:
-            PeerUnavailableError: a peer process exited; this instance is then closed.
+            PeerUnavailableError: a peer process exited.
             CollectiveTimeoutError: a peer did not arrive within ``timeout`` seconds.
+            DistributedRuntimeError: the ranks passed different numel/dtype/op, or this
+                instance is closed. After any error raised mid-collective the instance is closed.
         """
         key = getattr(op, "value", op)
         key = key.lower() if isinstance(key, str) else key
-        fn = _OPS.get(key)
-        if fn is None:
-            raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(_OPS)}.")
+        if key not in _UFUNCS:
+            raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(_UFUNCS)}.")
         code = _DTYPE_CODES.get(tensor.dtype)
         if code is None or tensor.device.type != "cpu":
             raise TypeError(f"ShmAllReduce supports CPU tensors of dtype "
-                            f"{[str(d) for d in _DTYPE_CODES]}; got {tensor.dtype} on {tensor.device}.")
+                            f"{[str(d) for d in _STORAGE]}; got {tensor.dtype} on {tensor.device}.")
         if self._closed:
             raise DistributedRuntimeError("ShmAllReduce is closed.",
                                           hint="create a new instance (on every rank)")
         if self.world_size == 1 or tensor.numel() == 0:
             return tensor
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.view(-1)
-        sig = (flat.numel() << 8) | (code << 3) | _OP_CODES[key]
+        raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        arr = (raw.detach() if raw.requires_grad else raw).numpy()  # shares memory, any strides
+        flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
+        reduce = _Reduction(tensor.dtype, key, self.world_size)
+        sig = (flat.size << 8) | (code << 3) | _OP_CODES[key]
         try:
-            with torch.no_grad():
-                nbytes = flat.numel() * flat.element_size()
-                if nbytes <= min(_SMALL_MAX_BYTES, self._chunk_bytes):
-                    self._small(flat, fn, key == "mean", sig)
+            with np.errstate(all="ignore"):  # inf/nan propagate silently, as in torch
+                if flat.nbytes <= min(_SMALL_MAX_BYTES, self._chunk_bytes):
+                    self._small(flat, reduce, sig)
                 else:
-                    step_elems = self._chunk_bytes // flat.element_size()
-                    for c in range(0, flat.numel(), step_elems):
-                        self._large(flat[c:c + step_elems], fn, key == "mean", sig)
-                if work is not tensor:
-                    tensor.copy_(work)
-        except PeerUnavailableError:  # also the timeout: the peers' steps are out of sync now
+                    step_elems = self._chunk_bytes // flat.itemsize
+                    for c in range(0, flat.size, step_elems):
+                        self._large(flat[c:c + step_elems], reduce, sig)
+            if not arr.flags.c_contiguous:
+                np.copyto(arr, flat.reshape(arr.shape))
+        except BaseException:  # mid-collective: our steps no longer match the peers'
             self.close()
             raise
         return tensor
@@ -324,54 +379,39 @@ class ShmAllReduce:
             words[at + _SIG + (step & 1)] = sig
         words[at + field] = step
 
-    def _small(self, flat: torch.Tensor, fn: Any, mean: bool, sig: int) -> None:
+    def _small(self, flat: np.ndarray, reduce: _Reduction, sig: int) -> None:
         """Every rank publishes its whole tensor, then reduces all of them in rank order."""
         self._step = step = self._step + 1
         regions = self._regions(flat.dtype)[step & 1]
-        n = flat.numel()
-        regions[self.rank][:n].copy_(flat)
+        n = flat.size
+        np.copyto(regions[self.rank][:n], flat)
         self._publish(_ARRIVED, step, sig)
         self._wait(_ARRIVED, step, range(self.world_size), sig)
-        fn(regions[0][:n], regions[1][:n], out=flat)
-        for j in range(2, self.world_size):
-            fn(flat, regions[j][:n], out=flat)
-        if mean:
-            self._divide(flat)
+        reduce(flat, [r[:n] for r in regions])
 
-    def _large(self, x: torch.Tensor, fn: Any, mean: bool, sig: int) -> None:
+    def _large(self, x: np.ndarray, reduce: _Reduction, sig: int) -> None:
         """One chunk: reduce-scatter (rank r reduces slice r), then all-gather."""
         self._step = step = self._step + 1
         regions = self._regions(x.dtype)[step & 1]
-        rank, n = self.rank, x.numel()
-        align = max(1, _ALIGN // x.element_size())
+        rank, n = self.rank, x.size
+        align = max(1, _ALIGN // x.itemsize)
         per = -(-n // (self.world_size * align)) * align  # ceil(n / world_size), aligned up
         bounds = [(min(j * per, n), min((j + 1) * per, n)) for j in range(self.world_size)]
         lo, hi = bounds[rank]
         mine = regions[rank]
         # Peers need every slice but ours; ours is reduced straight from `x`.
-        mine[:lo].copy_(x[:lo])
-        mine[hi:n].copy_(x[hi:n])
+        np.copyto(mine[:lo], x[:lo])
+        np.copyto(mine[hi:n], x[hi:n])
         self._publish(_ARRIVED, step, sig)
         self._wait(_ARRIVED, step, range(self.world_size), sig)
-        srcs = [x[lo:hi] if j == rank else regions[j][lo:hi] for j in range(self.world_size)]
-        out = mine[lo:hi]  # unused by the copy above, so no input aliases it
-        fn(srcs[0], srcs[1], out=out)
-        for j in range(2, self.world_size):
-            fn(out, srcs[j], out=out)
-        if mean:
-            self._divide(out)
+        out = mine[lo:hi]  # unused by the copies above, so no input aliases it
+        reduce(out, [x[lo:hi] if j == rank else regions[j][lo:hi] for j in range(self.world_size)])
         self._publish(_REDUCED, step)
-        x[lo:hi].copy_(out)
+        np.copyto(x[lo:hi], out)
         for j, (a, b) in enumerate(bounds):
             if j != rank:
                 self._wait(_REDUCED, step, (j,))
-                x[a:b].copy_(regions[j][a:b])
-
-    def _divide(self, t: torch.Tensor) -> None:
-        if t.is_floating_point():
-            t.div_(self.world_size)
-        else:
-            t.div_(self.world_size, rounding_mode="trunc")
+                np.copyto(x[a:b], regions[j][a:b])
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, field: int, step: int, ranks: Any, sig: int | None = None) -> None:
@@ -404,7 +444,6 @@ class ShmAllReduce:
             slot = stride + _SIG + (step & 1)
             bad = [j for j in ranks if words[j * stride + slot] != sig]
             if bad:
-                self.close()
                 raise DistributedRuntimeError(
                     f"shm all_reduce: ranks {bad} passed a different numel/dtype/op than rank "
                     f"{self.rank} (numel={sig >> 8}).",
