@@ -3,10 +3,12 @@
 Both run in the same two processes (``torch.set_num_threads(1)`` each, float32, in place),
 interleaved in rounds with the order alternating, so host noise hits both alike. Reports the
 median time per call, bus bandwidth (nccl-tests: busbw = bytes / time * 2(n-1)/n, = bytes / time
-for n = 2) and the gloo/shm time ratio (the speed-up), median of per-round pairs.
+for n = 2) and the gloo/shm time ratio (the speed-up), median of per-round pairs. Rounds in
+which other processes used more than 10% of the host's CPU (from /proc/stat minus our own CPU
+time) are dropped, as long as 3 remain; the output says how many were used.
 
 Usage:
-    PYTHONPATH=src python benchmarks/allreduce_shm_probe.py [--rounds 7] [--sizes 4096 65536 ...]
+    PYTHONPATH=src python benchmarks/allreduce_shm_probe.py [--rounds 15] [--sizes 4096 65536 ...]
 """
 
 from __future__ import annotations
@@ -23,9 +25,20 @@ import torch.multiprocessing as mp
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
-def _iters(nbytes: int) -> int:
-    """Calls per timed block: a few ms of shm time, at least 5 calls."""
-    return max(5, min(1000, int(8e7 / max(nbytes, 1))))
+BLOCK_S = 0.03  # target length of one timed block
+
+
+def _calibrate(fn, t: torch.Tensor) -> int:
+    """Calls per timed block for `fn` (rank 0's estimate, so every rank runs as many)."""
+    for _ in range(2):
+        fn(t)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn(t)
+    n = torch.tensor([max(5, min(20000, int(BLOCK_S * 3 / (time.perf_counter() - t0))))])
+    dist.broadcast(n, 0)
+    return int(n.item())
 
 
 def _busy_seconds() -> float:
@@ -46,24 +59,21 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
     times: dict[tuple[str, int], list[float]] = {}
     foreign: list[float] = []
     try:
-        for size in sizes:  # warm up: page faults, gloo buffers
-            t = torch.ones(size // 4)
-            for fn in impls.values():
-                for _ in range(3):
-                    fn(t)
+        iters = {(name, size): _calibrate(fn, torch.ones(size // 4))  # also warms up
+                 for size in sizes for name, fn in impls.items()}
         for rnd in range(rounds):
             dist.barrier()
             wall0, cpu0, busy0 = time.perf_counter(), time.process_time(), _busy_seconds()
             for size in sizes:
                 t = torch.rand(size // 4)
                 for name in (list(impls) if rnd % 2 == 0 else list(impls)[::-1]):
-                    fn, iters = impls[name], _iters(size)
+                    fn, n = impls[name], iters[(name, size)]
                     fn(t)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    for _ in range(iters):
+                    for _ in range(n):
                         fn(t)
-                    e = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                    e = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64)
                     dist.all_reduce(e, op=dist.ReduceOp.MAX)  # the slower rank's time
                     times.setdefault((name, size), []).append(e.item())
             # Other tenants' CPU use during the round: host busy time minus our own.
@@ -78,7 +88,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
         dist.destroy_process_group()
 
 
-def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2,
+def measure(sizes: list[int] = SIZES, rounds: int = 15, world: int = 2,
             max_foreign: float = 0.10) -> list[dict]:
     """Measures shm vs gloo all-reduce, interleaved in rounds; returns one dict per size.
 
@@ -125,7 +135,7 @@ def measure(sizes: list[int] = SIZES, rounds: int = 7, world: int = 2,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes (float32)")
     args = parser.parse_args()
     rows = measure(args.sizes, args.rounds)

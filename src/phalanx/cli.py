@@ -54,6 +54,21 @@ def _run(args: argparse.Namespace) -> int:
     return run_job(spec)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    # The suite lives in the repository's benchmarks/ (it compares against DDP and raw gloo, which
+    # the installed package does not need); find it from the current directory or the source tree.
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "benchmarks" / "__main__.py").exists():
+            env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            return subprocess.call([sys.executable, "-m", "benchmarks", *args.args], cwd=root, env=env)
+    print("phalanx bench: run it from a source checkout of phalanx (benchmarks/ not found)", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -72,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
     run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
     run.set_defaults(func=_run)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a source checkout")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="options of python -m benchmarks, e.g. --rounds 3")
+    bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="train the seed MLP on scikit-learn's digits under each strategy")
     from phalanx.demo import add_arguments, main as demo_main
