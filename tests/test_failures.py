@@ -153,3 +153,42 @@ def test_self_launched_replica_failure_fails_the_job(tmp_path, script):
     res = run_job([sys.executable, str(job)], timeout=60, cwd=tmp_path, env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
     assert res.returncode != 0
     assert "PeerUnavailableError" in res.output or "root cause" in res.output, res.output
+
+
+def test_phalanx_run_forwards_sigterm_and_preemption_restarts_are_free(tmp_path, script):
+    """SIGTERM to the launcher reaches the replicas (they get to save); exit 42 restarts for free."""
+    import signal as _signal
+    import subprocess
+
+    job = script("""
+        import os, signal, sys, time, phalanx as px, torch
+        s = px.MirroredStrategy()
+        attempt = int(os.environ["PHALANX_RESTART_COUNT"])
+        rank = s.extended._comm.rank
+        if attempt == 0:
+            sys.exit(42)  # every replica asks for a restart (as after a preemption save)
+        def on_term(*_):
+            open(f"saved_{rank}.txt", "w").write("saved")
+            sys.exit(42)
+        signal.signal(signal.SIGTERM, on_term)
+        open(f"ready_{rank}.txt", "w").write(str(attempt))
+        time.sleep(60)
+    """)
+    env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PHALANX_COLLECTIVE_TIMEOUT": "5"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "0", str(job)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready_{r}.txt").exists() for r in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.1)
+        assert (tmp_path / "ready_0.txt").read_text() == "1"  # restarted although --max-restarts 0
+        proc.send_signal(_signal.SIGTERM)
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, _signal.SIGKILL)
+            proc.wait()
+    assert all((tmp_path / f"saved_{r}.txt").exists() for r in range(2)), out

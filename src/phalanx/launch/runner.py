@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.launch.self_launch import default_log_dir
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
+MAX_PREEMPTION_RESTARTS = 100
+PREEMPTION_GRACE_S = 30.0  # how long replicas get to save after the launcher is told to stop
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,28 @@ def run_job(spec: JobSpec) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for attempt in range(spec.max_restarts + 1):
+        attempt = failures = preemptions = 0
+        while True:
             code = _run_attempt(spec, run_id, log_dir, attempt)
             if code == 0:
                 return 0
-            if attempt < spec.max_restarts:
-                print(f"phalanx: restarting the job (attempt {attempt + 2} of {spec.max_restarts + 1})",
+            attempt += 1
+            # A preempted job (every replica saved and asked for a restart) did not fail: it does
+            # not use up --max-restarts, though a bound keeps a job that always asks from looping.
+            if code == RESTART_EXIT_CODE and preemptions < MAX_PREEMPTION_RESTARTS:
+                preemptions += 1
+                print("phalanx: the job saved and asked to be restarted (preemption); restarting",
                       file=sys.stderr, flush=True)
-        return code
+                continue
+            if failures >= spec.max_restarts:
+                return code
+            failures += 1
+            print(f"phalanx: restarting the job (restart {failures} of {spec.max_restarts})",
+                  file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         return 128 + (stop["signal"] or signal.SIGINT)
+    except SignalException as e:  # torch elastic's own handler fired while its processes ran
+        return 128 + int(e.sigval)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -136,5 +151,11 @@ def _run_attempt(spec: JobSpec, run_id: str, log_dir: str, attempt: int) -> int:
             code, text = _root_cause(result, spec)
             print(text, file=sys.stderr, flush=True)
             return code
+    except (KeyboardInterrupt, SignalException):
+        # This launcher is being stopped (SIGTERM: preemption, SIGINT: Ctrl-C). Pass the notice on,
+        # so replicas with a PreemptionCheckpointHandler can agree on a step and save, then wait for
+        # them a bounded time before killing what is left.
+        ctx.close(death_sig=signal.SIGTERM, timeout=PREEMPTION_GRACE_S)
+        raise
     finally:
         ctx.close(death_sig=signal.SIGKILL)
