@@ -116,7 +116,7 @@ def test_killed_worker_restarts_from_checkpoint_with_exact_steps(tmp_path, unint
 
 def test_sigterm_to_one_worker_saves_at_an_agreed_step_and_resumes(tmp_path, uninterrupted):
     res, attempts, executed, final = _run_with_restart(tmp_path, "preempt")
-    assert "exit code 42" in res.output and "restarting the job" in res.output
+    assert "exit code 42" in res.output and "asked to be restarted (preemption); restarting" in res.output
     # Worker 1 got SIGTERM before step 37; worker 0 got nothing. Both stopped after step 37.
     stops = [json.loads((tmp_path / f"preempted_{r}.json").read_text()) for r in range(2)]
     assert stops == [{"rank": r, "total_run_calls": 37, "applied": 37} for r in range(2)]

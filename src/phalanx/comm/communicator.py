@@ -251,16 +251,16 @@ class GlooCommunicator:
         return shm, cross
 
     def _beat(self) -> None:
-        # A separate client connection, so the heartbeat never queues behind the main thread's calls.
-        try:
-            client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
-                                   datetime.timedelta(seconds=5), wait_for_workers=False)
-            count = 0
-            while not self._stop.wait(HEARTBEAT_INTERVAL):
-                count += 1
-                client.set(f"hb/{self.rank}", str(count))
-        except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
-            return
+        # The heartbeat shares the communicator's store client (its operations are serialised)
+        # rather than owning one: a C++ client still connecting or waiting inside this thread
+        # when the interpreter exits was seen to abort the process ("terminate called ...").
+        count = 0
+        while not self._stop.wait(HEARTBEAT_INTERVAL):
+            count += 1
+            try:
+                self._store.set(f"hb/{self.rank}", str(count))
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
+                return
 
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
