@@ -38,28 +38,16 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_mirrored_matches_one_device(tmp_path, references, n, opt):
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), opt, "mirrored", str(n)], timeout=120, cwd=tmp_path)
+@pytest.mark.parametrize("kind", ["mirrored", "central"])
+def test_synchronous_strategy_matches_one_device(tmp_path, references, kind, n, opt):
+    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), opt, kind, str(n)], timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.logs()
     replicas = [_load(tmp_path / f"params_{r}.pt") for r in range(n)]
     diff = _max_diff(replicas[0], references[opt])
-    print(f"\nMirroredStrategy x{n}, {opt}: max |param - one-device param| = {diff:.3g}")
+    print(f"\n{kind} x{n}, {opt}: max |param - one-device param| = {diff:.3g}")
     assert diff < 1e-5
-    for other in replicas[1:]:
+    for other in replicas[1:]:  # mirrored: kept identical; central: one shared copy
         assert all(torch.equal(replicas[0][k], other[k]) for k in replicas[0]), "replicas diverged"
-
-
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_central_storage_matches_one_device(tmp_path, references, n, opt):
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), opt, "central", str(n)], timeout=120, cwd=tmp_path)
-    assert res.returncode == 0, res.logs()
-    replicas = [_load(tmp_path / f"params_{r}.pt") for r in range(n)]
-    diff = _max_diff(replicas[0], references[opt])
-    print(f"\nCentralStorageStrategy x{n}, {opt}: max |param - one-device param| = {diff:.3g}")
-    assert diff < 1e-5
-    for other in replicas[1:]:  # every replica reads the one central copy
-        assert all(torch.equal(replicas[0][k], other[k]) for k in replicas[0])
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
