@@ -9,6 +9,7 @@ min-max spread, because a 2-core virtual machine drifts by 10-30 % over minutes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -32,6 +33,11 @@ THROUGHPUT_CONFIGS = {  # name -> how to launch it
     "local2": lambda m, out, s: _run2("local2", m, out, s),
     "one_process": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "one_process", m, out, "--seconds", s],
 }
+if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pip install tensorflow-cpu
+    for _tf in ("tf_mirrored", "tf_mwms"):
+        THROUGHPUT_CONFIGS[_tf] = (lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m,
+                                                                out, "--seconds", s])(_tf)
+
 OVERHEAD_CONFIGS = {
     "px_one_device": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_one_device", m, out,
                                         "--seconds", s],
@@ -141,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             "px_mwms_vs_local2": _ratio(raw[m]["px_mwms"], raw[m]["local2"]),
             "ddp_vs_local2": _ratio(raw[m]["ddp"], raw[m]["local2"]),
             "px_mirrored_vs_one_process": _ratio(raw[m]["px_mirrored"], raw[m]["one_process"]),
+            **({"px_mirrored_vs_tf_mirrored": _ratio(raw[m]["px_mirrored"], raw[m]["tf_mirrored"]),
+                "px_mwms_vs_tf_mwms": _ratio(raw[m]["px_mwms"], raw[m]["tf_mwms"])} if "tf_mwms" in raw[m] else {}),
         } for m in models}
         report["throughput"] = {"samples_per_s": raw, "ratios": ratios}
     if "allreduce" not in skip:
