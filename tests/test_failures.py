@@ -192,3 +192,32 @@ def test_phalanx_run_forwards_sigterm_and_preemption_restarts_are_free(tmp_path,
             os.killpg(proc.pid, _signal.SIGKILL)
             proc.wait()
     assert all((tmp_path / f"saved_{r}.txt").exists() for r in range(2)), out
+
+
+def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
+    """A strategy that goes out of scope before exit still shuts its communicator down in time.
+
+    Regression: the heartbeat thread kept the communicator alive after the strategy was collected,
+    nothing closed it, and a heartbeat caught inside a store call at finalisation aborted the
+    process (SIGABRT, "terminate called without an active exception") after a successful run.
+    A tiny heartbeat interval keeps the thread inside store calls, so that failure shows up in
+    about every second run; four clean runs in a row make the check meaningful.
+    """
+    job = script("""
+        import phalanx.comm.communicator as communicator
+        communicator.HEARTBEAT_INTERVAL = 0.0001
+        import phalanx as px, torch
+
+        def train():
+            s = px.MultiWorkerMirroredStrategy()
+            with s.scope():
+                model = torch.nn.Linear(3, 1)
+            s.run(lambda: model(torch.ones(1, 3)).sum().backward())
+
+        train()
+    """)
+    for attempt in range(4):
+        res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)], timeout=60,
+                      cwd=tmp_path, log_dir=tmp_path / f"logs-{attempt}")
+        assert res.returncode == 0, f"run {attempt}:\n" + res.logs()[-4000:]
+        assert "terminate called" not in res.logs()

@@ -16,6 +16,7 @@ Example (world size 1 needs no peers)::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -154,12 +155,18 @@ class GlooCommunicator:
         self._closed = False
         self._store = self._connect_store(spec)
         self._peers = self._rendezvous(spec)
+        self._subgroups: list[Any] = []
         self.same_host = len({p["host"] for p in self._peers.values()}) == 1
         self.pg = self._make_group(backend, dist.PrefixStore("pg", self._store))
         self._shm, self._cross = self._fast_path(backend)
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
         self._heartbeat.start()
+        # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
+        # this object alive, and a daemon thread still inside a store call when the interpreter
+        # finalises is killed by a forced unwind through C++ frames, which aborts the process
+        # ("terminate called without an active exception", SIGABRT, after a successful run).
+        atexit.register(self.close)
 
     # ----------------------------------------------------------------------------- set up
     def _connect_store(self, spec: GroupSpec) -> dist.TCPStore:
@@ -378,18 +385,25 @@ class GlooCommunicator:
         opts._timeout = datetime.timedelta(seconds=self.spec.timeout)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
         with self._translate(f"creating group {tag}"):
-            return dist.ProcessGroupGloo(dist.PrefixStore(f"sub/{tag}", self._store),
-                                         ranks.index(self.rank), len(ranks), opts)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"sub/{tag}", self._store),
+                                          ranks.index(self.rank), len(ranks), opts)
+        self._subgroups.append(group)
+        return group
 
     def close(self) -> None:
         """Stops the heartbeat and releases the process group; idempotent."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._stop.set()
         if self._shm is not None:
             self._shm.close()
         self._heartbeat.join(timeout=6)  # it may be inside a store call with a 5 s timeout
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
+        # Shut the groups down while the interpreter is whole: gloo's worker threads may still hold
+        # work objects whose tensors need the GIL to be freed.
+        for group in [*self._subgroups, self.pg]:
+            with contextlib.suppress(Exception):
+                group.shutdown()
+        self._subgroups.clear()
         self.pg = None
