@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+
 import contextlib
 import importlib
 import sys
@@ -203,6 +205,24 @@ class StrategyExtended:
         parts = self._comm.all_gather(tensor.contiguous())
         return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis)
 
+    # Checkpoint hooks: a strategy that keeps some state away from the objects the user holds (the
+    # parameter servers' optimizer state) gathers it for a save and sends it back after a restore.
+    def _state_to_save(self, obj: Any) -> Any:
+        """The state of ``obj`` to store in a checkpoint, or None for ``obj.state_dict()``."""
+        return None
+
+    def _after_restore(self, obj: Any) -> None:
+        """Called after a checkpoint restored ``obj`` in place."""
+
+    def _container_strategy(self) -> Any:
+        """The Strategy this belongs to (TF's name), or None once it is gone."""
+        ref = getattr(self, "_container_strategy_ref", None)
+        return ref() if ref is not None else None
+
+    def _mark_owned(self, tensor: torch.Tensor) -> None:
+        """Marks ``tensor`` as this strategy's variable, for a Checkpoint made outside ``scope()``."""
+        tensor._phalanx_owner = _OwnerRef(self)
+
     def _close(self) -> None:
         if self._reducer is not None:
             self._reducer.remove()
@@ -216,6 +236,24 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.devi
     return groups
 
 
+class _OwnerRef:
+    """A weak reference to a tensor's strategy that pickles (``torch.save(module)``) as a dead one."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, owner: Any = None) -> None:
+        self._ref = weakref.ref(owner) if owner is not None else None
+
+    def __call__(self) -> Any:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> tuple:
+        return (_OwnerRef, ())
+
+    def __deepcopy__(self, memo: dict) -> "_OwnerRef":
+        return self
+
+
 class Strategy:
     """Base class of all strategies; see the module docstring for the execution model."""
 
@@ -224,6 +262,7 @@ class Strategy:
     def __init__(self, extended: StrategyExtended, cluster_resolver: Any = None) -> None:
         self._extended = extended
         self._cluster_resolver = cluster_resolver
+        extended._container_strategy_ref = weakref.ref(self)
 
     # ---------------------------------------------------------------- properties
     @property

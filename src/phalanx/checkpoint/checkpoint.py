@@ -154,14 +154,19 @@ class Checkpoint:
             CheckpointError: the chief's write failed (raised on every process).
             UnsupportedStateError: an object's state holds something that cannot be stored.
         """
-        who = Participants.resolve(self._strategy)
+        objects = self._all_objects()
+        owners = {name: _owner(obj) for name, obj in objects.items()}
+        who = Participants.resolve(self._strategy if self._strategy is not None or context.has_strategy()
+                                   else _owning_strategy(owners.values()))
         path = os.path.abspath(os.fspath(file_prefix))
         manifest_objects: dict[str, Any] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
-        for name, obj in self._all_objects().items():
+        for name, obj in objects.items():
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
-            doc, tensors = codec.encode(_state_of(obj), label=name, materialize=who.is_writer)
+            state = (owners[name] or who.strategy.extended)._state_to_save(obj)
+            doc, tensors = codec.encode(_state_of(obj) if state is None else state, label=name,
+                                        materialize=who.is_writer)
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
             if tensors:
                 entry["file"] = _file_name(name, files)
@@ -202,11 +207,15 @@ class Checkpoint:
             return LoadStatus(None, [], sorted(live), [])
         path = os.path.abspath(os.fspath(save_path))
         saved, manifest = _load(path, set(live))
+        extended = (context.get_strategy() if context.has_strategy() or self._strategy is None
+                    else self._strategy).extended  # restoring is local: no collective, any strategy
         restored = []
         for name, state in saved.items():
             replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
+            else:
+                (_owner(live[name]) or extended)._after_restore(live[name])
             restored.append(name)
         return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
 
@@ -268,6 +277,36 @@ def latest_checkpoint(directory: str) -> str | None:
 
 # --------------------------------------------------------------------------- helpers
 _IN_PLACE = object()
+
+
+def _owner(obj: Any) -> Any:
+    """The strategy's ``extended`` whose variables ``obj`` holds, if one marked them.
+
+    A strategy that keeps state away from the user's objects (the parameter servers) marks its
+    tensors with ``_phalanx_owner``, so that a Checkpoint made outside ``scope()`` still finds it.
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors: Any = [obj]
+    elif isinstance(obj, torch.nn.Module):
+        tensors = obj.parameters()
+    elif isinstance(obj, torch.optim.Optimizer):
+        tensors = (p for group in obj.param_groups for p in group["params"])
+    else:
+        return None
+    for t in tensors:
+        ref = getattr(t, "_phalanx_owner", None)
+        owner = ref() if ref is not None else None
+        if owner is not None:
+            return owner
+    return None
+
+
+def _owning_strategy(owners: Any) -> Any:
+    for extended in owners:
+        strategy = extended._container_strategy() if extended is not None else None
+        if strategy is not None:
+            return strategy
+    return None
 
 
 def _kind(obj: Any) -> str:

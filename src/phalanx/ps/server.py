@@ -11,6 +11,8 @@ read       current values
 assign     overwrite values (the chief restoring a checkpoint, or writing a variable)
 add        add deltas atomically (counters, moving statistics changed by a scheduled function)
 apply      apply gradients with this server's optimizer for the variable
+opt_read   the optimizer state of variables (for checkpoints saved through the chief)
+opt_assign set the optimizer state of variables (a checkpoint restored through the chief)
 shutdown   stop serving (the coordinator shuts the cluster down)
 =========  ===================================================================================
 
@@ -69,9 +71,10 @@ class _Slot:
         self.optimizer_class = ""
         self.updates = 0
 
-    def apply(self, grad: torch.Tensor, config: dict[str, Any]) -> None:
+    def configure(self, config: dict[str, Any]) -> torch.optim.Optimizer:
+        """This variable's optimizer, built (or rebuilt for another class) and given ``config``'s hyperparameters."""
         if not isinstance(self.value, torch.nn.Parameter):
-            raise ServiceError("invalid", "gradient for a non-trainable variable")
+            raise ServiceError("invalid", "an optimizer for a non-trainable variable")
         name = config.get("class")
         hyper = _hyper(config)
         if self.optimizer is None or self.optimizer_class != name:
@@ -86,6 +89,12 @@ class _Slot:
         for k, v in hyper.items():
             if k != "params" and k in group:
                 group[k] = v
+        return self.optimizer
+
+    def apply(self, grad: torch.Tensor, config: dict[str, Any]) -> None:
+        if not isinstance(self.value, torch.nn.Parameter):
+            raise ServiceError("invalid", "gradient for a non-trainable variable")
+        self.configure(config)
         self.value.grad = grad
         self.optimizer.step()
         self.value.grad = None
@@ -102,7 +111,7 @@ class ParameterServerService:
     """
 
     NAME = PS_SERVICE
-    METHODS = ("ping", "create", "read", "assign", "add", "apply", "shutdown")
+    METHODS = ("ping", "create", "read", "assign", "add", "apply", "opt_read", "opt_assign", "shutdown")
 
     def __init__(self, index: int, secret: bytes, on_shutdown: Callable[[], None] | None = None) -> None:
         self.index = index
@@ -217,6 +226,40 @@ class ParameterServerService:
             self._check(slot, key, grad)
             with slot.lock:
                 slot.apply(grad, optimizers[g])
+        return {}, []
+
+    def _op_opt_read(self, msg: wire.Message) -> tuple[dict, list]:
+        states, tensors = [], []
+        for key in self._keys(msg, with_tensors=False):
+            slot = self._slot(key)
+            with slot.lock:
+                state = slot.optimizer.state.get(slot.value, {}) if slot.optimizer is not None else {}
+                names = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+                states.append({"class": slot.optimizer_class, "names": names})
+                tensors += [state[n].detach().clone() for n in names]
+        return {"states": states}, tensors
+
+    def _op_opt_assign(self, msg: wire.Message) -> tuple[dict, list]:
+        keys = self._keys(msg, with_tensors=False)
+        states, config = msg.header.get("states"), msg.header.get("optimizer")
+        if (not isinstance(states, list) or len(states) != len(keys) or not isinstance(config, dict)
+                or not all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in states)
+                or sum(len(s) for s in states) != len(msg.tensors)):
+            raise ServiceError("invalid", "'states' must list each key's state names, one tensor per name, "
+                                          "and 'optimizer' its class and hyperparameters")
+        offset = 0
+        for key, names in zip(keys, states):
+            values = msg.tensors[offset:offset + len(names)]
+            offset += len(names)
+            slot = self._slot(key)
+            with slot.lock:
+                optimizer = slot.configure(config)
+                for name, value in zip(names, values):
+                    # Per-element state (momentum, Adam's moments) must fit the variable; scalars (step) may not.
+                    if value.dim() > 0 and value.shape != slot.value.shape:
+                        raise ServiceError("invalid", f"optimizer state {name!r} of {key!r} is "
+                                                      f"{list(value.shape)}; the variable is {list(slot.value.shape)}")
+                optimizer.state[slot.value] = {name: value.clone() for name, value in zip(names, values)}
         return {}, []
 
     def _op_shutdown(self, msg: wire.Message) -> tuple[dict, list]:

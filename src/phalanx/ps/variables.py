@@ -183,6 +183,53 @@ class ShardIO:
             call_all(calls)
 
 
+    def read_optimizer_state(self, specs: Sequence[VariableSpec]) -> list[dict[str, torch.Tensor]]:
+        """Each variable's optimizer state on the servers, joined over its shards ({} before any update).
+
+        Per-element tensors (momentum, Adam's moments) are concatenated like the variable; scalars
+        (Adam's ``step``) are taken from the first shard (every update reaches all shards).
+        """
+        groups = self._by_ps(specs)
+        calls = [(self.tasks[ps], "opt_read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
+                 for ps, items in groups.items()]
+        parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for (ps, items), reply in zip(groups.items(), call_all(calls)):
+            tensors = iter(reply.tensors)
+            for (i, j), state in zip(items, reply.header["states"]):
+                parts[(i, j)] = {name: next(tensors) for name in state["names"]}
+        out = []
+        for i, spec in enumerate(specs):
+            shards = [parts[(i, j)] for j in range(len(spec.shards))]
+            state: dict[str, torch.Tensor] = {}
+            for name, first in shards[0].items():
+                if first.dim() > 0 and spec.partitioned and all(name in s for s in shards):
+                    state[name] = torch.cat([s[name] for s in shards], dim=0)
+                else:
+                    state[name] = first.reshape(spec.shape) if first.dim() > 0 else first
+            out.append(state)
+        return out
+
+    def assign_optimizer_state(self, specs: Sequence[VariableSpec], states: Sequence[dict[str, torch.Tensor]],
+                               configs: Sequence[dict[str, Any]]) -> None:
+        """Sets each variable's optimizer state on the servers (split over its shards like the variable).
+
+        ``configs[i]`` (the optimizer's class and hyperparameters, as ``apply`` sends them) builds
+        the server's optimizer if the variable has none yet.
+        """
+        groups = self._by_ps(specs)
+        calls = []
+        for ps, items in groups.items():
+            for i, j in items:  # one call per shard: each may come from an optimizer of another group
+                names = sorted(states[i])
+                tensors = [shard_view(states[i][n].detach(), specs[i].shards[j])
+                           if states[i][n].dim() > 0 and tuple(states[i][n].shape) == specs[i].shape
+                           else states[i][n].detach() for n in names]
+                calls.append((self.tasks[ps], "opt_assign", {"keys": [specs[i].shards[j].key], "states": [names],
+                                                             "optimizer": configs[i]}, tensors))
+        if calls:
+            call_all(calls)
+
+
 class RemoteVariable:
     """The chief's handle to one variable (or one shard) on a parameter server.
 

@@ -203,6 +203,7 @@ class ParameterServerExtended(StrategyExtended):
         self._spec_by_id[id(tensor)] = spec
         self._json[spec.name] = spec.to_json()
         self._versions[spec.name] = tensor._version
+        self._mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
 
     def _persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -260,6 +261,60 @@ class ParameterServerExtended(StrategyExtended):
         self._io.assign(changed, [self._tensors[s.name] for s in changed])
         for s in changed:
             self._versions[s.name] = self._tensors[s.name]._version
+
+    def _spec_of(self, tensor: Any) -> VariableSpec | None:
+        spec = self._spec_by_id.get(id(tensor))
+        return spec if spec is not None and self._tensors.get(spec.name) is tensor else None
+
+    def _optimizer_variables(self, optimizer: torch.optim.Optimizer
+                             ) -> list[tuple[int, torch.Tensor, VariableSpec, dict[str, Any]]]:
+        """(index in ``state_dict()``, parameter, spec, group) of the optimizer's trainable PS variables."""
+        out, index = [], 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                spec = self._spec_of(p)
+                if spec is not None and spec.trainable:
+                    out.append((index, p, spec, group))
+                index += 1
+        return out
+
+    # Checkpoints: optimizer state lives on the servers, so a save fetches it into the optimizer's
+    # ordinary ``state_dict`` (restorable under any strategy, or none) and a restore sends it back.
+    def _state_to_save(self, obj: Any) -> Any:
+        if self._role != "chief" or not self._specs:
+            return None
+        if isinstance(obj, torch.optim.Optimizer):
+            found = self._optimizer_variables(obj)
+            if not found:
+                return None
+            state = obj.state_dict()
+            for (index, _, _, _), saved in zip(found, self._io.read_optimizer_state([f[2] for f in found])):
+                if saved:
+                    state["state"][index] = saved
+                else:
+                    state["state"].pop(index, None)
+            return state
+        if isinstance(obj, torch.nn.Module) and any(self._spec_of(t) is not None
+                                                    for t in [*obj.parameters(), *obj.buffers()]):
+            self.pull_variables()  # the chief's copy may lag the servers
+        return None
+
+    def _after_restore(self, obj: Any) -> None:
+        if self._role != "chief" or not self._specs:
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            from phalanx.ps.worker import optimizer_config
+
+            found = self._optimizer_variables(obj)
+            states = [{k: v for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+                      for _, p, _, _ in found]
+            configs = [optimizer_config(obj, group) for _, _, _, group in found]
+            self._io.assign_optimizer_state([f[2] for f in found], states, configs)
+            for _, p, _, _ in found:
+                # The servers hold it now; a copy here would also travel with every scheduled function.
+                obj.state.pop(p, None)
+        elif isinstance(obj, torch.nn.Module):
+            self.push_variables()
 
     def parameter_server_stats(self) -> list[dict[str, Any]]:
         """What each parameter server reports: its pid, number of variables and of applied updates."""
