@@ -1,4 +1,5 @@
-"""CentralStorageStrategy: equivalence, one copy of the variables, and a replica dying mid-step."""
+"""CentralStorageStrategy: equivalence, one copy of the variables, a replica dying mid-step, and copy mode
+(GPU replicas computing on copies of the CPU variables; forced on CPU replicas with PHALANX_CENTRAL_COPY=1)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import phalanx as px
 from conftest import run_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_optim_imported():
+    # The first optimizer step imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR; do it
+    # before the per-test environment check starts (in-process copy-mode test).
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    torch.optim.SGD([p], lr=0.1, momentum=0.9).step()
 
 
 def test_defaults_and_placement_single_process():
@@ -71,3 +81,100 @@ def test_replica_dying_mid_step_leaves_last_completed_step(tmp_path, script):
     rec = json.loads((tmp_path / "central_fault.json").read_text())
     assert rec["unchanged"], "central variables were half-updated"
     assert "replica:2" in rec["error"], rec["error"]
+
+
+# ------------------------------------------------------------------------------------------ copy mode
+COPY_ENV = {"PHALANX_CENTRAL_COPY": "1"}
+
+
+@pytest.fixture(scope="module")
+def copy_mode_runs(tmp_path_factory):
+    """Per optimizer: 2 replicas in forced copy mode, 20 steps; each replica's records."""
+    runs = {}
+    for opt in ("sgd", "adam"):
+        out = tmp_path_factory.mktemp(f"copy-{opt}")
+        res = run_job([sys.executable, str(SCRIPTS / "central_copy.py"), str(out), opt, "2"], timeout=150,
+                      cwd=out, env=COPY_ENV)
+        assert res.returncode == 0, res.logs()
+        runs[opt] = [(torch.load(out / f"copy_{r}.pt", weights_only=True),
+                      json.loads((out / f"copy_{r}.json").read_text())) for r in range(2)]
+    return runs
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_copy_mode_matches_one_device(copy_mode_runs, opt):
+    (t0, rec0), (t1, rec1) = copy_mode_runs[opt]
+    assert rec0["copy_mode"] and rec1["copy_mode"]
+    assert rec0["steps"] == rec1["steps"] == 20
+    assert rec0["forward_on_compute_copy"] and rec1["forward_on_compute_copy"], "forward did not use the copy"
+    diff = _max_diff(t0["computed"], t0["reference"])
+    print(f"\ncentral copy mode x2, {opt}: max |param - one-device param| = {diff:.3g}")
+    assert diff < 1e-5
+    assert _max_diff(t0["outside"], t0["reference"]) < 1e-5  # what a checkpoint outside run would save
+    for key in t0["computed"]:  # every replica computes with the same values
+        assert torch.equal(t0["computed"][key], t1["computed"][key]), f"replicas' compute copies differ: {key}"
+        assert torch.equal(t0["computed"][key], t0["outside"][key]), f"compute copy differs from central: {key}"
+    assert rec0["outside_on_central"] and rec1["outside_on_central"]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_copy_mode_optimizer_state_once_on_the_cpu(copy_mode_runs, opt):
+    (_, chief), (_, other) = copy_mode_runs[opt]
+    assert chief["step_on_central_copy"], "the chief's optimizer did not update the central copy"
+    assert chief["step_devices"] == ["cpu"]
+    assert chief["params_with_state"] == chief["num_params"] and chief["state_devices"] == ["cpu"]
+    param_bytes = 4 * (10 * 32 + 32 + 32 * 16 + 16 + 16 + 1)
+    # SGD: one momentum buffer per parameter; Adam: two moments (+ a scalar step per parameter)
+    assert chief["state_bytes"] == {"sgd": param_bytes, "adam": 2 * param_bytes + 4 * 6}[opt]
+    assert other["params_with_state"] == 0 and other["state_bytes"] == 0
+    cpu = "/job:localhost/replica:0/task:0/device:CPU:"
+    assert chief["parameter_devices"] == [cpu + "0"] and chief["worker_devices"] == [cpu + "0", cpu + "1"]
+
+
+def test_copy_mode_single_replica_in_process(monkeypatch):
+    """One replica in copy mode (a GPU with parameter_device='cpu'): the same hand-over, no peers."""
+    monkeypatch.setenv("PHALANX_CENTRAL_COPY", "1")
+    strategy = px.CentralStorageStrategy(["cpu:0"], parameter_device="cpu")
+    assert strategy.extended._copy_mode
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    central = {id(p): strategy.extended._central_of[id(p)].data_ptr() for p in model.parameters()}
+    in_run = []
+
+    def step(x):
+        in_run.append(all(p.data_ptr() != central[id(p)] for p in model.parameters()))
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        strategy.run(step, args=(x,))
+        ref_loss = ref(x).pow(2).mean()
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+    assert in_run == [True] * 3
+    assert all(p.data_ptr() == central[id(p)] for p in model.parameters())  # outside run: the central copy
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
+    with torch.no_grad():  # a write outside run (a restore) changes the central copy, seen by the next run
+        model.weight.fill_(0.5)
+    seen = strategy.run(lambda: model.weight.detach().clone())
+    assert torch.equal(seen, torch.full((2, 4), 0.5))
+    strategy.close()
+
+
+def test_copy_mode_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("PHALANX_CENTRAL_COPY", "yes")
+    with pytest.raises(px.errors.ClusterSpecError, match="PHALANX_CENTRAL_COPY"):
+        px.CentralStorageStrategy(["cpu:0"])

@@ -236,9 +236,17 @@ class DistributedModel:
         return bool(self._ext.should_checkpoint)
 
     # ------------------------------------------------------------------------------ public methods
+    @property
+    def _on_parameter_servers(self) -> bool:
+        return type(self._ext).__name__ == "ParameterServerExtended"
+
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         call, arguments = self._bind(type(model).fit, model, args, kwargs)
+        if self._on_parameter_servers:
+            from phalanx.keras import parameter_server
+
+            return parameter_server.fit(self, arguments)
         user = _flat_callbacks(arguments.get("callbacks"))
         if isinstance(arguments.get("callbacks"), keras.callbacks.CallbackList):
             # The caller built the list: keep it, and make sure it ends with one coordinator.
@@ -265,6 +273,10 @@ class DistributedModel:
     def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         model = self.model
         call, arguments = self._bind(method, model, args, kwargs)
+        if self._on_parameter_servers:
+            # On the chief's copy, after pulling the servers' values (TF's inline evaluation).
+            self._ext.pull_variables()
+            return call(arguments)
         passed = arguments.get("callbacks")
         if not isinstance(passed, keras.callbacks.CallbackList):  # fit's own list when validating
             if passed is not None:
@@ -295,6 +307,8 @@ class DistributedModel:
     def _prepare(self) -> None:
         """Wraps the step functions Keras made (again after ``compile`` reset them)."""
         model = self.model
+        if self._on_parameter_servers:
+            return  # the chief runs Keras' own steps for evaluate/predict; fit schedules its steps
         self._checks_left = 2  # look for lazily built variables at the first two steps
         self._adapt_optimizer(getattr(model, "optimizer", None))
         for kind in _KINDS:

@@ -89,6 +89,11 @@ def optimizer_config(optimizer: torch.optim.Optimizer, group: dict[str, Any]) ->
     return {"class": cls.__name__, "hyper": hyper}
 
 
+def active_run() -> _Run | None:
+    """The scheduled function running in this thread, if any."""
+    return _ACTIVE_RUN.get()
+
+
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     run = _ACTIVE_RUN.get()
     if run is not None:
@@ -201,7 +206,22 @@ class WorkerService:
                 raise MissingResourceError(pid[1]) from None
         if kind == "none":
             return None
+        if kind == "keras_model":
+            from phalanx.keras.parameter_server import resolve
+
+            return resolve(self, pid, run)
         raise ProtocolError(f"unknown reference {pid!r} in a scheduled function")
+
+    def _adopt(self, spec_json: str, tensor: torch.Tensor) -> None:
+        """Makes ``tensor`` (e.g. a Keras variable's own) this worker's copy of the variable ``spec_json``."""
+        spec = self._specs.get(spec_json)
+        if spec is None:
+            spec = self._specs[spec_json] = VariableSpec.from_json(spec_json)
+        old = self._vars.get(spec.name)
+        if old is not None:
+            self._by_id.pop(id(old[1]), None)
+        self._vars[spec.name] = (spec, tensor)
+        self._by_id[id(tensor)] = spec
 
     def _local(self, spec: VariableSpec) -> torch.Tensor:
         entry = self._vars.get(spec.name)
@@ -316,6 +336,27 @@ class WorkerService:
         if specs:
             self._io.add(specs, deltas)
 
+    def _push_tensors(self, grads: list[Any], variables: list[torch.Tensor], config: dict[str, Any]) -> None:
+        """Sends the gradients of ``variables`` (this worker's copies) to be applied with ``config``'s optimizer."""
+        specs, sent, pushed = [], [], []
+        for g, v in zip(grads, variables):
+            spec = self._by_id.get(id(v))
+            if g is None or spec is None or not spec.trainable:
+                continue
+            specs.append(spec)
+            sent.append(g.to_dense() if g.is_sparse else g)
+            pushed.append(v)
+        if specs:
+            self._io.apply(specs, sent, [0] * len(specs), [config])
+        self._mark_stale(specs, pushed)
+
+    def _mark_stale(self, specs: list[VariableSpec], pushed: list[torch.Tensor]) -> None:
+        run = _ACTIVE_RUN.get()
+        for spec, p in zip(specs, pushed):
+            p.grad = None  # the local step has nothing left to do for this parameter
+            if run is not None:
+                run.stale[spec.name] = (spec, p)
+
     def _push_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         specs, grads, groups, configs, pushed = [], [], [], [], []
         for group in optimizer.param_groups:
@@ -334,11 +375,7 @@ class WorkerService:
                 pushed.append(p)
         if specs:
             self._io.apply(specs, grads, groups, configs)
-        run = _ACTIVE_RUN.get()
-        for spec, p in zip(specs, pushed):
-            p.grad = None  # the local step has nothing left to do for this parameter
-            if run is not None:
-                run.stale[spec.name] = (spec, p)
+        self._mark_stale(specs, pushed)
 
     def _refresh_stale(self, run: _Run) -> None:
         """Reads back the variables this function updated, before it uses them again (a second step)."""

@@ -1,8 +1,8 @@
 """CentralStorageStrategy: one copy of every variable, computation replicated on every device.
 
 TF places the variables on the CPU and runs a replica of the computation on each GPU. Here each
-CPU replica is a process. The parameters live once, in a shared-memory mapping that every
-replica's parameters point into, so N replicas hold one copy, not N.
+replica is a process. The trainable parameters live once, in a shared-memory mapping in CPU
+memory (the *central copy*), so N replicas hold one copy of the variables, not N.
 
 Each step:
 
@@ -12,6 +12,36 @@ Each step:
    gradients, so their optimizers skip every parameter and never allocate optimizer state:
    that state exists once, in replica 0, next to the variables;
 4. a barrier at the start of the next ``run`` makes the update visible before anyone reads it.
+
+How a replica reaches the central copy depends on its compute device:
+
+* **In place** (CPU replicas, CPU parameter device: the default on CPU). Every replica's
+  parameters *are* views into the shared mapping, at all times. Nothing is copied.
+* **Copy mode** (GPU replicas, CPU parameter device). A replica cannot compute on CPU memory,
+  so it keeps a *compute copy* of each central parameter on its device:
+
+  - at the start of every ``run`` the central copy is copied into the compute copy, and each
+    parameter's ``.data`` points to the compute copy for the forward and backward passes;
+  - each gradient bucket is copied to the CPU and reduced to replica 0 there;
+  - on replica 0, as soon as the reduction of a backward pass ends (so before the
+    ``optimizer.step()`` of a usual train step), each parameter's ``.data`` becomes its central
+    CPU view and its ``.grad`` the summed CPU gradient: the optimizer updates the central copy
+    and creates its state once, on the CPU;
+  - when ``run`` returns (after the barrier that waits for replica 0's update), every replica's
+    parameters point to the central copy again.
+
+  What the user sees: *outside* ``run``, on every replica, trainable parameters are the central
+  copy on the CPU, holding the latest values: reading them (saving a checkpoint, comparing,
+  ``strategy.reduce`` of values derived from them) is correct everywhere, and writing them
+  (restoring a checkpoint, which also puts restored optimizer state on the CPU) changes the one
+  copy. *Inside* ``run``, a replica computes on its compute copy; on replica 0 the parameters
+  are the central CPU copy after ``backward()`` returns, so run a forward pass that must use the
+  updated values in the next ``run``. Non-trainable state (buffers, frozen parameters) stays on
+  each replica's device, as in place mode keeps it per replica.
+
+  ``PHALANX_CENTRAL_COPY=1`` in the environment forces copy mode on CPU replicas (compute
+  copies in private CPU memory). It is a testing aid: it runs the copy-mode code path on a host
+  without GPUs. Every replica must see the same value (the rendezvous checks it).
 
 A replica that dies mid-step makes the reduction fail before replica 0 updates anything, so the
 central variables keep the last completed step's values.
@@ -29,14 +59,14 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from phalanx.comm.communicator import Handle
 from phalanx.comm.reducer import GradientReducer
 from phalanx.devices import LogicalDevice, canonicalize
-from phalanx.errors import InvalidDeviceError
+from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
 from phalanx.strategies.common import (
     build_communicator,
@@ -49,15 +79,78 @@ from phalanx.strategies.common import (
 from phalanx.strategy import Strategy, StrategyExtended, _by_dtype, _tf_name
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping
+_COPY_ENV = "PHALANX_CENTRAL_COPY"  # "1": copy mode on CPU replicas too (testing aid)
+_CENTRAL_DEVICE = torch.device("cpu")  # the central copy is CPU memory (a shared mapping)
+
+
+def _forced_copy_mode() -> bool:
+    raw = os.environ.get(_COPY_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ClusterSpecError(_COPY_ENV, raw, "must be 0 or 1",
+                               hint="1 forces CentralStorageStrategy's copy mode on CPU replicas (for tests)")
+    return raw == "1"
+
+
+def _point(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """Makes ``param`` use ``data`` as its storage; a gradient it holds follows it to that device."""
+    if param.data.data_ptr() == data.data_ptr() and param.device == data.device:
+        return
+    grad = param.grad
+    if grad is not None:
+        param.grad = None  # a .grad on another device than .data is refused
+    param.data = data
+    if grad is not None:
+        param.grad = grad.to(data.device)
+
+
+class _CopyModeReducer(GradientReducer):
+    """A :class:`GradientReducer` that hands the summed buckets to ``on_reduced`` (copy mode).
+
+    It drops every replica's own gradients (``keep_grads=False``): in copy mode they live on the
+    compute device, while the summed gradient that replica 0 keeps lives on the CPU, next to the
+    central copy. ``on_reduced`` receives ``[(bucket parameters, summed flat tensor), ...]``
+    once per completed backward pass; replica 0 uses it to point the parameters at the central
+    copy and to set their ``.grad``.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], reduce: Callable[[torch.Tensor], Any], bucket_bytes: int,
+                 on_reduced: Callable[[list[tuple[list[torch.nn.Parameter], torch.Tensor]]], None] | None) -> None:
+        self._on_reduced = on_reduced
+        self._launched: list[tuple[list[torch.nn.Parameter], Any]] = []
+        super().__init__(params, reduce, bucket_bytes, keep_grads=False)
+
+    def _launch(self, bucket: Any) -> None:
+        super()._launch(bucket)
+        self._launched.append((bucket.params, bucket.handle))
+
+    def _finish(self) -> None:
+        launched, before = self._launched, self.reductions
+        try:
+            super()._finish()
+            # A failed reduction raised above: replica 0's parameters keep the last step's values.
+            if self._on_reduced is not None and self.reductions != before:
+                self._on_reduced([(params, handle.wait()) for params, handle in launched])
+        finally:
+            self._launched = []
 
 
 class CentralStorageExtended(StrategyExtended):
-    """Variables in one shared copy; gradients reduced to replica 0, which updates them."""
+    """Variables in one shared copy; gradients reduced to replica 0, which updates them.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        *args, **kwargs: as :class:`StrategyExtended`.
+        copy_mode: compute on per-replica copies of the central variables (GPU replicas) rather
+            than on the central copy itself; see the module docstring.
+    """
+
+    def __init__(self, *args: Any, copy_mode: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mappings: list[mmap.mmap] = []  # keep the shared memory mapped while parameters use it
         self._reduced_in_run = 0
+        self._copy_mode = copy_mode
+        # Copy mode: (parameter, central CPU view, compute copy on the replica's device).
+        self._copies: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
+        self._central_of: dict[int, torch.Tensor] = {}  # id(parameter) -> its central view
 
     def _sync_new_variables(self) -> None:
         # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
@@ -65,12 +158,20 @@ class CentralStorageExtended(StrategyExtended):
         # per replica (mirrored from replica 0) rather than being raced on in shared memory.
         params = [p for p in self._new_params if p.requires_grad]
         super()._sync_new_variables()
-        if params and self._comm.world_size > 1:
+        if params and self._comm.world_size == 1 and self._copy_mode:
+            # One replica computing on a GPU, variables on the CPU: the base class attaches no
+            # gradient synchronisation to a single replica, but copy mode needs the hand-over
+            # of the gradients to the central copy.
+            self._attach_gradient_sync(params)
+        if params and (self._comm.world_size > 1 or self._copy_mode):
             with torch.no_grad():
                 self._centralize(params)
 
     def _centralize(self, params: list[torch.nn.Parameter]) -> None:
-        """Moves ``params``' data into one shared mapping per dtype (collective)."""
+        """Moves ``params``' data into one shared mapping per dtype (collective).
+
+        In copy mode each parameter's former data is kept as its compute copy.
+        """
         comm = self._comm
         for (dtype, _), group in _by_dtype(params).items():
             offsets, size = [], 0
@@ -78,39 +179,68 @@ class CentralStorageExtended(StrategyExtended):
                 offsets.append(size)
                 size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
             key = f"central/{len(self._mappings)}"
-            if comm.rank == 0:
-                path = f"/dev/shm/phalanx-central-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                os.ftruncate(fd, max(size, 1))
-                comm.store.set(key, path)
+            path = None
+            if comm.world_size == 1:
+                mapping = mmap.mmap(-1, max(size, 1))  # nobody to share with: anonymous memory
             else:
-                path = comm.store.get(key).decode()
-                fd = os.open(path, os.O_RDWR)
-            mapping = mmap.mmap(fd, max(size, 1))
-            os.close(fd)
+                if comm.rank == 0:
+                    path = f"/dev/shm/phalanx-central-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    os.ftruncate(fd, max(size, 1))
+                    comm.store.set(key, path)
+                else:
+                    fd = os.open(comm.store.get(key).decode(), os.O_RDWR)
+                mapping = mmap.mmap(fd, max(size, 1))
+                os.close(fd)
             views = [torch.frombuffer(mapping, dtype=dtype, count=p.numel(), offset=o).view(p.shape)
                      for p, o in zip(group, offsets)]
             if comm.rank == 0:
                 for view, p in zip(views, group):
                     view.copy_(p.data)
             comm.barrier()  # everyone has mapped the file, and replica 0 has filled it
-            if comm.rank == 0:
+            if path is not None:
                 os.unlink(path)  # the mappings keep the memory alive; nothing is left in /dev/shm
             for view, p in zip(views, group):
-                p.data = view  # the private copy is freed; module and optimizer keep the same Parameter
+                if self._copy_mode:
+                    # The former data becomes the compute copy; refreshed at every `run`.
+                    self._copies.append((p, view, p.data))
+                    self._central_of[id(p)] = view
+                # Outside `run` (and always in place mode) the parameter is the central copy.
+                # In place mode the private copy is freed; module and optimizer keep the same Parameter.
+                p.data = view
             self._mappings.append(mapping)
 
     def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
         comm = self._comm
 
         def reduce_to_chief(flat: torch.Tensor) -> Handle:
-            comm.reduce(flat, dst=0)
+            # Copy mode: the sum is made, and kept, on the CPU next to the central copy (a no-op
+            # for CPU replicas; a device-to-host copy of the bucket for GPU replicas).
+            flat = flat.to(_CENTRAL_DEVICE) if self._copy_mode else flat
+            if comm.world_size > 1:
+                comm.reduce(flat, dst=0)
             return Handle(flat)
 
-        if self._reducer is None:
-            self._reducer = GradientReducer(params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0)
-        else:
+        if self._reducer is not None:
             self._reducer.add(params, self._bucket_bytes)
+        elif self._copy_mode:
+            self._reducer = _CopyModeReducer(params, reduce_to_chief, self._bucket_bytes,
+                                             self._adopt_reduced if comm.rank == 0 else None)
+        else:
+            self._reducer = GradientReducer(params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0)
+
+    def _adopt_reduced(self, buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
+        """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients."""
+        for params, flat in buckets:
+            offset = 0
+            for p in params:
+                n = p.numel()
+                grad = flat[offset:offset + n].view(p.shape)
+                offset += n
+                central = self._central_of.get(id(p))
+                if central is not None:
+                    _point(p, central)
+                p.grad = grad if grad.device == p.device else grad.to(p.device)
 
     def _before_run(self) -> None:
         if self._comm.world_size > 1:
@@ -118,6 +248,11 @@ class CentralStorageExtended(StrategyExtended):
             self._comm.barrier()
         self._reduced_in_run = self._reducer.reductions if self._reducer is not None else 0
         super()._before_run()
+        if self._copies:
+            with torch.no_grad():
+                for p, central, compute in self._copies:
+                    compute.copy_(central)
+                    _point(p, compute)
 
     def _after_run(self) -> None:
         # When the step's update happened inside `run` (the usual train_step), wait for replica 0
@@ -125,20 +260,27 @@ class CentralStorageExtended(StrategyExtended):
         # Every replica ran the same backward passes, so all take this branch together.
         if self._reducer is not None and self._reducer.reductions != self._reduced_in_run:
             self._comm.barrier()
+        # Copy mode: outside `run` the parameters are the central copy again, so that reading
+        # them gives the latest values and writing them (a restore) changes the one copy.
+        for p, central, _ in self._copies:
+            _point(p, central)
 
 
 class CentralStorageStrategy(Strategy):
     """Synchronous training with one central copy of the variables.
 
     Args:
-        compute_devices: the replicas' devices. Default: every visible GPU, else the CPU as one
-            replica; ``["cpu:0", "cpu:1"]`` gives two CPU replicas.
-        parameter_device: where the variables live. Default: the CPU; with exactly one GPU, that GPU.
+        compute_devices: the replicas' devices, all CPUs or all GPUs. Default: every visible GPU,
+            else the CPU as one replica; ``["cpu:0", "cpu:1"]`` gives two CPU replicas.
+        parameter_device: where the variables live: the CPU, or the replica's GPU when there is
+            one replica. Default: the CPU; with exactly one GPU, that GPU. When it differs from
+            the compute devices (GPU replicas), each replica computes on a copy of the variables
+            refreshed at every ``run`` (copy mode, see the module docstring).
 
     Raises:
-        InvalidDeviceError: a device is malformed, absent or repeated, or several GPU replicas
-            were asked for (their parameters would have to be copied to each GPU every step,
-            which phalanx does not do yet).
+        InvalidDeviceError: a device is malformed, absent or repeated, the compute devices mix
+            CPUs and GPUs, or the parameter device is a GPU other than the one replica's device.
+        ClusterSpecError: ``PHALANX_CENTRAL_COPY`` is set to something other than 0 or 1.
     """
 
     def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
@@ -148,15 +290,21 @@ class CentralStorageStrategy(Strategy):
             parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)
         else:
             parameter = canonicalize(parameter_device)
-        if len(compute) > 1 and (parameter.type != "cpu" or any(d.type != "cpu" for d in compute)):
-            raise InvalidDeviceError([str(d) for d in compute], hint="CentralStorageStrategy with several replicas "
-                                     "supports CPU compute devices and a CPU parameter device")
+        if len({d.type for d in compute}) > 1:
+            raise InvalidDeviceError([str(d) for d in compute], hint="CentralStorageStrategy's compute devices "
+                                     "must all be CPUs or all be GPUs")
+        if parameter.type != "cpu" and [parameter] != compute:
+            raise InvalidDeviceError(str(parameter), hint="CentralStorageStrategy keeps the variables on the CPU, "
+                                     "or on the GPU of its only replica; use parameter_device='cpu'")
+        # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
+        copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
         env = replica_env_for(self, compute, "compute_devices")
         local_rank = env.local_rank if env is not None else 0
         select_device(compute[local_rank])
-        comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
+        comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
+                                  fingerprint=(("central_storage_copy_mode", copy_mode),))
         configure_cpu_threads(comm, compute[local_rank].type)
         extended = CentralStorageExtended(comm, compute[local_rank], tuple(_tf_name(d) for d in compute),
-                                          (_tf_name(parameter),))
+                                          (_tf_name(parameter),), copy_mode=copy_mode)
         super().__init__(extended)
         close_at_exit(self)

@@ -95,6 +95,7 @@ class ParameterServerExtended(StrategyExtended):
         self._specs: list[VariableSpec] = []
         self._tensors: dict[str, torch.Tensor] = {}
         self._spec_by_id: dict[int, VariableSpec] = {}
+        self._by_storage: dict[tuple, VariableSpec] = {}
         self._json: dict[str, str] = {}
         self._versions: dict[str, int] = {}
         self._next_ps = 0
@@ -169,8 +170,24 @@ class ParameterServerExtended(StrategyExtended):
         self._new_params, self._new_buffers = [], []
         if self._role != "chief" or not (params or buffers):
             return  # variables made inside a scheduled function stay local to its worker
-        new = [(p, "parameter") for p in params if id(p) not in self._spec_by_id]
-        new += [(b, "buffer") for b in buffers if id(b) not in self._spec_by_id]
+        new = []
+        for tensor, kind in [*((p, "parameter") for p in params), *((b, "buffer") for b in buffers)]:
+            if id(tensor) in self._spec_by_id:
+                continue
+            alias = self._by_storage.get(_storage_key(tensor)) if tensor.numel() else None
+            if alias is not None:
+                # A new tensor object over an existing variable's memory (Keras re-wraps its
+                # variables in new Parameters as a model is built): the same variable, now
+                # reached through this object.
+                self._tensors[alias.name] = tensor
+                self._spec_by_id[id(tensor)] = alias
+                self._versions[alias.name] = tensor._version
+                self._mark_owned(tensor)
+                continue
+            new.append((tensor, kind))
+        # Within this batch too, one variable per memory: the last object over it is the one in use.
+        latest = {_storage_key(t): i for i, (t, _) in enumerate(new) if t.numel()}
+        new = [(t, kind) for i, (t, kind) in enumerate(new) if not t.numel() or latest[_storage_key(t)] == i]
         specs = [self._place(t, kind) for t, kind in new]
         tensors = [t for t, _ in new]
         existing = self._io.create(specs, tensors)
@@ -203,6 +220,8 @@ class ParameterServerExtended(StrategyExtended):
         self._spec_by_id[id(tensor)] = spec
         self._json[spec.name] = spec.to_json()
         self._versions[spec.name] = tensor._version
+        if tensor.numel():
+            self._by_storage[_storage_key(tensor)] = spec  # registered tensors stay alive: no address reuse
         self._mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
 
     def _persistent_id(self, obj: Any) -> Any:
@@ -216,6 +235,14 @@ class ParameterServerExtended(StrategyExtended):
                             "strategy.scope(): it is copied to the worker with every function and its updates "
                             "are lost. Create the model inside `with strategy.scope():`.", tuple(obj.shape))
             return None
+        keras = sys.modules.get("keras")
+        if keras is not None and isinstance(obj, keras.Model) and "_phalanx_distributed" in obj.__dict__:
+            # A Keras model built in scope: the worker rebuilds it once from its config and binds
+            # its variables to the servers' (phalanx.keras.parameter_server), instead of
+            # unpickling a copy with its weights every step.
+            from phalanx.keras.parameter_server import reference
+
+            return reference(obj, self)
         if isinstance(obj, Strategy):
             if obj.extended is self:
                 return ("strategy",)
@@ -348,6 +375,10 @@ class ParameterServerExtended(StrategyExtended):
                             self._task_name, orphan)
                 break
         server.stop(grace=1.0)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
 
 
 def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,146 @@
+"""Keras ``fit`` / ``evaluate`` / ``predict`` under ParameterServerStrategy.
+
+In process (the production services over the in-process transport): one worker equals one-device
+Keras training step for step; the seed notebook's MLP on 2 PS and 2 workers learns the digits with
+the Adam state on the servers; callbacks run on the chief; unsupported input fails clearly.
+Across processes (gRPC): the seed example under ``phalanx run --ps 2 --workers 2``
+(test_keras_examples.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cloudpickle")
+os.environ.setdefault("KERAS_BACKEND", "torch")
+keras = pytest.importorskip("keras")
+
+import phalanx.keras  # noqa: E402,F401
+from phalanx.errors import PhalanxError  # noqa: E402
+from phalanx.keras.parameter_server import UnsupportedOptimizerError, torch_optimizer_config  # noqa: E402
+from phalanx.ps.testing import InProcessCluster  # noqa: E402
+
+# Before the per-test environment check: set_random_seed imports TensorFlow when it is installed
+# (which sets TF's variables), and torch's first Adam step sets TORCHINDUCTOR_CACHE_DIR.
+keras.utils.set_random_seed(0)
+_p = torch.nn.Parameter(torch.zeros(1))
+_p.grad = torch.zeros(1)
+torch.optim.Adam([_p]).step()
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16.0).astype("float32"), y.astype("int64")
+
+
+def _mlp(dropout: float = 0.0, hidden: int = 32):
+    layers = [keras.Input((64,)), keras.layers.Dense(hidden, activation="relu")]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    return keras.Sequential(layers + [keras.layers.Dense(10, activation="softmax")])
+
+
+def test_one_worker_equals_one_device_keras_training():
+    x, y = _digits()
+    x, y = x[:640], y[:640]
+    keras.utils.set_random_seed(3)
+    reference = _mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
+    initial = reference.get_weights()
+    ref_history = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    with InProcessCluster(num_ps=2, num_workers=1) as cluster:
+        with cluster.strategy.scope():
+            model = _mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
+            model.set_weights(initial)  # sent to the servers before the first step
+        history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        updates = sum(s["updates"] for s in cluster.strategy.extended.parameter_server_stats())
+    assert updates == 2 * 10 * 4  # 2 epochs x 10 steps x 4 variables, each updated once per step
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    print(f"\none worker vs one device: max |dw| = "
+          f"{max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())):.2e}")
+
+
+class _Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = 0, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+        if epoch == 4:
+            self.model.stop_training = True
+
+
+def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_servers(tmp_path):
+    x, y = _digits()
+    keras.utils.set_random_seed(0)
+    recorder = _Recorder()
+    with InProcessCluster(num_ps=2, num_workers=2) as cluster:
+        with cluster.strategy.scope():
+            model = _mlp(dropout=0.2, hidden=128)  # the notebook's model
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        history = model.fit(x[:1500], y[:1500], epochs=10, batch_size=25, steps_per_epoch=40,
+                            validation_data=(x[1500:], y[1500:]), verbose=0,
+                            callbacks=[recorder, keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
+                                                                                 save_weights_only=True)])
+        loss, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+        predictions = model.predict(x[1500:], verbose=0)
+        slots = [s for ps in cluster.ps for s in ps._slots.values() if s.optimizer is not None]
+        stats = cluster.strategy.extended.parameter_server_stats()
+    keras.utils.set_random_seed(0)
+    reference = _mlp(dropout=0.2, hidden=128)
+    reference.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    reference.fit(x[:1500], y[:1500], epochs=5, batch_size=25, steps_per_epoch=40, verbose=0)
+    ref_loss, ref_accuracy = reference.evaluate(x[1500:], y[1500:], verbose=0)
+    print(f"\nPS Keras fit (2 ps, 2 workers, 200 async steps): held-out accuracy {accuracy:.3f}, loss {loss:.3f}; "
+          f"one device, same steps: {ref_accuracy:.3f}, {ref_loss:.3f}")
+    assert recorder.batches == 5 * 40 and len(recorder.epochs) == 5  # stop_training after epoch 5
+    assert sum(s["updates"] for s in stats) == 5 * 40 * 4
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert accuracy > ref_accuracy - 0.05 and loss < 1.2 * ref_loss  # asynchronous, yet as good as one device
+    assert abs(history.history["val_accuracy"][-1] - accuracy) < 1e-6
+    assert predictions.shape == (297, 10) and float((predictions.argmax(1) == y[1500:]).mean()) == pytest.approx(accuracy)
+    assert len(slots) == 4 and all({"exp_avg", "exp_avg_sq"} <= set(s.optimizer.state[s.value]) for s in slots)
+    assert (tmp_path / "m.weights.h5").exists()
+
+
+def test_optimizer_mapping_and_refusals():
+    assert torch_optimizer_config(keras.optimizers.RMSprop(0.01, rho=0.8))["hyper"]["alpha"] == pytest.approx(0.8)
+    adam = torch_optimizer_config(keras.optimizers.AdamW(0.002, weight_decay=0.01))
+    assert adam["class"] == "AdamW" and adam["hyper"]["weight_decay"] == pytest.approx(0.01)
+    with pytest.raises(UnsupportedOptimizerError, match="clipnorm"):
+        torch_optimizer_config(keras.optimizers.Adam(clipnorm=1.0))
+    with pytest.raises(UnsupportedOptimizerError, match="Nadam"):
+        torch_optimizer_config(keras.optimizers.Nadam())
+
+
+def test_input_without_length_needs_steps_per_epoch():
+    x, y = _digits()
+
+    class Batches:  # re-iterable, picklable, no len()
+        def __iter__(self):
+            for i in range(0, 200, 50):
+                yield x[i:i + 50], y[i:i + 50]
+
+    with InProcessCluster(num_ps=1, num_workers=1) as cluster:
+        with cluster.strategy.scope():
+            model = _mlp()
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        with pytest.raises(PhalanxError, match="steps_per_epoch"):
+            model.fit(Batches(), epochs=1, verbose=0)
+        history = model.fit(Batches(), epochs=2, steps_per_epoch=6, verbose=0)  # cycles over the 4 batches
+        assert len(history.history["loss"]) == 2
+        assert sum(s["updates"] for s in cluster.strategy.extended.parameter_server_stats()) == 2 * 6 * 4
