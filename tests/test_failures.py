@@ -221,3 +221,23 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
                       cwd=tmp_path, log_dir=tmp_path / f"logs-{attempt}")
         assert res.returncode == 0, f"run {attempt}:\n" + res.logs()[-4000:]
         assert "terminate called" not in res.logs()
+
+
+def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
+    """Elastic's failure timestamps have one-second resolution; in a tie, the replica whose error is
+    only "my peer is gone" is not the root cause (pure logic, no processes)."""
+    from types import SimpleNamespace
+
+    from phalanx.launch.runner import JobSpec, _root_cause
+
+    def failure(exitcode, message=None, pid=1):
+        data = {"message": {"message": message}} if message else {}
+        return SimpleNamespace(timestamp=1700000000, error_file_data=data, exitcode=exitcode, pid=pid)
+
+    result = SimpleNamespace(failures={0: failure(1, "PeerUnavailableError: all-reduce on worker:0 failed", 10),
+                                       1: failure(13, pid=11)}, stderrs={}, stdouts={})
+    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    assert code == 13 and "local rank 1" in text and "exit code 13" in text
+    result.failures[1].timestamp += 1  # a genuinely later failure is not preferred
+    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    assert code == 1 and "local rank 0" in text

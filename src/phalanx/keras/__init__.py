@@ -49,6 +49,7 @@ check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
 from phalanx.keras.callbacks import Coordinator  # noqa: E402
 from phalanx.keras.model import DistributedModel, InputMismatchError, distribute, distributed_model  # noqa: E402
+from phalanx.keras.parameter_server import DatasetCreator, UnsupportedOptimizerError  # noqa: E402
 
-__all__ = ["Coordinator", "DistributedModel", "InputMismatchError", "SUPPORTED", "UnsupportedKerasError",
-           "distribute", "distributed_model"]
+__all__ = ["Coordinator", "DatasetCreator", "DistributedModel", "InputMismatchError", "SUPPORTED",
+           "UnsupportedKerasError", "UnsupportedOptimizerError", "distribute", "distributed_model"]

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -61,10 +61,23 @@ def _tail(path: str, lines: int = 20) -> str:
         return ""
 
 
+_CONSEQUENCES = ("PeerUnavailableError", "CollectiveTimeoutError")
+
+
+def _only_saw_a_peer_fail(failure: Any) -> bool:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    text = message.get("message", "") if isinstance(message, dict) else str(message or "")
+    return any(name in text for name in _CONSEQUENCES)
+
+
 def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
     # Replicas record their uncaught exception (with a timestamp) in elastic's error file; the
     # earliest one is the root cause, the others usually just saw their peer disappear.
-    rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+    # Timestamps have one-second resolution: within a tie, a replica that only reports losing a
+    # peer is not the cause when another replica simply died (e.g. ``os._exit`` or a signal).
+    rank, failure = min(result.failures.items(),
+                        key=lambda kv: (kv[1].timestamp, _only_saw_a_peer_fail(kv[1]), kv[0]))
     global_rank = spec.node_rank * spec.nproc + rank
     detail = ""
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
