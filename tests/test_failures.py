@@ -224,8 +224,9 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
 
 
 def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
-    """Elastic's failure timestamps have one-second resolution; in a tie, the replica whose error is
-    only "my peer is gone" is not the root cause (pure logic, no processes)."""
+    """A replica whose error is only "my peer is gone", or that elastic stopped with SIGTERM after
+    another exited, is not the root cause (pure logic, no processes; reproduced under load: a
+    preempted job was reported as "killed by signal SIGTERM" and lost its free restart)."""
     from types import SimpleNamespace
 
     from phalanx.launch.runner import JobSpec, _root_cause
@@ -238,6 +239,15 @@ def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
                                        1: failure(13, pid=11)}, stderrs={}, stdouts={})
     code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
     assert code == 13 and "local rank 1" in text and "exit code 13" in text
-    result.failures[1].timestamp += 1  # a genuinely later failure is not preferred
+    result.failures[1].timestamp -= 1  # an earlier one wins whatever it is
+    result.failures[0] = failure(1, "ValueError: a bug in replica zero", 10)
     code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
-    assert code == 1 and "local rank 0" in text
+    assert code == 13 and "local rank 1" in text
+    result.failures[1].timestamp += 2  # a genuinely later failure is not preferred
+    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    assert code == 1 and "local rank 0" in text and "a bug in replica zero" in text
+    # A replica still exiting when elastic stopped the group (SIGTERM) is not the cause of a
+    # preemption (exit 42), even though elastic saw it in the same second.
+    result.failures = {0: failure(-15, pid=10), 1: failure(42, pid=11)}
+    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    assert code == 42 and "local rank 1" in text

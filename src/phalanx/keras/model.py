@@ -238,7 +238,9 @@ class DistributedModel:
     # ------------------------------------------------------------------------------ public methods
     @property
     def _on_parameter_servers(self) -> bool:
-        return type(self._ext).__name__ == "ParameterServerExtended"
+        from phalanx.strategies.parameter_server import ParameterServerExtended
+
+        return isinstance(self._ext, ParameterServerExtended)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model

@@ -64,7 +64,11 @@ def _tail(path: str, lines: int = 20) -> str:
 _CONSEQUENCES = ("PeerUnavailableError", "CollectiveTimeoutError")
 
 
-def _only_saw_a_peer_fail(failure: Any) -> bool:
+def _is_consequence(failure: Any) -> bool:
+    """Whether a failure only followed another's: the replica reported losing a peer, or it was
+    still running (e.g. exiting) when torch elastic stopped the group with SIGTERM."""
+    if failure.exitcode == -signal.SIGTERM:
+        return True
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     message = data.get("message")
     text = message.get("message", "") if isinstance(message, dict) else str(message or "")
@@ -73,11 +77,10 @@ def _only_saw_a_peer_fail(failure: Any) -> bool:
 
 def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
     # Replicas record their uncaught exception (with a timestamp) in elastic's error file; the
-    # earliest one is the root cause, the others usually just saw their peer disappear.
-    # Timestamps have one-second resolution: within a tie, a replica that only reports losing a
-    # peer is not the cause when another replica simply died (e.g. ``os._exit`` or a signal).
-    rank, failure = min(result.failures.items(),
-                        key=lambda kv: (kv[1].timestamp, _only_saw_a_peer_fail(kv[1]), kv[0]))
+    # earliest one is the root cause. A consequence (a replica that saw its peer disappear, or that
+    # elastic stopped after another failed) never is when any other failure is there: timestamps
+    # have one-second resolution, and a replica still exiting gets SIGTERM once a peer has exited.
+    rank, failure = min(result.failures.items(), key=lambda kv: (_is_consequence(kv[1]), kv[1].timestamp, kv[0]))
     global_rank = spec.node_rank * spec.nproc + rank
     detail = ""
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
