@@ -251,3 +251,21 @@ def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
     result.failures = {0: failure(-15, pid=10), 1: failure(42, pid=11)}
     code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
     assert code == 42 and "local rank 1" in text
+
+
+def test_error_file_is_written_whole_and_in_elastics_format(tmp_path, monkeypatch):
+    """The error file appears only complete (renamed into place), so the launcher never parses half
+    a file (it did once: torch elastic's parser raised and took the launcher down)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from phalanx.launch.env import _record_atomically
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise ValueError("boom")
+    except ValueError as e:
+        _record_atomically(ErrorHandler(), e)
+    assert json.loads(path.read_text())["message"]["message"] == "ValueError: boom"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]  # no temporary left
+    assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(path)

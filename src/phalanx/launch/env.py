@@ -17,7 +17,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Any, Mapping
 
 from phalanx.errors import ClusterSpecError
 
@@ -93,9 +93,27 @@ def install_error_recorder() -> None:
 
     def hook(kind, value, tb):  # noqa: ANN001
         try:
-            ErrorHandler().record_exception(value)
+            _record_atomically(ErrorHandler(), value)
         finally:
             previous(kind, value, tb)
 
     hook._phalanx = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _record_atomically(handler: Any, error: BaseException) -> None:
+    """Writes elastic's error file whole or not at all.
+
+    The launcher reads the file as soon as any replica has exited, and stops the rest with
+    SIGTERM; a replica caught halfway through writing left a truncated file, on which torch
+    elastic's own parser raised and brought the launcher down. So: write a temporary file in
+    elastic's format, then rename it into place.
+    """
+    path = os.environ["TORCHELASTIC_ERROR_FILE"]
+    temporary = f"{path}.{os.getpid()}.tmp"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = temporary
+    try:
+        handler.record_exception(error)
+        os.replace(temporary, path)
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
