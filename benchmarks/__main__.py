@@ -38,13 +38,6 @@ if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pi
         THROUGHPUT_CONFIGS[_tf] = (lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m,
                                                                 out, "--seconds", s])(_tf)
 
-OVERHEAD_CONFIGS = {
-    "px_one_device": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_one_device", m, out,
-                                        "--seconds", s],
-    "raw": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "raw", m, out, "--seconds", s],
-}
-
-
 def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
     return [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "-m", "benchmarks.worker", config, model, out,
             "--seconds", seconds]
@@ -72,6 +65,22 @@ def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float) 
                     results[m][c].append(_job(configs[c](m, out, str(seconds)), out)["samples_per_s"])
                     print(f"  round {r + 1}/{rounds} {m:<10} {c:<14} {results[m][c][-1]:>10.0f} samples/s",
                           flush=True)
+    return results
+
+
+def _overhead(models: list[str], rounds: int, seconds: float) -> dict:
+    """OneDeviceStrategy and the raw loop, paired within one process per model and round."""
+    results = {m: {"px_one_device": [], "raw": []} for m in models}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for m in models:
+                out = os.path.join(tmp, f"overhead-{m}-{r}.json")
+                pair = _job([sys.executable, "-m", "benchmarks.worker", "overhead_pair", m, out, "--seconds",
+                             str(seconds)], out)
+                for c in results[m]:
+                    results[m][c].append(pair[c])
+                print(f"  round {r + 1}/{rounds} {m:<10} px_one_device {pair['px_one_device']:>9.0f}  "
+                      f"raw {pair['raw']:>9.0f} samples/s", flush=True)
     return results
 
 
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead" not in skip:
         print("OneDeviceStrategy overhead:", flush=True)
         mlps = [m for m in models if m.endswith("mlp")]
-        raw = _interleaved(OVERHEAD_CONFIGS, mlps, args.rounds, args.seconds)
+        raw = _overhead(mlps, args.rounds, args.seconds)
         report["overhead"] = {"samples_per_s": raw,
                               "ratios": {m: _ratio(raw[m]["px_one_device"], raw[m]["raw"]) for m in mlps}}
     report["elapsed_s"] = time.monotonic() - start

@@ -47,7 +47,9 @@ def main() -> None:
     rows = []
     for size in SIZES:
         tensor = torch.ones(size // 4)
-        reps = max(3, min(200, int(2e8 // max(size, 1) // 50)))
+        # About 64 MB per timing, 5 to 200 calls: enough calls that the ranks' skew leaving the
+        # barrier (tens of us) is not charged to one 70 us all-reduce, as nccl-tests' iterations do.
+        reps = max(5, min(200, (64 << 20) // size))
         times = {k: [] for k in impls}
         for _ in range(args.rounds):
             for name, fn in impls.items():

@@ -3,7 +3,8 @@
     python -m benchmarks.worker CONFIG MODEL OUT_JSON [--seconds S]
 
 CONFIG: px_mirrored (self-launched 2 replicas) | px_mwms | ddp | local2 (launched by
-``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw (1 process, 1 thread).
+``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw (1 process, 1 thread)
+| overhead_pair (px_one_device and raw in one process, alternating).
 Each process trains on global batch 256 (its share of it) with Adam and writes steps/s.
 """
 
@@ -108,6 +109,59 @@ def run_torch(kind: str, model_name: str, seconds: float) -> dict:
     return {"rank": rank, "steps": steps, "seconds": elapsed}
 
 
+def run_overhead_pair(model_name: str, seconds: float) -> dict:
+    """OneDeviceStrategy against the raw loop in one process, one thread, alternating passes.
+
+    Separate processes differ by +-5 % on this VM (core, memory placement, neighbours), far more
+    than the ~10 us a ``strategy.run`` adds to a step; alternating passes over the same batches in
+    one process pairs every phalanx pass with a raw pass taken under the same conditions. Both
+    sides run the same step function (mean loss): the strategy's cost is what is measured, not
+    the choice of loss (``compute_average_loss``'s sum and divide add two small autograd nodes).
+    """
+    import phalanx as px
+
+    torch.set_num_threads(1)
+    strategy = px.OneDeviceStrategy("cpu")
+    torch.manual_seed(0)
+    with strategy.scope():
+        px_model = make_model(model_name)
+    torch.manual_seed(0)
+    raw_model = make_model(model_name)
+    px_opt = torch.optim.Adam(px_model.parameters(), lr=1e-3)
+    raw_opt = torch.optim.Adam(raw_model.parameters(), lr=1e-3)
+
+    def train_step(model, opt, x, y):  # the same user code on both sides: only the strategy differs
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def px_step(x, y):
+        strategy.run(train_step, args=(px_model, px_opt, x, y))
+
+    def raw_step(x, y):
+        train_step(raw_model, raw_opt, x, y)
+
+    raw_data = batches(GLOBAL_BATCH, 20)
+    px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(raw_data)]
+    runs = {"px_one_device": (px_step, px_data),
+            "raw": (raw_step, raw_data)}
+    for step, data in runs.values():  # warm-up
+        for x, y in data[:5]:
+            step(x, y)
+    spent, steps, order = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0), list(runs)
+    while sum(spent.values()) < 2 * seconds:
+        order.reverse()  # neither side always runs first
+        for name in order:
+            step, data = runs[name]
+            start = time.perf_counter()
+            for x, y in data:
+                step(x, y)
+            spent[name] += time.perf_counter() - start
+            steps[name] += len(data)
+    return {"rank": 0, **{name: steps[name] * GLOBAL_BATCH / spent[name] for name in runs}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
@@ -115,11 +169,12 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--seconds", type=float, default=2.0)
     args = parser.parse_args()
-    if args.config.startswith("px_"):
-        result = run_phalanx(args.config, args.model, args.seconds)
+    if args.config == "overhead_pair":
+        result = run_overhead_pair(args.model, args.seconds)
     else:
-        result = run_torch(args.config, args.model, args.seconds)
-    result["samples_per_s"] = result["steps"] * GLOBAL_BATCH / result["seconds"]
+        run = run_phalanx if args.config.startswith("px_") else run_torch
+        result = run(args.config, args.model, args.seconds)
+        result["samples_per_s"] = result["steps"] * GLOBAL_BATCH / result["seconds"]
     if result["rank"] == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,6 +1,6 @@
-"""The two seed examples (examples/keras_*.py) run under OneDevice, Mirrored and MultiWorkerMirrored.
-
-(CentralStorageStrategy is covered by test_keras_equivalence.py, to keep the CI budget.)
+"""The two seed examples (examples/keras_*.py) run under every strategy, only ``--strategy`` changed:
+OneDevice, Mirrored, CentralStorage and MultiWorkerMirrored here (2 CPU replicas or 2 TF_CONFIG
+workers), ParameterServer on a real `phalanx run --ps 2 --workers 2` cluster.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
 DONE = {"keras_mnist_mlp.py": "Time taken by normal training", "keras_toy.py": "Epoch 5/5"}
 
 
-@pytest.mark.parametrize("strategy", ["one_device", "mirrored", "multi_worker"])
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored", "central_storage", "multi_worker"])
 @pytest.mark.parametrize("example", sorted(DONE))
 def test_seed_example_runs(tmp_path, example, strategy):
     cmd = [sys.executable, str(EXAMPLES / example), "--strategy", strategy]
@@ -44,6 +44,17 @@ def test_seed_example_runs(tmp_path, example, strategy):
         assert "Total params: 193" in chief
         if strategy != "one_device":
             assert "Epoch 1/5" not in other
+
+
+def test_toy_example_under_parameter_server_strategy(tmp_path):
+    """The toy example's DataLoader is shipped to each worker, which runs fit's steps; the chief
+    alone prints the summary and the progress bar, and every epoch's 10 steps are applied."""
+    cmd = [sys.executable, "-m", "phalanx.cli", "run", "--ps", "2", "--workers", "2",
+           str(EXAMPLES / "keras_toy.py"), "--strategy", "parameter_server"]
+    res = run_job(cmd, timeout=200, cwd=tmp_path, env=ENV)
+    assert res.returncode == 0, res.logs()[-8000:]
+    assert "Total params: 193" in res.output and res.output.count("Epoch 5/5") == 1
+    assert res.output.count("10/10") == 5, res.output[-3000:]
 
 
 def test_seed_mlp_under_parameter_server_strategy(tmp_path):

@@ -83,6 +83,13 @@ class _Recorder(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+class _StepCounter(keras.callbacks.Callback):
+    batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
 def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_servers(tmp_path):
     x, y = _digits()
     keras.utils.set_random_seed(0)
@@ -102,7 +109,12 @@ def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_server
     keras.utils.set_random_seed(0)
     reference = _mlp(dropout=0.2, hidden=128)
     reference.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    reference.fit(x[:1500], y[:1500], epochs=5, batch_size=25, steps_per_epoch=40, verbose=0)
+    # Plain Keras keeps one iterator across epochs when steps_per_epoch is given and stops when it
+    # runs dry (60 batches here); repeat the data so the reference really takes the same 200 steps.
+    steps = _StepCounter()
+    reference.fit(np.concatenate([x[:1500]] * 4), np.concatenate([y[:1500]] * 4), epochs=5, batch_size=25,
+                  steps_per_epoch=40, verbose=0, callbacks=[steps])
+    assert steps.batches == 5 * 40
     ref_loss, ref_accuracy = reference.evaluate(x[1500:], y[1500:], verbose=0)
     print(f"\nPS Keras fit (2 ps, 2 workers, 200 async steps): held-out accuracy {accuracy:.3f}, loss {loss:.3f}; "
           f"one device, same steps: {ref_accuracy:.3f}, {ref_loss:.3f}")

@@ -109,10 +109,9 @@ class StrategyExtended:
         return self._local_device.torch_device
 
     # ---------------------------------------------------------------- variables
-    @contextlib.contextmanager
-    def _variable_scope(self, owner: object) -> Iterator[None]:
-        with variables.capture(owner, self._torch_device, self._new_params.append, self._new_buffers.append):
-            yield
+    def _variable_scope(self, owner: object) -> variables.capture:
+        return variables.capture(variables.Capture(owner, self._torch_device, self._new_params.append,
+                                                   self._new_buffers.append))
 
     def _sync_new_variables(self) -> None:
         """Makes variables created since the last call identical everywhere and synchronised.

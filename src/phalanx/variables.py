@@ -9,11 +9,10 @@ Nothing is monkey-patched and nothing outside a scope is touched.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.nn.modules.module import (
@@ -25,19 +24,21 @@ from phalanx import context
 
 
 @dataclass(frozen=True)
-class _Capture:
+class Capture:
+    """What a capture does: whose scope it is, where tensors go, whom to tell."""
+
     owner: object
     device: torch.device
     on_parameter: Callable[[torch.nn.Parameter], None]
     on_buffer: Callable[[torch.Tensor], None]
 
 
-_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
+_ACTIVE: contextvars.ContextVar[Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
 _INSTALLED = threading.Lock()
 _installed = False
 
 
-def _current() -> _Capture | None:
+def _current() -> Capture | None:
     cap = _ACTIVE.get()
     return cap if cap is not None and context.get_strategy() is cap.owner else None
 
@@ -72,20 +73,35 @@ def _install() -> None:
             _installed = True
 
 
-@contextlib.contextmanager
-def capture(owner: object, device: torch.device,
-            on_parameter: Callable[[torch.nn.Parameter], None],
-            on_buffer: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Calls ``on_parameter`` / ``on_buffer`` for every tensor registered under ``owner``'s scope.
+class capture:  # lower case: used like a function, ``with capture(spec):``
+    """Calls ``spec.on_parameter`` / ``spec.on_buffer`` for every tensor registered under
+    ``spec.owner``'s scope.
 
-    Tensors are created on ``device`` (``torch.device`` as a context manager sets the default
-    device for factory functions); stragglers created elsewhere are moved there.
+    Tensors are created on ``spec.device`` (``torch.device`` as a context manager sets the default
+    device for factory functions); stragglers created elsewhere are moved there. A class rather
+    than a ``@contextmanager`` generator because ``strategy.run`` enters a capture on every step.
     """
-    _install()
-    token = _ACTIVE.set(_Capture(owner, device, on_parameter, on_buffer))
-    try:
+
+    __slots__ = ("_spec", "_device", "_token")
+
+    def __init__(self, spec: Capture) -> None:
+        self._spec = spec
         # The default-device mode intercepts every torch call; on the CPU it would only cost time.
-        with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-            yield
-    finally:
-        _ACTIVE.reset(token)
+        self._device = torch.device(spec.device) if spec.device.type != "cpu" else None
+
+    def __enter__(self) -> None:
+        _install()
+        self._token = _ACTIVE.set(self._spec)
+        if self._device is not None:
+            try:
+                self._device.__enter__()
+            except BaseException:
+                _ACTIVE.reset(self._token)
+                raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._device is not None:
+                self._device.__exit__(*exc)
+        finally:
+            _ACTIVE.reset(self._token)

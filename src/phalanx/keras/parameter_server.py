@@ -79,7 +79,8 @@ def _learning_rate(optimizer: Any) -> float:
         return float(lr(optimizer.iterations))
     if callable(lr):
         return float(lr())
-    return float(keras.ops.convert_to_numpy(lr))
+    # float() of the variable's 0-d tensor: going through numpy trips numpy 2's __array__ deprecation.
+    return float(getattr(lr, "value", lr))
 
 
 def torch_optimizer_config(optimizer: Any) -> dict[str, Any]:
