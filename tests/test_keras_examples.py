@@ -53,8 +53,11 @@ def test_toy_example_under_parameter_server_strategy(tmp_path):
            str(EXAMPLES / "keras_toy.py"), "--strategy", "parameter_server"]
     res = run_job(cmd, timeout=200, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
-    assert "Total params: 193" in res.output and res.output.count("Epoch 5/5") == 1
-    assert res.output.count("10/10") == 5, res.output[-3000:]
+    assert "Total params: 193" in res.output
+    epochs = res.output.split("Epoch ")[1:]
+    assert [e[:3] for e in epochs] == [f"{k}/5" for k in range(1, 6)], res.output[-3000:]
+    # Keras's progress bar may print 10/10 twice (last batch, then the epoch's end): once or more.
+    assert all("10/10" in e for e in epochs), res.output[-3000:]
 
 
 def test_seed_mlp_under_parameter_server_strategy(tmp_path):
