@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from phalanx import nest
+from phalanx import global_batch, nest
 from phalanx.errors import BatchSizeError
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions
 
@@ -168,15 +168,24 @@ class DatasetFromFunction:
 def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int]], place: _Placer) -> Iterator[Any]:
     """Yields wrapped per-replica batches, moving each to the device one batch ahead of use."""
     pending = None
+    ordinal = 0
+
+    def wrapped(local: Any, global_size: int) -> Any:
+        # The global batch size travels with the batch (strategy.run reads it), not in a field
+        # this generator would overwrite one batch ahead.
+        nonlocal ordinal
+        ordinal += 1
+        batch = strategy._wrap_local(local)
+        global_batch.tag(batch, global_batch.BatchInfo(global_size, ordinal))
+        return batch
+
     for local, global_size in source:
         ready = (place(local), global_size)
         if pending is not None:
-            strategy.extended._global_batch_size = pending[1]
-            yield strategy._wrap_local(pending[0])
+            yield wrapped(*pending)
         pending = ready
     if pending is not None:
-        strategy.extended._global_batch_size = pending[1]
-        yield strategy._wrap_local(pending[0])
+        yield wrapped(*pending)
 
 
 def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:

@@ -56,6 +56,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from phalanx import context, nest
 from phalanx.errors import PhalanxError, StrategyScopeError
+from phalanx.nn import mark_loss_scaled
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.values import ReduceOp
@@ -351,6 +352,7 @@ class DistributedModel:
 
         def replica_fn() -> None:
             self._grad_scale.value = scale
+            mark_loss_scaled()  # the gradient hook scales for the global batch
             try:
                 out["result"] = raw([step.local])
             finally:
