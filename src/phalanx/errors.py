@@ -117,11 +117,18 @@ class DistributedRuntimeError(PhalanxError, RuntimeError):
 class RendezvousTimeoutError(DistributedRuntimeError):
     """Not every task joined the job within the rendezvous timeout."""
 
-    def __init__(self, missing: list[str], timeout: float) -> None:
+    #: how many missing tasks the message names; the rest are counted (a job of thousands stays readable)
+    NAMED = 8
+
+    def __init__(self, missing: list[str], timeout: float, *, cause: str | None = None) -> None:
         self.missing = missing
         self.timeout = timeout
+        self.cause = cause
+        named = ", ".join(missing[:self.NAMED]) or "?"
+        if len(missing) > self.NAMED:
+            named += f" and {len(missing) - self.NAMED} more ({len(missing)} tasks missing)"
         super().__init__(
-            f"Timed out after {timeout:.1f}s waiting for tasks: {', '.join(missing) or '?'}.",
+            f"Timed out after {timeout:.1f}s waiting for tasks: {named}" + (f": {cause}." if cause else "."),
             hint="check that every task was started and can reach the chief's address",
         )
 

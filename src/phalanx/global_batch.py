@@ -33,10 +33,13 @@ class BatchInfo:
     Attributes:
         global_size: the number of examples in the global batch, over all replicas.
         ordinal: 1 for the first batch an iterator yields, 2 for the next, ...
+        sliced_from: where every process reads whole global batches and takes its slice: the
+            size of the batch this process sliced (it must be the same in every process).
     """
 
     global_size: int
     ordinal: int
+    sliced_from: int | None = None
 
 
 # Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.

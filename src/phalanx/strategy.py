@@ -192,7 +192,12 @@ class StrategyExtended:
 
     def _guard_fields(self) -> tuple[int, int, int]:
         info = global_batch.current()
-        return (self._step, info.global_size, info.ordinal) if info is not None else (self._step, 0, 0)
+        if info is None:
+            return (self._step, 0, 0)
+        # The batch each process sliced (where every process reads whole global batches) must be
+        # the same size everywhere; an agreed sum over per-process pipelines would hide the difference.
+        sliced = info.sliced_from if info.sliced_from is not None else info.global_size
+        return (self._step, sliced, info.ordinal)
 
     def _guarded_params(self) -> list[tuple[str, torch.Tensor]]:
         if self._reducer is None:
@@ -200,31 +205,28 @@ class StrategyExtended:
         return [(variables.label_of(p), p) for bucket in self._reducer._buckets for p in bucket.params]
 
     def _first_run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Runs ``fn`` watching which modules it calls: trainable parameters that no scope ever
-        synchronised (a model created outside ``scope()``) differ on every replica, forever."""
-        self._checked_first_run = True
-        called: list[torch.nn.Module] = []
+        """Runs ``fn`` watching the modules it calls: a trainable parameter that no scope ever
+        synchronised (a model created outside ``scope()``) differs on every replica and its
+        gradient is never summed, so the first forward call of its module raises."""
         me = threading.get_ident()  # the hook is process-wide; other threads' modules are not ours
+        checked: set[int] = set()
 
         def watch(module: torch.nn.Module, inputs: Any) -> None:
-            if threading.get_ident() == me:
-                called.append(module)
+            if threading.get_ident() != me or id(module) in checked:
+                return
+            checked.add(id(module))
+            pending = {id(p) for p in self._new_params}  # created in this run: synchronised at the next
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in self._synced and id(p) not in pending:
+                    raise UnsynchronizedParameterError(f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",
+                                                       self._comm.name(self._comm.rank), self._step)
 
         handle = torch.nn.modules.module.register_module_forward_pre_hook(watch)
         try:
-            result = fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             handle.remove()
-        pending = {id(p) for p in self._new_params}
-        seen: set[int] = set()
-        for module in called:
-            for name, p in module.named_parameters(recurse=False):
-                if p.requires_grad and id(p) not in seen and id(p) not in self._synced and id(p) not in pending:
-                    seen.add(id(p))
-                    raise UnsynchronizedParameterError(
-                        f"{type(module).__name__}.{name} (shape {tuple(p.shape)})", self._comm.name(self._comm.rank),
-                        self._step)
-        return result
+            self._checked_first_run = bool(checked)  # a step that called no module checks nothing
 
     # ---------------------------------------------------------------- collectives on values
     def _all_reduce_structure(self, op: ReduceOp, structure: Any) -> Any:

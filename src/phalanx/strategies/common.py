@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from phalanx.cluster.placement import own_address_for
-from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
+from phalanx.comm.communicator import GroupSpec, LocalCommunicator, ProcessGroupCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv, install_error_recorder
@@ -67,7 +67,7 @@ def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, 
         timeout=timeout or env_seconds("PHALANX_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT),
         rendezvous_timeout=env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT),
         fingerprint=fingerprint)
-    return GlooCommunicator(spec, backend=backend)
+    return ProcessGroupCommunicator(spec, backend=backend)
 
 
 def close_at_exit(strategy: Any) -> None:
