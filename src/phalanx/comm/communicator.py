@@ -155,6 +155,7 @@ class LocalCommunicator:
     world_size = 1
     same_host = True
     step: int | None = None
+    _store: Any = None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         return Handle(tensor)
@@ -179,7 +180,12 @@ class LocalCommunicator:
 
     @property
     def store(self) -> Any:
-        raise NotImplementedError("a single-replica job has no store")
+        """A store private to this process (nobody to share it with)."""
+        if self._store is None:
+            from phalanx.comm.threaded import InMemoryStore
+
+            self._store = InMemoryStore()
+        return self._store
 
     def subgroup(self, ranks: list[int], tag: str) -> Any:
         raise NotImplementedError("a single-replica job has no subgroups")

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -177,6 +178,10 @@ class ThreadedCommunicator:
 
     def subgroup(self, ranks: list[int], tag: str) -> Any:
         raise NotImplementedError("ThreadedCommunicator has no subgroups; use a process-level test")
+
+    def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        """Collectives here raise typed errors themselves: nothing to translate."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         return None
