@@ -78,18 +78,20 @@ def main() -> None:
         off_times.append(times[False])
 
     # The guard's own work per step, timed directly (encode + decode/compare of a summed vector).
-    summed = guard.encode(torch.float32) * ext._comm.world_size  # both replicas' slots hold equal values
+    from phalanx.comm.guard import FieldGuard
+
+    values = (ext._step, GLOBAL, 1, 0)
+    world = ext._comm.world_size
+    summed = sum(FieldGuard(r, world).encode(values, torch.float32) for r in range(world))  # agreeing replicas
     n = 20000
     start = time.perf_counter()
     for _ in range(n):
         guard.encode(torch.float32, with_parameters=False)
     encode_s = (time.perf_counter() - start) / n
-    rows = guard._fields.decode(summed)
     start = time.perf_counter()
     for _ in range(n):
-        guard._fields.decode(summed)
+        guard._fields.check(summed, ext._comm.name)
     decode_s = (time.perf_counter() - start) / n
-    del rows
 
     # Accumulation over 4 micro-batches: sync every backward vs no_sync() on the first three.
     micro = 4

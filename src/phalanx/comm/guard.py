@@ -47,11 +47,15 @@ class FieldGuard:
         world_size: the number of replicas.
     """
 
-    __slots__ = ("rank", "world_size", "_width")
+    __slots__ = ("rank", "world_size", "_width", "_buffers")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self._width = len(FIELDS)
+        # dtype -> a zero vector whose numpy view we write our slot into (it is copied by the
+        # torch.cat that builds the bucket, so reusing it is safe): ~1 us instead of ~20 us for
+        # building a tensor from a list on every step.
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, object]] = {}
 
     def size(self, dtype: torch.dtype) -> int:
         """Elements the guard appends to a tensor of ``dtype``."""
@@ -67,6 +71,14 @@ class FieldGuard:
                 mine.append(v)
             else:
                 mine += [(v >> 16) & 0xFF, (v >> 8) & 0xFF, v & 0xFF]
+        if digits == 1 and (device == "cpu" or getattr(device, "type", None) == "cpu"):
+            cached = self._buffers.get(dtype)
+            if cached is None:
+                buffer = torch.zeros(self.world_size * len(mine), dtype=dtype)
+                cached = self._buffers[dtype] = (buffer, buffer.numpy())
+            at = self.rank * len(mine)
+            cached[1][at:at + len(mine)] = mine  # type: ignore[index]
+            return cached[0]
         out = [0] * (self.world_size * len(mine))
         at = self.rank * len(mine)
         out[at:at + len(mine)] = mine
@@ -96,6 +108,11 @@ class FieldGuard:
         Raises:
             ReplicaDivergenceError: naming the two replicas, the field and both values.
         """
+        flat = summed.tolist()  # the usual case, every row alike, in one conversion and a few list compares
+        w = len(flat) // self.world_size
+        head = flat[:w]
+        if all(flat[i:i + w] == head for i in range(w, len(flat), w)):
+            return
         rows = self.decode(summed)
         first = rows[0]
         for r, row in enumerate(rows):
