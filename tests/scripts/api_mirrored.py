@@ -14,7 +14,7 @@ from phalanx.errors import BatchSizeError, ContextError
 
 out_dir, n = sys.argv[1], int(sys.argv[2])
 strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 res = {"rank": rank, "num_replicas": strategy.num_replicas_in_sync, "chief": strategy.extended.should_checkpoint}
 
 # run returns per-replica values; replica ids
@@ -84,7 +84,7 @@ for batch in strategy.distribute_datasets_from_function(dataset_fn):
     steps += 1
     strategy.run(lambda b: b, args=(batch,))
 res["fn_dataset_steps"] = steps
-res["fn_dataset_ctx"] = [strategy.extended._comm.world_size, rank]
+res["fn_dataset_ctx"] = [strategy.extended.num_processes, rank]
 
 # BatchNorm buffers follow replica 0; parameters stay identical through training
 with strategy.scope():

@@ -84,5 +84,5 @@ if __name__ == "__main__":
                    "hier": px.HierarchicalCopyAllReduce(), "packs": px.NcclAllReduce(num_packs=3)}
             strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)],
                                            cross_device_ops=ops[os.environ.get("EQUIV_CROSS_DEVICE_OPS", "")])
-        model, rank = distributed(strategy, opt_name), strategy.extended._comm.rank
+        model, rank = distributed(strategy, opt_name), strategy.extended.process_index
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))

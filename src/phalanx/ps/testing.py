@@ -55,9 +55,9 @@ class InProcessCluster:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
         strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
-        strategy._build(SimpleClusterResolver(self.spec, task_type="worker", task_id=i), None, self._timeout,
-                        _SECRET, self.transport)
-        service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended._io, _SECRET.encode())
+        resolver = SimpleClusterResolver(self.spec, task_type="worker", task_id=i)
+        strategy._build(resolver, None, self._timeout, _SECRET, self.transport)  # friend: built as serving builds it
+        service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended.shard_io, _SECRET.encode())
         self.transport.serve(self.spec["worker"][i], service)
         return service
 

@@ -152,6 +152,19 @@ class CentralStorageExtended(StrategyExtended):
         self._copies: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
         self._central_of: dict[int, torch.Tensor] = {}  # id(parameter) -> its central view
 
+    @property
+    def copy_mode(self) -> bool:
+        """Whether replicas compute on copies of the central variables (see the module docstring)."""
+        return self._copy_mode
+
+    def central_copy_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Copy mode: the central (shared CPU) view of ``param``.
+
+        Raises:
+            KeyError: ``param`` is not a central variable of this strategy in copy mode.
+        """
+        return self._central_of[id(param)]
+
     def _sync_new_variables(self) -> None:
         # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
         # seed generators) is written by every replica during its forward pass, so it stays

@@ -50,12 +50,13 @@ from typing import Any
 
 import torch
 
+from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
-from phalanx.ps import wire
+from phalanx.ps import pickling, wire
 from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
 from phalanx.ps.partitioners import num_shards_for, shard_sizes
@@ -117,6 +118,66 @@ class ParameterServerExtended(StrategyExtended):
     @property
     def experimental_between_graph(self) -> bool:
         return True
+
+    # ---------------------------------------------------------------- the contract with the coordinator
+    @property
+    def rpc_timeout(self) -> float:
+        """Seconds before a call to a task counts as failed."""
+        return self._rpc_timeout
+
+    def leave_cluster_running(self) -> None:
+        """Closing this chief will not shut the cluster down (another coordinator takes over)."""
+        self._stopped = True
+
+    @property
+    def shard_io(self) -> ShardIO:
+        """Reads and writes of the variables' shards on the parameter servers."""
+        return self._io
+
+    @property
+    def role(self) -> str:
+        """This task's job: ``chief``, ``worker`` or ``ps``."""
+        return self._role
+
+    @property
+    def task_name(self) -> str:
+        """This task, as ``job:index``."""
+        return self._task_name
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between the coordinator's liveness checks of a task."""
+        return self._heartbeat
+
+    @property
+    def worker_recovery_timeout(self) -> float:
+        """Seconds the coordinator waits for any worker to come back before failing."""
+        return self._worker_recovery_timeout
+
+    @property
+    def coordinator(self) -> Any:
+        """The :class:`~phalanx.coordinator.ClusterCoordinator` attached to this strategy, if any."""
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, value: Any) -> None:
+        self._coordinator = value
+
+    def parameter_servers(self) -> list[tuple[RemoteTask, str | None]]:
+        """Each parameter server and the incarnation it had when the chief connected."""
+        return list(zip(self._ps_tasks, self._ps_incarnations))
+
+    def connect_workers(self) -> list[RemoteTask]:
+        """Connections to every worker (made once)."""
+        return self._connect_workers()
+
+    def stop_cluster(self, timeout: float = 5.0) -> None:
+        """Tells every worker and parameter server to exit (best effort, bounded by ``timeout``)."""
+        self._stop_cluster(timeout)
+
+    def persistent_id(self, obj: Any) -> Any:
+        """The reference a scheduled function carries for ``obj`` instead of a pickled copy, or None."""
+        return self._persistent_id(obj)
 
     # ---------------------------------------------------------------- connecting
     def _wait_for_parameter_servers(self, timeout: float) -> None:
@@ -181,7 +242,7 @@ class ParameterServerExtended(StrategyExtended):
                 # reached through this object.
                 self._tensors[alias.name] = tensor
                 self._spec_by_id[id(tensor)] = alias
-                self._versions[alias.name] = tensor._version
+                self._versions[alias.name] = version_counter(tensor)
                 self._mark_owned(tensor)
                 continue
             new.append((tensor, kind))
@@ -219,7 +280,7 @@ class ParameterServerExtended(StrategyExtended):
         self._tensors[spec.name] = tensor
         self._spec_by_id[id(tensor)] = spec
         self._json[spec.name] = spec.to_json()
-        self._versions[spec.name] = tensor._version
+        self._versions[spec.name] = version_counter(tensor)
         if tensor.numel():
             self._by_storage[_storage_key(tensor)] = spec  # registered tensors stay alive: no address reuse
         self._mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
@@ -235,14 +296,9 @@ class ParameterServerExtended(StrategyExtended):
                             "strategy.scope(): it is copied to the worker with every function and its updates "
                             "are lost. Create the model inside `with strategy.scope():`.", tuple(obj.shape))
             return None
-        keras = sys.modules.get("keras")
-        if keras is not None and isinstance(obj, keras.Model) and "_phalanx_distributed" in obj.__dict__:
-            # A Keras model built in scope: the worker rebuilds it once from its config and binds
-            # its variables to the servers' (phalanx.keras.parameter_server), instead of
-            # unpickling a copy with its weights every step.
-            from phalanx.keras.parameter_server import reference
-
-            return reference(obj, self)
+        ref = pickling.reference_to(obj, self)  # objects of integrations (a Keras model built in scope)
+        if ref is not None:
+            return ref
         if isinstance(obj, Strategy):
             if obj.extended is self:
                 return ("strategy",)
@@ -276,18 +332,23 @@ class ParameterServerExtended(StrategyExtended):
         targets = [self._tensors[s.name] for s in specs]
         self._io.read_into(specs, targets)
         for s, t in zip(specs, targets):
-            self._versions[s.name] = t._version
+            self._versions[s.name] = version_counter(t)
 
     def push_variables(self, force: bool = False) -> None:
         """Sends the chief's tensors that changed since they were last synchronised (all with ``force``)."""
         if self._role != "chief" or not self._specs:
             return
-        changed = [s for s in self._specs if force or self._tensors[s.name]._version != self._versions[s.name]]
+        changed = [s for s in self._specs if force or version_counter(self._tensors[s.name]) != self._versions[s.name]]
         if not changed:
             return
         self._io.assign(changed, [self._tensors[s.name] for s in changed])
         for s in changed:
-            self._versions[s.name] = self._tensors[s.name]._version
+            self._versions[s.name] = version_counter(self._tensors[s.name])
+
+    def variable_json(self, tensor: Any) -> str | None:
+        """The wire description of the variable behind ``tensor`` (a chief's tensor), or None if it is not one."""
+        spec = self._spec_of(tensor)
+        return None if spec is None else self._json[spec.name]
 
     def _spec_of(self, tensor: Any) -> VariableSpec | None:
         spec = self._spec_by_id.get(id(tensor))
@@ -495,7 +556,7 @@ def _exit_server(extended: ParameterServerExtended) -> None:
     """
     import atexit
 
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # friend: CPython; see the serve() entry point
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
