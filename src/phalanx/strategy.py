@@ -380,6 +380,21 @@ def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
     return ref() if ref is not None else None
 
 
+# The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
+_LIVE: list[weakref.ref] = []
+_LIVE_LOCK = threading.Lock()
+
+
+def live_strategy() -> "Strategy | None":
+    """The strategy this process built last and has not closed, if any (for process identity)."""
+    with _LIVE_LOCK:
+        for ref in reversed(_LIVE):
+            strategy = ref()
+            if strategy is not None and not strategy._closed:
+                return strategy
+    return None
+
+
 ScopeEnterHook = Callable[["Strategy"], None]
 _SCOPE_ENTER_HOOKS: list[ScopeEnterHook] = []
 _SCOPE_HOOKS_LOCK = threading.Lock()
@@ -410,7 +425,11 @@ class Strategy:
     def __init__(self, extended: StrategyExtended, cluster_resolver: Any = None) -> None:
         self._extended = extended
         self._cluster_resolver = cluster_resolver
+        self._closed = False
         extended._container_strategy_ref = weakref.ref(self)
+        if not self._is_default:
+            with _LIVE_LOCK:
+                _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
 
     # ---------------------------------------------------------------- properties
     @property
@@ -569,6 +588,7 @@ class Strategy:
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Releases the communicator (also done at interpreter exit)."""
+        self._closed = True
         self._extended._close()
 
     def __repr__(self) -> str:
