@@ -4,7 +4,7 @@ A strategy is a thin object over a :class:`StrategyExtended`, which owns the mac
 communicator, the replica's device, the captured variables and their gradient synchronisation.
 Concrete strategies (``phalanx/strategies/``) only choose how these are put together.
 
-In phalanx each replica is a process (see DESIGN.md): ``run`` calls the function once, on this
+In phalanx each replica is a process (see docs/ARCHITECTURE.md): ``run`` calls the function once, on this
 process's replica; ``reduce`` and ``gather`` are collectives whose result every process gets.
 
 Example:
@@ -38,9 +38,13 @@ from phalanx.errors import ContextError, NotCallableError
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
 
-def _tf_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
+def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
+    """TF's full name of ``device`` on ``task``, e.g. ``/job:localhost/replica:0/task:0/device:CPU:1``."""
     kind = "GPU" if device.type == "cuda" else device.type.upper()
     return f"{task}/device:{kind}:{device.index}"
+
+
+_tf_name = tf_device_name  # the former private name
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,7 @@ class StrategyExtended:
         """Broadcasts many tensors from ``src`` in one message per dtype."""
         if self._comm.world_size == 1 or not tensors:
             return
-        for group in _by_dtype(tensors).values():
+        for group in by_dtype(tensors).values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             self._comm.broadcast(flat, src=src)
             offset = 0
@@ -362,11 +366,15 @@ class StrategyExtended:
         self._comm.close()
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+def by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """Groups ``tensors`` by (dtype, device), keeping their order within each group."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return groups
+
+
+_by_dtype = by_dtype  # the former private name
 
 
 # tensor -> weak reference to the StrategyExtended whose variable it is (a side table: nothing is
@@ -608,7 +616,7 @@ class DefaultStrategy(Strategy):
     def __init__(self) -> None:
         device = (LogicalDevice("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                   else LogicalDevice("cpu", 0))
-        name = (_tf_name(device),)
+        name = (tf_device_name(device),)
         super().__init__(StrategyExtended(LocalCommunicator(), device, name, name))
 
     @contextlib.contextmanager

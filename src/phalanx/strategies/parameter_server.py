@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from phalanx import config
 from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
@@ -61,14 +62,15 @@ from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
 from phalanx.ps.partitioners import num_shards_for, shard_sizes
 from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
-from phalanx.strategies.common import close_at_exit, env_seconds
+from phalanx.strategies.common import close_at_exit
 from phalanx.strategy import Strategy, StrategyExtended
 
 log = logging.getLogger("phalanx.ps")
 
-DEFAULT_RPC_TIMEOUT = 30.0
-DEFAULT_ORPHAN_TIMEOUT = 300.0
-DEFAULT_WORKER_RECOVERY_TIMEOUT = 600.0
+# The values live in phalanx.config; the names stay for code that imported them from here.
+DEFAULT_RPC_TIMEOUT = config.RPC_TIMEOUT
+DEFAULT_ORPHAN_TIMEOUT = config.ORPHAN_TIMEOUT
+DEFAULT_WORKER_RECOVERY_TIMEOUT = config.WORKER_RECOVERY_TIMEOUT
 
 
 class ParameterServerExtended(StrategyExtended):
@@ -83,7 +85,7 @@ class ParameterServerExtended(StrategyExtended):
         self._transport = transport
         self._rpc_timeout = rpc_timeout
         self._heartbeat = min(1.0, max(0.1, rpc_timeout / 4))
-        self._worker_recovery_timeout = env_seconds("PHALANX_WORKER_RECOVERY_TIMEOUT", DEFAULT_WORKER_RECOVERY_TIMEOUT)
+        self._worker_recovery_timeout = config.settings().worker_recovery_timeout
         self._partitioner = partitioner
         ps_indices = cluster.task_indices("ps")
         self._ps_tasks = [RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout)
@@ -426,7 +428,7 @@ class ParameterServerExtended(StrategyExtended):
                                     self._secret, on_shutdown=stop.set)
         self._service = service
         server = self._transport.serve(address, service)
-        orphan = env_seconds("PHALANX_ORPHAN_TIMEOUT", DEFAULT_ORPHAN_TIMEOUT)
+        orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())
         print(f"phalanx {self._task_name}: serving on {address}", file=sys.stderr, flush=True)
         while not stop.wait(0.2):
@@ -500,7 +502,7 @@ class ParameterServerStrategy(Strategy):
         if extended._role in ("ps", "worker"):
             extended.serve(self)
             _exit_server(extended)
-        extended._wait_for_parameter_servers(env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", 120.0))
+        extended._wait_for_parameter_servers(config.settings().rendezvous_timeout)
         close_at_exit(self)
 
     def _build(self, cluster_resolver: ClusterResolver | None, variable_partitioner: Any, rpc_timeout: float | None,
@@ -512,7 +514,7 @@ class ParameterServerStrategy(Strategy):
             from phalanx.ps.transport import GrpcTransport
 
             transport = GrpcTransport()
-        timeout = rpc_timeout if rpc_timeout is not None else env_seconds("PHALANX_RPC_TIMEOUT", DEFAULT_RPC_TIMEOUT)
+        timeout = rpc_timeout if rpc_timeout is not None else config.settings().rpc_timeout
         if not timeout > 0:
             raise ValueError(f"rpc_timeout must be positive; received {rpc_timeout!r}")
         extended = ParameterServerExtended(role=role, task_id=task_id, cluster=cluster, secret=secret,
@@ -530,7 +532,7 @@ class ParameterServerStrategy(Strategy):
             raise ContextError(
                 "ParameterServerStrategy.run was called on the chief, outside a scheduled function.",
                 hint="wrap the step in a function and give it to ClusterCoordinator(strategy).schedule(fn, args); "
-                     "strategy.run may be called inside that function (Keras fit is not supported yet)")
+                     "strategy.run may be called inside that function; Keras' model.fit schedules its steps itself")
         return super().run(fn, args, kwargs, options)
 
     @property
