@@ -15,6 +15,10 @@ from phalanx._sidetable import IdentityTable
 from phalanx.ps import pickling
 from phalanx.strategy import InputSharding, owner_of
 
+# The first torch.optim optimizer of a process sets TORCHINDUCTOR_CACHE_DIR (torch's lazy imports);
+# make that happen at collection, not inside a test the hygiene fixture watches.
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
 
 @pytest.fixture
 def no_live_strategy(monkeypatch):
@@ -125,3 +129,36 @@ def test_pickling_references_are_registered_not_hard_coded():
     assert pickling.resolve_reference(ref, "worker", "run") == ("resolved", "k", "worker", "run")
     with pytest.raises(pickle.UnpicklingError, match="no reference of kind"):
         pickling.resolve_reference((pickling.EXTENSION, __name__, "unknown-kind", None), None, None)
+
+
+def test_a_server_task_serves_until_shutdown_and_returns():
+    # The explicit serve entry point (TF's Server.join()): no process exit, control comes back.
+    import threading
+
+    from phalanx.cluster import SimpleClusterResolver
+    from phalanx.errors import ContextError
+    from phalanx.ps.transport import InProcessTransport
+    from phalanx.strategies.parameter_server import ParameterServerStrategy
+
+    transport = InProcessTransport()
+    spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}
+    secret = "serve-test-secret-0123456789"
+
+    def task(job: str) -> ParameterServerStrategy:
+        return ParameterServerStrategy(SimpleClusterResolver(spec, task_type=job, task_id=0), rpc_timeout=2.0,
+                                       cluster_secret=secret, transport=transport, serve_and_exit=False)
+
+    servers = [task("ps"), task("worker")]
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        chief = task("chief")  # waits for the parameter server to answer
+        with pytest.raises(ContextError, match="serve was called on the chief"):
+            chief.serve()
+        chief.close()  # the chief shuts the cluster down
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads), "serve() did not return after the shutdown"
+    finally:
+        transport.close()

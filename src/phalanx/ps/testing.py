@@ -54,9 +54,9 @@ class InProcessCluster:
     def _start_worker(self, i: int) -> WorkerService:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
-        strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
-        resolver = SimpleClusterResolver(self.spec, task_type="worker", task_id=i)
-        strategy._build(resolver, None, self._timeout, _SECRET, self.transport)  # friend: built as serving builds it
+        strategy = ParameterServerStrategy(SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
+                                           rpc_timeout=self._timeout, cluster_secret=_SECRET,
+                                           transport=self.transport, serve_and_exit=False)
         service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended.shard_io, _SECRET.encode())
         self.transport.serve(self.spec["worker"][i], service)
         return service

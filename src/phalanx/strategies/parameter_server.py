@@ -4,8 +4,11 @@ A cluster has one ``chief`` (the coordinator: it runs the user's program), ``wor
 run the functions the coordinator schedules) and ``ps`` tasks (they hold the variables and apply
 the updates). Every task runs the same script. Constructing the strategy in a ``ps`` or ``worker``
 task turns that process into a server: it serves until the coordinator shuts the cluster down,
-then **exits the process** (exit code 0, after running ``atexit`` handlers). So the script's body after the strategy line runs on
-the chief only, as TF scripts have non-chief tasks call ``server.join()``::
+then **exits the process** (exit code 0, after running ``atexit`` handlers). So the script's body
+after the strategy line runs on the chief only, as TF scripts have non-chief tasks call
+``server.join()``. A program that wants control back on its servers passes ``serve_and_exit=False``
+and calls :meth:`ParameterServerStrategy.serve` (or :func:`phalanx.ps.serve`), which returns when
+the cluster shuts down::
 
     strategy = phalanx.ParameterServerStrategy()   # from TF_CONFIG, or `phalanx run --ps 2 --workers 3`
     # ---- only the chief gets here ----
@@ -51,6 +54,7 @@ from typing import Any
 import torch
 
 from phalanx import config
+from phalanx._compat.python import run_exit_handlers
 from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
@@ -482,8 +486,11 @@ class ParameterServerStrategy(Strategy):
         cluster_secret: the shared secret (default ``PHALANX_CLUSTER_SECRET``).
         transport: how tasks talk (default gRPC); tests pass an in-process one.
 
-    In a ``ps`` or ``worker`` task the constructor serves until the coordinator shuts the cluster
-    down and then exits the process; see the module docstring.
+        serve_and_exit: in a ``ps`` or ``worker`` task, serve in the constructor until the
+            coordinator shuts the cluster down and then exit the process (the default, so the
+            script's body after the strategy line runs on the chief only); False: return, and
+            serve with :meth:`serve` (or use :func:`phalanx.ps.serve`), which returns when the
+            cluster shuts down, as TF's ``Server.join()`` does.
 
     Raises:
         ClusterSpecError: no cluster, no ``ps`` or ``worker`` job, a malformed spec, or this task
@@ -496,14 +503,29 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  variable_partitioner: Callable[..., Sequence[int]] | None = None, *,
                  rpc_timeout: float | None = None, cluster_secret: str | bytes | None = None,
-                 transport: Any = None) -> None:
+                 transport: Any = None, serve_and_exit: bool = True) -> None:
         self._build(cluster_resolver, variable_partitioner, rpc_timeout, cluster_secret, transport)
         extended = self._extended
-        if extended._role in ("ps", "worker"):
-            extended.serve(self)
-            _exit_server(extended)
+        if extended.role in ("ps", "worker"):
+            if serve_and_exit:
+                self.serve()
+                _exit_server()
+            return
         extended._wait_for_parameter_servers(config.settings().rendezvous_timeout)
         close_at_exit(self)
+
+    def serve(self) -> None:
+        """Serves this ``ps`` or ``worker`` task's operations until the coordinator shuts the cluster down.
+
+        Returns then (or once no word came from the coordinator for ``PHALANX_ORPHAN_TIMEOUT``).
+
+        Raises:
+            ContextError: called on the chief, which coordinates rather than serves.
+        """
+        if self._extended.role == "chief":
+            raise ContextError("ParameterServerStrategy.serve was called on the chief.",
+                               hint="only 'ps' and 'worker' tasks serve; the chief schedules functions")
+        self._extended.serve(self)
 
     def _build(self, cluster_resolver: ClusterResolver | None, variable_partitioner: Any, rpc_timeout: float | None,
                cluster_secret: str | bytes | None, transport: Any) -> None:
@@ -550,15 +572,13 @@ class ParameterServerStrategy(Strategy):
                 f"workers={len(ext.worker_devices)})")
 
 
-def _exit_server(extended: ParameterServerExtended) -> None:
+def _exit_server() -> None:
     """Ends a ps/worker process once it has served: exit handlers run, then the process exits with 0.
 
     The interpreter's own teardown is skipped (``os._exit`` after ``atexit``): with torch loaded it
     takes seconds, and a scheduled function still running in a server thread would block it.
     """
-    import atexit
-
-    atexit._run_exitfuncs()  # friend: CPython; see the serve() entry point
+    run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
