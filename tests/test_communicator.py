@@ -6,8 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.communicator import Communicator, GlooCommunicator, LocalCommunicator, ProcessGroupCommunicator, \
-    classify
+from phalanx.comm.communicator import (
+    Communicator,
+    GlooCommunicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    classify,
+)
 from phalanx.comm.cross_device_ops import NcclAllReduce, ReductionToOneDevice
 from phalanx.comm.threaded import ThreadedWorld, run_threaded
 from phalanx.errors import CollectiveTimeoutError, PeerUnavailableError

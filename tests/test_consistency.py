@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "consistency.py"

@@ -114,7 +114,7 @@ def _train(comm, *, skip_on=None, batch_size=None, outside_scope=False, steps=4)
     data = [(torch.randn(size, FEATURES, generator=g), torch.randn(size, 1, generator=g)) for _ in range(steps)]
     for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
 
-        def step(x, y):
+        def step(x, y, i=i):
             if skip_on == (comm.rank, i):
                 raise ValueError("bad record")
             loss = px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1))

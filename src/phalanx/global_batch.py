@@ -12,7 +12,7 @@ Example:
     >>> batch = torch.ones(4, 2)
     >>> tag(batch, BatchInfo(global_size=8, ordinal=1))
     >>> find((batch,), {})
-    BatchInfo(global_size=8, ordinal=1)
+    BatchInfo(global_size=8, ordinal=1, sliced_from=None)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class BatchInfo:
 
 
 # Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.
-_TAGS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_TAGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _CURRENT: contextvars.ContextVar[BatchInfo | None] = contextvars.ContextVar("phalanx_batch", default=None)
 
 

@@ -111,23 +111,23 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
 class loss_scale_watch:  # lower case: used like a function by strategy.run
     """Around one replica step: warns once if gradients were summed but no loss was scaled."""
 
-    __slots__ = ("_ext", "_record", "_token", "_before")
+    __slots__ = ("_before", "_record", "_reducer", "_token", "_world_size")
 
-    def __init__(self, ext: Any) -> None:
-        self._ext = ext
+    def __init__(self, reducer: Any, world_size: int) -> None:
+        self._reducer, self._world_size = reducer, world_size  # the strategy's GradientReducer (or None)
 
     def __enter__(self) -> None:
         self._record = _Record()
         self._token = _RECORD.set(self._record)
-        reducer = self._ext._reducer
+        reducer = self._reducer
         self._before = reducer.reductions + reducer.skipped if reducer is not None else 0
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         _RECORD.reset(self._token)
-        reducer = self._ext._reducer
+        reducer = self._reducer
         if exc_type is None and reducer is not None and not self._record.scaled \
                 and reducer.reductions + reducer.skipped != self._before:
-            n = self._ext._comm.world_size
+            n = self._world_size
             _warn_once("unscaled", (
                 f"A backward pass ran inside strategy.run on {n} replicas, but the step's loss was not made with "
                 f"phalanx.nn.compute_average_loss. Gradients are SUMMED across replicas (as in tf.distribute), so a "

@@ -23,8 +23,8 @@ import torch
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-import phalanx as px  # noqa: E402
-from phalanx.errors import ReplicaDivergenceError  # noqa: E402
+import phalanx as px
+from phalanx.errors import ReplicaDivergenceError
 
 STEPS, GLOBAL, FEATURES = 3, 24, 10
 
@@ -56,20 +56,20 @@ def make_strategy(kind, n):
 def accumulate(out, opt_name, kind, n, micro, mode):
     data = micro_batches(micro)
     if kind == "reference":  # every (optimizer, micro-batches) pair at once: one process start
-        for opt_name in ("sgd", "adam"):
-            for micro in (2, 4):
+        for name in ("sgd", "adam"):
+            for k in (2, 4):
                 torch.manual_seed(0)
                 model = make_model()
-                opt = make_optimizer(opt_name, model.parameters())
-                for i, (x, y) in enumerate(micro_batches(micro)):
-                    (((model(x) - y) ** 2).sum() / (GLOBAL * micro)).backward()
-                    if (i + 1) % micro == 0:
+                opt = make_optimizer(name, model.parameters())
+                for i, (x, y) in enumerate(micro_batches(k)):
+                    (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+                    if (i + 1) % k == 0:
                         opt.step()
                         opt.zero_grad()
-                torch.save(model.state_dict(), os.path.join(out, f"params_{opt_name}_{micro}.pt"))
+                torch.save(model.state_dict(), os.path.join(out, f"params_{name}_{k}.pt"))
         return
     strategy = make_strategy(kind, n)
-    rank = strategy.extended._comm.rank
+    rank = strategy.extended.process_index
     torch.manual_seed(0 if rank == 0 else 99)  # the scope's broadcast must make them equal
     with strategy.scope():
         model = make_model()
@@ -92,7 +92,7 @@ def accumulate(out, opt_name, kind, n, micro, mode):
 
 def diverge(case, kind, n):
     strategy = make_strategy(kind, n)
-    rank = strategy.extended._comm.rank
+    rank = strategy.extended.process_index
     torch.manual_seed(rank)
     if case == "outside_scope":
         model = make_model()  # the user's mistake: every replica has its own random weights
@@ -113,7 +113,7 @@ def diverge(case, kind, n):
                         model[2].bias.add_(1.0)
                 strategy.extended.mark_parameters_changed()
 
-            def step(x, y):
+            def step(x, y, i=i):
                 if case == "skip" and rank == 1 and i == 2:
                     raise ValueError("a bad record on replica 1 only")
                 loss = px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1))

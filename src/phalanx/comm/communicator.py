@@ -31,13 +31,15 @@ import atexit
 import contextlib
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm import health, process_group, rendezvous
+from phalanx.comm.memory_store import InMemoryStore
 from phalanx.errors import CollectiveTimeoutError, PeerUnavailableError, PhalanxError
 
 HEARTBEAT_INTERVAL = health.HEARTBEAT_INTERVAL  # read at construction (tests shorten it)
@@ -120,7 +122,7 @@ def classify(error: BaseException) -> type[PeerUnavailableError]:
     or backend error, a plain RuntimeError) does the message decide between a timeout and a lost
     peer.
     """
-    if isinstance(error, CollectiveTimeoutError) or isinstance(error, TimeoutError):
+    if isinstance(error, (CollectiveTimeoutError, TimeoutError)):
         return CollectiveTimeoutError
     if isinstance(error, PeerUnavailableError):
         return type(error)
@@ -182,8 +184,6 @@ class LocalCommunicator:
     def store(self) -> Any:
         """A store private to this process (nobody to share it with)."""
         if self._store is None:
-            from phalanx.comm.threaded import InMemoryStore
-
             self._store = InMemoryStore()
         return self._store
 

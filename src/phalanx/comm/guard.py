@@ -22,7 +22,7 @@ Example (two replicas, as the sum would combine their vectors)::
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class FieldGuard:
         world_size: the number of replicas.
     """
 
-    __slots__ = ("rank", "world_size", "_width", "_buffers")
+    __slots__ = ("_buffers", "_width", "rank", "world_size")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size

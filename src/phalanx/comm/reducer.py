@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from phalanx.comm.cross_device_ops import CrossDeviceOps
+from phalanx._compat.torch import queue_backward_callback
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -125,6 +126,10 @@ class GradientReducer:
 
         return hook
 
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The synchronised parameters, in bucket order (the same on every replica)."""
+        return [p for bucket in self._buckets for p in bucket.params]
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the first one after syncs them all."""
@@ -141,8 +146,7 @@ class GradientReducer:
         with self._lock:
             if not self._pending:
                 self._pending = True
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    self._finish if self.sync else self._finish_local)
+                queue_backward_callback(self._finish if self.sync else self._finish_local)
             if not self.sync:
                 return
             b, pos = self._where[id(param)]
