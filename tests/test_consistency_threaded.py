@@ -241,3 +241,20 @@ def test_tags_do_not_leak_between_batches():
     a, b = torch.ones(2), torch.ones(2)
     tag(a, BatchInfo(4, 1))
     assert px.global_batch.find((b,), {}) is None
+
+
+def test_dividing_by_the_whole_accumulated_batch_does_not_warn():
+    def body(comm):
+        strategy = strategy_for(comm)
+        with strategy.scope():
+            model = model_fn()
+        data = strategy.experimental_distribute_dataset([torch.randn(8, FEATURES)] * 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x in data:  # two micro-batches of 8: each loss divided by 16
+                strategy.run(lambda x: px.nn.compute_average_loss(model(x).sum(dim=1), global_batch_size=16).backward(),
+                             args=(x,))
+        return [w for w in caught if w.category is px.nn.LossScaleWarning]
+
+    px.nn._warned.clear()
+    assert run_threaded(2, body) == [[], []]

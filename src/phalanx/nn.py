@@ -13,8 +13,8 @@ The trap it guards against: a plain mean loss (``cross_entropy(...)`` with its d
 ``reduction="mean"``), or the per-replica batch passed as ``global_batch_size``, makes the summed
 gradient N times too large on N replicas. ``strategy.run`` warns once (:class:`LossScaleWarning`)
 when a backward pass ran in a step whose loss was not scaled by :func:`compute_average_loss`
-(or declared scaled with :func:`mark_loss_scaled`), and when ``global_batch_size`` disagrees with
-the batch the replica was given.
+(or declared scaled with :func:`mark_loss_scaled`), and when ``global_batch_size`` is smaller than
+the global batch the replica was given (a larger one is fine: accumulated micro-batches).
 
 Example:
     >>> import torch, phalanx as px
@@ -48,10 +48,10 @@ _RECORD: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("phalan
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, LossScaleWarning, stacklevel=4)
+        warnings.warn(message, LossScaleWarning, stacklevel=stacklevel + 1)
 
 
 def mark_loss_scaled() -> None:
@@ -89,13 +89,16 @@ def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Te
         else:
             local = loss.shape[0] if loss.dim() > 0 else 1
             global_batch_size = local * context.get_strategy().num_replicas_in_sync
-    elif info is not None and global_batch_size != info.global_size and isinstance(global_batch_size, int):
+    elif info is not None and isinstance(global_batch_size, int) and global_batch_size < info.global_size:
+        # Smaller than the batch the input came from: the gradient grows (the classic trap). A larger
+        # divisor is legitimate (micro-batches accumulated over several passes).
         local = loss.shape[0] if loss.dim() > 0 else None
         what = " (this replica's own batch)" if global_batch_size == local else ""
         _warn_once("global_batch_size", (
             f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is a slice "
             f"of a global batch of {info.global_size}: the summed gradient is scaled by "
-            f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."))
+            f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."),
+            stacklevel=2)  # the caller of compute_average_loss
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be a positive int; received {global_batch_size!r}")
     mark_loss_scaled()
@@ -133,4 +136,5 @@ class loss_scale_watch:  # lower case: used like a function by strategy.run
                 f"phalanx.nn.compute_average_loss. Gradients are SUMMED across replicas (as in tf.distribute), so a "
                 f"loss averaged over this replica's batch (e.g. cross_entropy(...) with reduction='mean') gives {n} "
                 f"times the one-device gradient. Use loss = phalanx.nn.compute_average_loss(per_example_loss) with "
-                f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."))
+                f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."),
+                stacklevel=3)  # the caller of strategy.run
