@@ -267,12 +267,14 @@ def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, 
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The most recently written complete checkpoint in ``directory``, or None.
+    """The newest intact checkpoint in ``directory``, or None.
 
-    Directories without a valid manifest (a save that crashed) are skipped.
+    Directories without a valid manifest (a save that crashed) are not checkpoints. The newest
+    checkpoint is verified (every file's size and SHA-256 against the manifest); a damaged one
+    is skipped with a warning naming it and why, and the next newest is tried.
     """
     found = storage.list_checkpoints(os.fspath(directory))
-    return found[-1][0] if found else None
+    return storage.choose_latest([path for path, _ in found])[0]
 
 
 # --------------------------------------------------------------------------- helpers
