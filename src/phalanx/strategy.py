@@ -124,6 +124,8 @@ class StrategyExtended:
         self._new_params, self._new_buffers = [], []
         with torch.no_grad():
             self._broadcast_tensors([p.data for p in params] + list(buffers))
+        for t in (*params, *buffers):  # a Checkpoint made outside scope() finds its strategy through them
+            self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
         if self._comm.world_size > 1:
             self._attach_gradient_sync(params)
@@ -253,6 +255,17 @@ class _OwnerRef:
         return self
 
 
+# The strategies created in this process and not closed, oldest first, held weakly: a Checkpoint
+# made outside scope() whose objects name no strategy saves under the live one (phalanx.checkpoint).
+_LIVE: list[weakref.ref] = []
+
+
+def live_strategies() -> list["Strategy"]:
+    """The strategies of this process that exist and were not closed, oldest first (the default excluded)."""
+    _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
+    return [s for s in (ref() for ref in _LIVE) if s is not None and not s._is_default]
+
+
 class Strategy:
     """Base class of all strategies; see the module docstring for the execution model."""
 
@@ -262,6 +275,7 @@ class Strategy:
         self._extended = extended
         self._cluster_resolver = cluster_resolver
         extended._container_strategy_ref = weakref.ref(self)
+        _LIVE.append(weakref.ref(self))
 
     # ---------------------------------------------------------------- properties
     @property
@@ -421,6 +435,7 @@ class Strategy:
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Releases the communicator (also done at interpreter exit)."""
+        _LIVE[:] = [ref for ref in _LIVE if ref() is not None and ref() is not self]
         self._extended._close()
 
     def __repr__(self) -> str:

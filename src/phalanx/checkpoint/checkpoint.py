@@ -43,7 +43,7 @@ import torch
 
 from phalanx import context
 from phalanx.checkpoint import codec, sharding, storage
-from phalanx.checkpoint.coordination import Participants
+from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
 
@@ -136,6 +136,10 @@ class Checkpoint:
     def _all_objects(self) -> dict[str, Any]:
         return {"save_counter": self._save_counter, **self._objects}
 
+    def _participants(self) -> Participants:
+        """Who takes part in this Checkpoint's saves (see :mod:`~phalanx.checkpoint.coordination`)."""
+        return Participants.resolve(self._strategy, _owning_strategy(_owner(o) for o in self._objects.values()))
+
     # ---------------------------------------------------------------- saving
     def save(self, file_prefix: str) -> str:
         """Saves to ``{file_prefix}-{save_counter}`` after counting this save; returns that path.
@@ -156,8 +160,7 @@ class Checkpoint:
         """
         objects = self._all_objects()
         owners = {name: _owner(obj) for name, obj in objects.items()}
-        who = Participants.resolve(self._strategy if self._strategy is not None or context.has_strategy()
-                                   else _owning_strategy(owners.values()))
+        who = Participants.resolve(self._strategy, _owning_strategy(owners.values()))
         path = os.path.abspath(os.fspath(file_prefix))
         manifest_objects: dict[str, Any] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
@@ -207,16 +210,27 @@ class Checkpoint:
             return LoadStatus(None, [], sorted(live), [])
         path = os.path.abspath(os.fspath(save_path))
         saved, manifest = _load(path, set(live))
-        extended = (context.get_strategy() if context.has_strategy() or self._strategy is None
-                    else self._strategy).extended  # restoring is local: no collective, any strategy
-        restored = []
+        owners = {name: _owner(obj) for name, obj in live.items()}
+        try:  # restoring is local (no collective), so any strategy, or none, will do
+            extended = find_strategy(self._strategy, _owning_strategy(owners.values())).extended
+        except CheckpointError:
+            extended = context.get_strategy().extended
+        restored, changed = [], {id(extended): extended}
         for name, state in saved.items():
             replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
             else:
-                (_owner(live[name]) or extended)._after_restore(live[name])
+                owner = owners[name] or extended
+                owner._after_restore(live[name])
+                changed[id(owner)] = owner
             restored.append(name)
+        for ext in changed.values():
+            # CONSISTENCY HOOK (the one call site): the parameters changed outside a step, so the
+            # replicas' parameter fingerprint guard checks them again at the next step.
+            hook = getattr(ext, "mark_parameters_changed", None)
+            if hook is not None:
+                hook()
         return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
 
     def __repr__(self) -> str:
