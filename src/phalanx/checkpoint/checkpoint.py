@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx import context
-from phalanx.checkpoint import codec, sharding, storage
+from phalanx.checkpoint import codec, keras_objects, sharding, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
@@ -59,16 +59,35 @@ class LoadStatus:
         unused: objects in the file that the Checkpoint does not name.
     """
 
-    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str]) -> None:
-        self.path, self.restored, self.missing, self.unused = path, restored, missing, unused
+    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str],
+                 deferred: list[keras_objects.Pending] | None = None, unmatched: list[str] | None = None) -> None:
+        self.path, self.restored, self.missing = path, restored, missing
+        self._unused = unused
+        self._deferred = deferred or []
+        self._unmatched = unmatched if unmatched is not None else []
+
+    @property
+    def pending(self) -> list[str]:
+        """Objects whose saved values wait for their variables to be created (TF's deferred restoration).
+
+        A Keras optimizer's slots appear at its first step, a model without an input shape at its
+        first call; they receive the saved values then, before they are first used.
+        """
+        return [p.path for p in self._deferred if not p.done]
+
+    @property
+    def unused(self) -> list[str]:
+        """Saved objects (and parts of Keras objects' graphs) that nothing here received."""
+        return self._unused + self._unmatched
 
     def assert_consumed(self) -> "LoadStatus":
-        """Raises unless every object was restored and every saved object was used."""
+        """Raises unless every object was restored, every saved value was used and none is pending."""
         if self.path is None:
             raise CheckpointError("Nothing was restored (the path was None).")
-        if self.missing or self.unused:
+        if self.missing or self.unused or self.pending:
             raise CheckpointMismatchError(self.path, f"objects not in the checkpoint: {self.missing}; "
-                                                     f"saved objects not restored: {self.unused}")
+                                                     f"saved objects not restored: {self.unused}; "
+                                                     f"waiting for their variables to be created: {self.pending}")
         return self
 
     def assert_existing_objects_matched(self) -> "LoadStatus":
@@ -81,7 +100,8 @@ class LoadStatus:
         return self
 
     def __repr__(self) -> str:
-        return f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, unused={self.unused})"
+        return (f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, "
+                f"unused={self.unused}, pending={self.pending})")
 
 
 class Checkpoint:
@@ -168,7 +188,7 @@ class Checkpoint:
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
             state = (owners[name] or who.strategy.extended)._state_to_save(obj)
-            doc, tensors = codec.encode(_state_of(obj) if state is None else state, label=name,
+            doc, tensors = codec.encode(_state_of(obj, objects) if state is None else state, label=name,
                                         materialize=who.is_writer)
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
             if tensors:
@@ -216,8 +236,18 @@ class Checkpoint:
         except CheckpointError:
             extended = context.get_strategy().extended
         restored, changed = [], {id(extended): extended}
+        deferred: list[keras_objects.Pending] = []
+        unmatched: list[str] = []
         for name, state in saved.items():
-            replacement = _restore_into(name, live[name], state)
+            if keras_objects.is_keras_object(live[name]) and keras_objects.is_graph_state(state):
+                # Wherever the file holds a part of the graph, it is restored (an optimizer saved
+                # as model.optimizer restores whether or not this Checkpoint also names it).
+                later, unused = keras_objects.restore(name, live[name], state, set())
+                deferred += later
+                unmatched += unused
+                replacement = _IN_PLACE
+            else:
+                replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
             else:
@@ -231,7 +261,8 @@ class Checkpoint:
             hook = getattr(ext, "mark_parameters_changed", None)
             if hook is not None:
                 hook()
-        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
+        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)),
+                          deferred, unmatched)
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(sorted(self._objects))})"
@@ -303,6 +334,8 @@ def _owner(obj: Any) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         tensors: Any = [obj]
+    elif keras_objects.is_keras_object(obj):
+        tensors = keras_objects.tensors_of(obj)
     elif isinstance(obj, torch.nn.Module):
         tensors = obj.parameters()
     elif isinstance(obj, torch.optim.Optimizer):
@@ -330,14 +363,20 @@ def _kind(obj: Any) -> str:
         return "sharded"
     if isinstance(obj, torch.Tensor):
         return "tensor"
+    if keras_objects.is_keras_object(obj):
+        return f"keras:{type(obj).__module__}.{type(obj).__qualname__}"
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return f"state_dict:{type(obj).__module__}.{type(obj).__qualname__}"
     return "value"
 
 
-def _state_of(obj: Any) -> Any:
+def _state_of(obj: Any, objects: dict[str, Any]) -> Any:
     if sharding.is_sharded(obj) or isinstance(obj, torch.Tensor):
         return obj
+    if keras_objects.is_keras_object(obj):
+        # By graph position, not by Keras' auto names; objects the Checkpoint names itself (an
+        # optimizer also reachable as model.optimizer) are stored once, under their own name.
+        return keras_objects.state_of(obj, skip={id(o) for o in objects.values() if o is not obj})
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return obj.state_dict()
     return obj
