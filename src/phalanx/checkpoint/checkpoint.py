@@ -5,6 +5,10 @@ path), and ``restore`` / ``read``. Objects may be
 
 * anything with ``state_dict()`` / ``load_state_dict()``: modules, optimizers, LR schedulers,
   :class:`~phalanx.checkpoint.Counter`, :class:`~phalanx.checkpoint.InputPosition`;
+* Keras objects (models, layers, optimizers, metrics, ``keras.Variable``): stored by their place
+  in the object graph, as TF does, so a fresh copy of a model restores whatever Keras named its
+  layers, and values for variables that do not exist yet (a Keras optimizer's slots, a model
+  without an input shape) are restored when they are created (:mod:`~phalanx.checkpoint.keras_objects`);
 * tensors (a parameter, a 0-d step tensor): restored in place with ``copy_``;
 * sharded variables (:mod:`phalanx.checkpoint.sharding`), stored as one full tensor;
 * numbers, strings, None, and lists / tuples / dicts of those and of tensors: containers are
@@ -14,8 +18,9 @@ path), and ``restore`` / ``read``. Objects may be
 Parameters are plain tensors that are identical on every replica, and a checkpoint holds one
 full copy of each, so the program that restores may use any strategy and any number of replicas,
 or no strategy at all (:func:`load_state`). Saving is collective (all processes call it; the chief
-writes, see :mod:`~phalanx.checkpoint.coordination`); restoring is local (every process reads the
-files, which must be on storage that all of them see).
+writes, see :mod:`~phalanx.checkpoint.coordination`, which also says how a Checkpoint made
+outside ``scope()`` finds its strategy); restoring is local (every process reads the files, which
+must be on storage that all of them see).
 
 Example:
     >>> import tempfile, torch
