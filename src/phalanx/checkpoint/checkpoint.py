@@ -291,7 +291,8 @@ def load_state(path: str, names: set[str] | None = None) -> dict[str, Any]:
 
     Returns:
         ``{name: state}``: what each object's ``state_dict()`` returned (tensors on the CPU),
-        or the tensor / value itself.
+        or the tensor / value itself; for a Keras object, its object graph:
+        ``{"vars": {"0": tensor, ...}, "children": {"dense": {...}, "optimizer": {...}}}``.
     """
     return _load(os.path.abspath(os.fspath(path)), names)[0]
 

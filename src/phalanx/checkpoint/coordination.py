@@ -38,6 +38,14 @@ from phalanx.checkpoint.errors import CheckpointError
 
 def _multi_process_environment() -> str | None:
     """A description of the multi-process job this process belongs to, if the environment says so."""
+    from phalanx.launch import self_launch
+
+    # Replica 0 of a self-launched job (`python train.py`) has no launcher environment: it is the
+    # launcher. The launch layer says whether this process started replicas.
+    current_job = getattr(self_launch, "current_job", None)
+    job = current_job() if callable(current_job) else None
+    if job is not None:
+        return f"replica 0 of {getattr(job, 'world_size', 'several')} self-launched replicas"
     for var in ("PHALANX_WORLD_SIZE", "WORLD_SIZE"):
         if os.environ.get(var, "1").isdigit() and int(os.environ.get(var, "1")) > 1:
             return f"{var}={os.environ[var]}"
