@@ -15,8 +15,12 @@ Keras objects are stored as TF stores them, by their place in the object graph, 
 Restoring is TF's deferred restoration: an object whose variables do not exist yet (a Keras
 optimizer builds its slots at the first step; a model without an input shape builds at its first
 call) keeps its saved values until it is built, and receives them the moment its ``build``
-returns, before they are first used. Nothing of Keras is imported here; objects are recognised by
-the methods they have.
+returns, before they are first used. A subclassed model is built by tracing its ``call()``
+symbolically, where Keras creates variables without values and an assignment would be thrown
+away: there the saved value becomes the variable's initial value instead (what TF's deferred
+restoration does). Nothing of Keras is imported here; objects are recognised by the methods they
+have (``tests/test_checkpoint_keras_objects.py`` pins the Keras internals relied on: ``_flatten_layers``,
+and ``_value`` / ``_initializer`` of a variable not yet initialized).
 
 Example (``keras`` with the torch backend)::
 
@@ -197,6 +201,8 @@ def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
         raise CheckpointMismatchError(path, f"{type(obj).__name__} has {count} variables here, the checkpoint "
                                             f"holds {len(own)}",
                                       hint="restore into an object built the same way as the one saved")
+    if _initialize_from(path, obj, targets, own):
+        return
     try:
         if targets is None:
             obj.load_own_variables(dict(own))
@@ -207,6 +213,55 @@ def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
         raise CheckpointMismatchError(path, f"{type(obj).__name__} refused the saved variables: "
                                             f"{str(e).strip()[:400]}",
                                       hint="restore into an object built the same way as the one saved") from e
+
+
+def _uninitialized(variable: Any) -> bool:
+    # Keras creates variables without a value inside a StatelessScope (a subclassed model is
+    # built by tracing its call() symbolically) and gives them one from their initializer when
+    # the scope ends; an assignment inside the scope would be thrown away.
+    return getattr(variable, "_value", 0) is None and callable(getattr(variable, "_initializer", None))
+
+
+def _initialize_from(path: str, obj: Any, targets: list[Any] | None, own: dict[str, torch.Tensor]) -> bool:
+    """Makes the saved values the initial values of variables that have none yet; True if it did.
+
+    This is TF's deferred restoration proper: the restored value replaces the initializer. Only
+    for variables Keras has not initialized; every other variable is assigned.
+    """
+    if targets is None:
+        store: dict[str, Any] = {}
+        obj.save_own_variables(store)  # Keras' own layers put the variables themselves in the store
+        pairs = list(store.items())
+    else:
+        pairs = [(str(i), v) for i, v in enumerate(targets)]
+    if not any(_uninitialized(v) for _, v in pairs):
+        return False
+    for key, variable in pairs:
+        value = own.get(key)
+        if value is None or not (_uninitialized(variable) or _is_keras_variable(variable)):
+            raise CheckpointMismatchError(path, f"{type(obj).__name__} is being built without values for its "
+                                                f"variables and keeps them in a way phalanx cannot restore into",
+                                          hint="build the object before restoring (call it once on an input)")
+        shape = tuple(getattr(variable, "shape", value.shape))
+        if shape != tuple(value.shape):
+            raise CheckpointMismatchError(path, f"variable {key} has shape {shape} here, {tuple(value.shape)} in "
+                                                "the checkpoint", hint="restore into an object built the same way "
+                                                                       "as the one saved")
+        if _uninitialized(variable):
+            variable._initializer = _Constant(value)
+        else:
+            variable.assign(value)
+    return True
+
+
+class _Constant:
+    """An initializer that returns the restored value (Keras calls it as ``init(shape, dtype=...)``)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def __call__(self, shape: Any, dtype: Any = None) -> torch.Tensor:
+        return self.value.clone()
 
 
 def _own_variable_count(obj: Any) -> int | None:
