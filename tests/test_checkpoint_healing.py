@@ -10,14 +10,19 @@ test_checkpoint_recovery.py.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, CorruptCheckpointError, latest_checkpoint
-from phalanx.checkpoint import storage
+from phalanx.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CorruptCheckpointError,
+    Counter,
+    latest_checkpoint,
+    storage,
+)
 
 
 def _damage(path: str, how: str, file: str = "w.pt") -> str:
@@ -116,7 +121,7 @@ def test_restoring_a_damaged_checkpoint_by_path_still_raises(tmp_path):
 
 def test_verification_reads_each_file_once_per_choice(tmp_path, monkeypatch):
     """Hash while writing, verify once on choose: choosing then restoring hashes each file once."""
-    paths, _ = _three_saves(tmp_path)
+    _three_saves(tmp_path)
     storage.forget_verified()  # as a fresh process would start
     hashed = []
     real = storage._digest

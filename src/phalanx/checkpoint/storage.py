@@ -336,9 +336,9 @@ def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torc
         raise CorruptCheckpointError(file, f"cannot be read ({e})") from e
     if len(data) != record.get("bytes"):
         raise CorruptCheckpointError(file, f"{len(data)} bytes, the manifest says {record.get('bytes')}")
-    if not _verified.matches(file, record.get("sha256")):  # chosen a moment ago: hashed then
-        if _digest([data]) != record.get("sha256"):
-            raise CorruptCheckpointError(file, "its SHA-256 differs from the manifest's")
+    # A file verified when it was chosen a moment ago is not hashed twice.
+    if not _verified.matches(file, record.get("sha256")) and _digest([data]) != record.get("sha256"):
+        raise CorruptCheckpointError(file, "its SHA-256 differs from the manifest's")
     try:
         tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
