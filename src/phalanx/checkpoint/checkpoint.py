@@ -51,6 +51,7 @@ from phalanx.checkpoint import codec, keras_objects, sharding, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
+from phalanx.strategy import owner_of
 
 _RESERVED = ("save_counter",)
 
@@ -192,7 +193,7 @@ class Checkpoint:
         for name, obj in objects.items():
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
-            state = (owners[name] or who.strategy.extended)._state_to_save(obj)
+            state = (owners[name] or who.strategy.extended).state_to_save(obj)
             doc, tensors = codec.encode(_state_of(obj, objects) if state is None else state, label=name,
                                         materialize=who.is_writer)
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
@@ -257,7 +258,7 @@ class Checkpoint:
                 self._objects[name] = replacement
             else:
                 owner = owners[name] or extended
-                owner._after_restore(live[name])
+                owner.after_restore(live[name])
                 changed[id(owner)] = owner
             restored.append(name)
         for ext in changed.values():
@@ -336,7 +337,7 @@ def _owner(obj: Any) -> Any:
     """The strategy's ``extended`` whose variables ``obj`` holds, if one marked them.
 
     A strategy that keeps state away from the user's objects (the parameter servers) marks its
-    tensors with ``_phalanx_owner``, so that a Checkpoint made outside ``scope()`` still finds it.
+    tensors (:func:`phalanx.strategy.owner_of`), so that a Checkpoint made outside ``scope()`` still finds it.
     """
     if isinstance(obj, torch.Tensor):
         tensors: Any = [obj]
@@ -349,8 +350,7 @@ def _owner(obj: Any) -> Any:
     else:
         return None
     for t in tensors:
-        ref = getattr(t, "_phalanx_owner", None)
-        owner = ref() if ref is not None else None
+        owner = owner_of(t)
         if owner is not None:
             return owner
     return None
@@ -358,7 +358,7 @@ def _owner(obj: Any) -> Any:
 
 def _owning_strategy(owners: Any) -> Any:
     for extended in owners:
-        strategy = extended._container_strategy() if extended is not None else None
+        strategy = extended.container_strategy if extended is not None else None
         if strategy is not None:
             return strategy
     return None

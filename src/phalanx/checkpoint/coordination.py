@@ -13,7 +13,8 @@ multi-worker tutorials make it outside ``scope()``), and the same on every proce
 2. the one that was current when the :class:`~phalanx.checkpoint.Checkpoint` was created;
 3. the one that owns the Checkpoint's variables (every strategy marks the variables created in
    its scope);
-4. the newest live multi-process strategy of this process (a Checkpoint of plain values);
+4. the live strategy of this process (the newest not closed), if it spans several processes
+   (a Checkpoint of plain values);
 5. else the default strategy (one process), unless the environment says this process belongs
    to a multi-process job: then every process would write the same files, and it is refused.
 
@@ -69,11 +70,11 @@ def find_strategy(captured: Any = None, owning: Any = None) -> Any:
         return captured
     if owning is not None:
         return owning
-    from phalanx.strategy import live_strategies
+    from phalanx.strategy import live_strategy
 
-    team = [s for s in live_strategies() if s.num_replicas_in_sync > 1]
-    if team:
-        return team[-1]
+    live = live_strategy()
+    if live is not None and live.num_replicas_in_sync > 1:
+        return live
     job = _multi_process_environment()
     if job is not None:
         raise CheckpointError(
@@ -90,11 +91,11 @@ class Participants:
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         ext = strategy.extended
-        self._comm = ext._comm
-        self.rank = int(self._comm.rank)
-        self.world_size = int(self._comm.world_size)
+        self._extended = ext
+        self.rank = int(ext.process_index)
+        self.world_size = int(ext.num_processes)
         self.is_writer = bool(ext.should_checkpoint)
-        self._device = getattr(ext, "_torch_device", torch.device("cpu"))
+        self._device = ext.device
 
     @classmethod
     def resolve(cls, captured: Any, owning: Any = None) -> "Participants":
@@ -115,7 +116,7 @@ class Participants:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._device)
-        return bool(self._comm.all_reduce(t, "max").wait().item())
+        return bool(self._extended.all_reduce([t], "sum")[0].item() > 0)
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": type(self.strategy).__name__, "num_replicas_in_sync": self.world_size}

@@ -52,6 +52,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from phalanx.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from phalanx.config import settings
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "phalanx.checkpoint"
@@ -144,7 +145,7 @@ def write_durable(path: str, data: bytes) -> None:
 
 
 def _fault_point(name: str, index: int = 0) -> None:
-    fault = os.environ.get(FAULT_ENV)
+    fault = settings().checkpoint_fault  # PHALANX_CHECKPOINT_FAULT
     if fault and (fault == name or fault == f"{name}:{index}"):
         os._exit(FAULT_EXIT_CODE)
 
