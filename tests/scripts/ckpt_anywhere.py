@@ -24,7 +24,7 @@ from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, storage  
 
 out = sys.argv[1]
 strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 torch.manual_seed(0)
 with strategy.scope():
     model = torch.nn.Linear(4, 2)

@@ -19,8 +19,7 @@ returns, before they are first used. A subclassed model is built by tracing its 
 symbolically, where Keras creates variables without values and an assignment would be thrown
 away: there the saved value becomes the variable's initial value instead (what TF's deferred
 restoration does). Nothing of Keras is imported here; objects are recognised by the methods they
-have (``tests/test_checkpoint_keras_objects.py`` pins the Keras internals relied on: ``_flatten_layers``,
-and ``_value`` / ``_initializer`` of a variable not yet initialized).
+have; the Keras internals relied on are behind :mod:`phalanx._compat.keras`.
 
 Example (``keras`` with the torch backend)::
 
@@ -40,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from phalanx._compat.keras import direct_sublayers, is_uninitialized, set_initializer
 from phalanx.checkpoint.errors import CheckpointMismatchError
 
 MARK = "keras_object_graph"  # the key that marks a Keras object's state in the manifest
@@ -83,9 +83,9 @@ def _snake(name: str) -> str:
 def _children(obj: Any, skip: set[int]) -> list[tuple[str, Any]]:
     """The object's children in the graph: sublayers in tracking order, then a model's optimizer."""
     out: list[tuple[str, Any]] = []
-    flatten = getattr(obj, "_flatten_layers", None)
-    layers = (list(flatten(include_self=False, recursive=False)) if callable(flatten)
-              else list(getattr(obj, "layers", None) or ()))
+    layers = direct_sublayers(obj)
+    if layers is None:
+        layers = list(getattr(obj, "layers", None) or ())
     used: dict[str, int] = {}
     for layer in layers:
         # Keras' weights files name children this way too: by class and position, not by the
@@ -219,7 +219,7 @@ def _uninitialized(variable: Any) -> bool:
     # Keras creates variables without a value inside a StatelessScope (a subclassed model is
     # built by tracing its call() symbolically) and gives them one from their initializer when
     # the scope ends; an assignment inside the scope would be thrown away.
-    return getattr(variable, "_value", 0) is None and callable(getattr(variable, "_initializer", None))
+    return is_uninitialized(variable)
 
 
 def _initialize_from(path: str, obj: Any, targets: list[Any] | None, own: dict[str, torch.Tensor]) -> bool:
@@ -248,7 +248,7 @@ def _initialize_from(path: str, obj: Any, targets: list[Any] | None, own: dict[s
                                                 "the checkpoint", hint="restore into an object built the same way "
                                                                        "as the one saved")
         if _uninitialized(variable):
-            variable._initializer = _Constant(value)
+            set_initializer(variable, _Constant(value))
         else:
             variable.assign(value)
     return True
