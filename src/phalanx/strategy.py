@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from phalanx import context, nest
+from phalanx import compiled, context, nest
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
@@ -306,6 +306,7 @@ class Strategy:
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)
         args, kwargs = tuple(args), dict(kwargs or {})
