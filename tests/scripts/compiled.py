@@ -1,9 +1,10 @@
 """K steps of a small MLP, compiled and/or under autocast, under a strategy; each replica saves its state.
 
-Usage: python compiled.py OUT_DIR STRATEGY N COMPILE BACKEND PRECISION
+Usage: python compiled.py OUT_DIR STRATEGY N COMPILE BACKEND PRECISION [OPTIMIZER]
   STRATEGY: reference (plain torch, eager, float32) | one_device | mirrored | central | mwms
   COMPILE: none | model (torch.compile(model)) | step (@phalanx.function on the distributed step)
   PRECISION: fp32 | bf16 (torch.autocast on the CPU)
+  OPTIMIZER: adam (default) | sgd (momentum 0.9)
 """
 
 import faulthandler
@@ -33,6 +34,12 @@ def data():
     return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
 
 
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
 def strategy_for(kind, n):
     if kind == "one_device":
         return px.OneDeviceStrategy("cpu")
@@ -46,11 +53,12 @@ def strategy_for(kind, n):
 
 def main():
     out, kind, n, compile_, backend, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:7]
+    opt_name = sys.argv[7] if len(sys.argv) > 7 else "adam"
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     if kind == "reference":
         torch.manual_seed(0)
         model = make_model()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = make_optimizer(opt_name, model.parameters())
         losses = []
         for x, y in data():
             with autocast:
@@ -62,11 +70,12 @@ def main():
         rank = 0
     else:
         strategy = strategy_for(kind, n)
-        rank = px.process_index() if hasattr(px, "process_index") else int(os.environ.get("PHALANX_RANK", "0"))
+        rank = int(strategy.experimental_local_results(
+            strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group))[0])
         torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
         with strategy.scope():
             model = make_model()
-            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            opt = make_optimizer(opt_name, model.parameters())
         forward = torch.compile(model, backend=backend) if compile_ == "model" else model
 
         def train_step(x, y):
