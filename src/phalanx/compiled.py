@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from phalanx._compat.torch import compile_falls_back_per_frame
 from phalanx.errors import PhalanxError
 
 _ACTIVE: contextvars.ContextVar["_Compiler | None"] = contextvars.ContextVar("phalanx_compiled", default=None)
@@ -103,7 +104,7 @@ def _falling_back_per_frame(recorder: _FallbackRecorder) -> Iterator[None]:
     logger = logging.getLogger("torch._dynamo.convert_frame")
     logger.addFilter(recorder)
     try:
-        with torch._dynamo.config.patch(suppress_errors=True):
+        with compile_falls_back_per_frame():
             yield
     finally:
         logger.removeFilter(recorder)
