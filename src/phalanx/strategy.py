@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import context, global_batch, hooks, nest, variables
+from phalanx import compiled, context, global_batch, hooks, nest, variables
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
@@ -271,6 +271,8 @@ class StrategyExtended:
         self.mark_parameters_changed()
         with torch.no_grad():
             self._broadcast_tensors([p.data for p in params] + list(buffers))
+        for t in (*params, *buffers):  # a Checkpoint made outside scope() finds its strategy through them
+            self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
         if self._comm.world_size > 1:
             self._attach_gradient_sync(params)
@@ -573,6 +575,7 @@ class Strategy:
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)
         args, kwargs = tuple(args), dict(kwargs or {})
