@@ -118,7 +118,10 @@ def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_
     assert abs(resumed["loss"] - resumed["ref_loss"]) / resumed["ref_loss"] < 0.02
 
 
-FLOOD_RSS_BOUND = 96 << 20
+# What a flood can make a server hold before it refuses: the messages being verified (16, each at
+# most the 1 MiB receive limit), one received message for each other call gRPC admits (64 calls at
+# once), and 16 MiB for the threads and allocator arenas that serving the calls touches.
+FLOOD_RSS_BOUND = (16 + 64) * (1 << 20) + (16 << 20)
 
 
 def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path):

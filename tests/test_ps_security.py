@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,38 @@ def test_a_retried_call_is_signed_again_and_accepted():
     hub.inject("127.0.0.1:9", "exhausted", 2)  # a server refusing a burst: retried under new numbers
     assert task.call("ping").header["task"] == "ps:0"
     assert ps.refused == 0 and ps.last_chief_contact > 0
+
+
+def test_a_request_that_never_sends_its_head_is_cancelled_and_its_slot_freed():
+    import threading
+
+    import grpc
+
+    from phalanx.ps.transport import GrpcServer
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    ps = ParameterServerService(0, SECRET)
+    server = GrpcServer(address, ps, head_timeout=0.5)
+    channel = grpc.insecure_channel(address)
+    release = threading.Event()
+
+    def silent():  # a slow-loris client: opens the stream, sends 10 bytes, then nothing
+        yield b"PHX2" + bytes(6)
+        release.wait(30)
+
+    try:
+        stub = channel.stream_stream("/phalanx.ParameterServer/ping")
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(silent(), timeout=20))
+        assert e.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t < 5.0
+        frame = wire.Signer(SECRET, "chief:0").encode("ping")  # the server still answers
+        assert wire.Verifier(SECRET).decode("ping", list(stub(frame.chunks(), timeout=10)),
+                                            reply_to=frame.head).header["task"] == "ps:0"
+    finally:
+        release.set()
+        channel.close()
+        server.stop(0.5)
 
 
 # ------------------------------------------------------------------------------------ refusal logs

@@ -36,6 +36,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -205,14 +206,46 @@ class GrpcChannel:
         self._channel.close()
 
 
-class _Incoming:
-    """A request's chunks; cancels the call unless its first ``HEAD_BYTES`` arrive within ``HEAD_TIMEOUT``."""
+class _HeadWatch:
+    """Cancels calls whose first ``HEAD_BYTES`` did not arrive in time (one thread per server, not per call)."""
 
-    def __init__(self, requests: Iterator[bytes], context: Any, head_timeout: float) -> None:
-        self._requests, self._received = requests, 0
-        self._timer: threading.Timer | None = threading.Timer(head_timeout, context.cancel)
-        self._timer.daemon = True
-        self._timer.start()
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pending: dict[int, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="phalanx-head-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, key: int, context: Any) -> None:
+        with self._lock:
+            self._pending[key] = (time.monotonic() + self.timeout, context)
+
+    def done(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(0.5, self.timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [k for k, (deadline, _) in self._pending.items() if deadline < now]
+                contexts = [self._pending.pop(k)[1] for k in late]
+            for context in contexts:
+                context.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+class _Incoming:
+    """A request's chunks; the call is cancelled unless its first ``HEAD_BYTES`` arrive within the watch's timeout."""
+
+    def __init__(self, requests: Iterator[bytes], context: Any, watch: _HeadWatch) -> None:
+        self._requests, self._received, self._watch = requests, 0, watch
+        self._watched = True
+        watch.watch(id(self), context)
 
     def __iter__(self) -> _Incoming:
         return self
@@ -229,9 +262,9 @@ class _Incoming:
         return chunk
 
     def done(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._watched:
+            self._watched = False
+            self._watch.done(id(self))
 
 
 class GrpcServer:
@@ -246,10 +279,11 @@ class GrpcServer:
     def __init__(self, address: str, service: Service, max_workers: int = 8, max_concurrent_rpcs: int = 64,
                  tls: Any = None, head_timeout: float = HEAD_TIMEOUT) -> None:
         grpc = _grpc()
+        self._watch = _HeadWatch(head_timeout)
 
         def make(method: str) -> Any:
             def handler(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
-                incoming = _Incoming(requests, context, head_timeout)
+                incoming = _Incoming(requests, context, self._watch)
                 try:
                     reply = service.handle(method, incoming, context.peer())
                 except ServiceError as e:
@@ -278,6 +312,7 @@ class GrpcServer:
         if not bound:
             from phalanx.errors import ClusterSpecError
 
+            self._watch.stop()
             raise ClusterSpecError("address", address, f"cannot listen on {target} ({cause})",
                                    hint=f"check that the port is free and that the host is this machine's, or set "
                                         f"{BIND_ENV} to the local address to listen on")
@@ -287,6 +322,7 @@ class GrpcServer:
     def stop(self, grace: float = 1.0) -> None:
         self._server.stop(grace).wait(grace + 1.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._watch.stop()
 
 
 _FROM_ENV: Any = object()
