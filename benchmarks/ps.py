@@ -155,9 +155,10 @@ def async_job(out: str, seconds: float) -> None:
 #   head_only  the body's Poly1305 replaced by a constant (what the wire signed before: only the
 #              header; a benchmark-only switch, in both processes)
 #   tls        signed, over mutual TLS (throwaway certificates)
-# Each figure is the median of per-round paired ratios (steps/s over steps/s of the same round).
-# No model compute: the ratios are the wire's share of a step, an upper bound on its share of a
-# real training step.
+# Each figure is the median of per-round paired ratios (steps/s over steps/s of the same round),
+# also in CPU seconds per step (client + server), steadier on a busy host. A step includes the
+# worker's forward and backward pass on an MLP of that size (batch 64); ``--no-compute`` leaves it
+# out, which gives the wire's share of a step without any model: an upper bound.
 WIRE_CONFIGS = ("signed", "head_only", "tls")
 
 
@@ -199,7 +200,7 @@ def wire_server(address: str, mode: str) -> None:
     server.stop(1.0)
 
 
-def wire_bench(mb: float, rounds: int, seconds: float) -> dict:
+def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> dict:
     import statistics
 
     from phalanx.launch.env import free_port
@@ -209,6 +210,7 @@ def wire_bench(mb: float, rounds: int, seconds: float) -> dict:
 
     secret = "bench-secret-0123456789abcdef"
     n = int(mb * (1 << 20) / 4)
+    torch.set_num_threads(1)  # as the servers (OMP_NUM_THREADS=1): on a small host threads oversubscribe
     procs, tasks = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tls_env = generate_local(tmp)
@@ -236,11 +238,28 @@ def wire_bench(mb: float, rounds: int, seconds: float) -> dict:
                             raise
                         time.sleep(0.2)
 
+            # The training step of a worker: read the variables, forward and backward on a batch of 64,
+            # send the gradients. The MLP has ``n`` parameters (a hidden layer sized to fit).
+            width = 512
+            hidden = max(1, n // (2 * width))
+            torch.manual_seed(0)
+            x, y = torch.randn(64, width), torch.randn(64, width)
+            flat = torch.zeros(n)
+
             def step(task) -> None:
-                task.call("read", {"keys": ["w"]})
+                flat.copy_(task.call("read", {"keys": ["w"]}).tensors[0])
+                if compute:
+                    params = flat[:2 * width * hidden].view(2, hidden, width).detach().requires_grad_()
+                    out = torch.relu(x @ params[0].t()) @ params[1]
+                    torch.nn.functional.mse_loss(out, y).backward()
+                    grad[:params.numel()] = params.grad.reshape(-1)
                 task.call("apply", {"keys": ["w"], "group_of": [0], "optimizers": [config]}, [grad])
 
+            import psutil
+
+            servers = {m: psutil.Process(p.pid) for m, p in procs.items()}
             per_round: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}
+            cpu: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}  # CPU seconds per step, both processes
             for r in range(rounds):
                 order = list(WIRE_CONFIGS) if r % 2 == 0 else list(reversed(WIRE_CONFIGS))
                 for mode in order:
@@ -248,10 +267,12 @@ def wire_bench(mb: float, rounds: int, seconds: float) -> dict:
                     for _ in range(3):
                         step(tasks[mode])
                     start, steps = time.perf_counter(), 0
+                    c0, s0 = time.process_time(), sum(servers[mode].cpu_times()[:2])
                     while time.perf_counter() - start < seconds:
                         step(tasks[mode])
                         steps += 1
                     per_round[mode].append(steps / (time.perf_counter() - start))
+                    cpu[mode].append((time.process_time() - c0 + sum(servers[mode].cpu_times()[:2]) - s0) / steps)
         finally:
             for mode, task in tasks.items():
                 _wire_mode(mode)
@@ -268,12 +289,18 @@ def wire_bench(mb: float, rounds: int, seconds: float) -> dict:
     ratio = lambda a, b: [x / y for x, y in zip(per_round[a], per_round[b])]  # noqa: E731
     summary = {
         "mb_of_gradients_per_step": mb, "rounds": rounds, "seconds_per_round": seconds,
+        "step": "read, forward+backward of an MLP (batch 64), apply" if compute else "read, apply (no compute)",
         "steps_per_s_median": {m: statistics.median(v) for m, v in per_round.items()},
         "signing_every_byte_cost": 1 - statistics.median(ratio("signed", "head_only")),
         "signing_cost_spread": [1 - max(ratio("signed", "head_only")), 1 - min(ratio("signed", "head_only"))],
         "tls_cost": 1 - statistics.median(ratio("tls", "signed")),
         "tls_cost_spread": [1 - max(ratio("tls", "signed")), 1 - min(ratio("tls", "signed"))],
+        "cpu_s_per_step_median": {m: statistics.median(v) for m, v in cpu.items()},
+        # On a busy host throughput follows the CPU a step needs: the same costs, measured in CPU time.
+        "signing_every_byte_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["signed"], cpu["head_only"])]),
+        "tls_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["tls"], cpu["signed"])]),
         "per_round_steps_per_s": per_round,
+        "per_round_cpu_s_per_step": cpu,
     }
     return summary
 
@@ -304,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire", action="store_true", help="measure the cost of signing every byte and of TLS")
     parser.add_argument("--mb", type=float, default=1.0, help="--wire: megabytes of gradients per step")
     parser.add_argument("--rounds", type=int, default=7, help="--wire: interleaved rounds")
+    parser.add_argument("--no-compute", action="store_true", help="--wire: steps without the model's compute")
     args = parser.parse_args(argv)
     if args.wire:
-        result = wire_bench(args.mb, args.rounds, min(args.seconds, 2.0))
+        result = wire_bench(args.mb, args.rounds, min(args.seconds, 2.0), compute=not args.no_compute)
         out = Path(args.out or HERE / "results" / "ps_wire.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
@@ -316,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(rounds: {100 * result['signing_cost_spread'][0]:.1f}% to {100 * result['signing_cost_spread'][1]:.1f}%)")
         print(f"TLS costs {100 * result['tls_cost']:.1f}% (rounds: {100 * result['tls_cost_spread'][0]:.1f}% to "
               f"{100 * result['tls_cost_spread'][1]:.1f}%)")
+        print(f"in CPU time per step (client + server): signing every byte {100 * result['signing_every_byte_cpu_cost']:.1f}%,"
+              f" TLS {100 * result['tls_cpu_cost']:.1f}%")
         print(f"wrote {out}")
         return 0
     args.out = args.out or str(HERE / "results" / "ps.json")
