@@ -4,7 +4,9 @@ The user-facing pieces are :class:`phalanx.ParameterServerStrategy` and
 :class:`phalanx.coordinator.ClusterCoordinator`; this package holds what they are built from:
 
 =================  ==========================================================================
-``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code)
+``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code), replay guard
+``service``        what every service does first: verify, refuse (rate-limited logs), lifetime
+``tls``            optional TLS settings; throwaway certificates for ``phalanx run --tls``
 ``transport``      gRPC with generic handlers (no generated code); an in-process fake for tests
 ``client``         calls to one task with timeouts, transient retries and typed errors
 ``server``         the parameter server's fixed operations and its optimizers
@@ -38,9 +40,24 @@ from phalanx.ps.errors import (
 from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 from phalanx.ps.variables import RemoteVariable, ShardedVariable
 
+
+def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - ParameterServerStrategy's arguments
+    """Serves this ``ps`` or ``worker`` task until the coordinator shuts the cluster down, then returns 0
+    (3 when it exits orphaned: nothing authenticated from the chief for ``PHALANX_ORPHAN_TIMEOUT``).
+
+    The explicit entry point of a server task (TF's ``tf.distribute.Server(...).join()``):
+    ``ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()``.
+
+    Raises:
+        ContextError: this task is the chief.
+    """
+    from phalanx.strategies.parameter_server import ParameterServerStrategy
+
+    return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
+
 __all__ = [
     "AuthenticationError", "CancelledError", "ClusterCoordinator", "ClusterSecretError", "CoordinatorClosedError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "ParameterServerUnavailableError",
     "Partitioner", "PerWorkerDataset", "PerWorkerIterator", "RemoteError", "RemoteValue", "RemoteVariable",
-    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError",
+    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError", "serve",
 ]
