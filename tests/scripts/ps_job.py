@@ -256,7 +256,9 @@ elif MODE == "lstsq":
     solution = torch.linalg.lstsq(torch.cat([x, torch.ones(N, 1)], 1), y).solution
     optimum = torch.nn.functional.mse_loss(torch.cat([x, torch.ones(N, 1)], 1) @ solution, y).item()
     learned = torch.cat([model.linear.weight.detach().reshape(-1), model.linear.bias.detach()])
-    tls = strategy.extended._transport.tls
+    from phalanx.ps.tls import TlsConfig
+
+    tls = TlsConfig.from_env()  # what this task's transport uses
     address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][0]
     channel = GrpcTransport(tls=None).connect(address, "phalanx.ParameterServer")
     try:

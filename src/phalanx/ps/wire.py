@@ -407,6 +407,7 @@ class Verifier:
 
     def __init__(self, secret: bytes, guard: ReplayGuard | None = None, max_unverified: int = 16) -> None:
         self._secret, self._guard = secret, guard
+        self.max_unverified = max_unverified
         self._slots = threading.BoundedSemaphore(max_unverified)
 
     def decode(self, method: str, chunks: Iterable[Any], *, reply_to: Head | None = None) -> Message:
@@ -419,7 +420,7 @@ class Verifier:
             ProtocolError: the signed frame is malformed.
         """
         if not self._slots.acquire(blocking=False):
-            raise OverloadedError(f"more than {self._slots._initial_value} requests are being verified at once")
+            raise OverloadedError(f"more than {self.max_unverified} requests are being verified at once")
         try:
             reader = _Reader(chunks)
             head, fields, expected = self._verify_head(method, reader, reply_to)
