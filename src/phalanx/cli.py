@@ -48,6 +48,10 @@ def _run(args: argparse.Namespace) -> int:
         print("phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without "
               "-n or --nnodes", file=sys.stderr)
         return 2
+    if args.tls and not args.ps:
+        print("phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
+              "torch.distributed, which has no TLS", file=sys.stderr)
+        return 2
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
                    ps=args.ps, workers=args.workers, tls=args.tls)
