@@ -265,6 +265,20 @@ def test_a_chief_with_a_wrong_secret_takes_the_cluster_down(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ TLS
+def test_tls_settings_are_checked_before_any_connection(tmp_path):
+    from phalanx.ps.tls import TlsConfig, TlsConfigError, generate_local
+
+    assert TlsConfig.from_env({}) is None
+    env = generate_local(str(tmp_path / "tls"))
+    assert (Path(env["PHALANX_TLS_KEY"]).stat().st_mode & 0o777) == 0o600
+    with pytest.raises(TlsConfigError, match="PHALANX_TLS_KEY"):
+        TlsConfig.from_env({"PHALANX_TLS_CERT": env["PHALANX_TLS_CERT"]})
+    with pytest.raises(TlsConfigError, match="cannot be read"):
+        TlsConfig.from_env({**env, "PHALANX_TLS_CA": str(tmp_path / "missing.pem")})
+    with pytest.raises(TlsConfigError, match="not a PEM"):
+        TlsConfig.from_env({**env, "PHALANX_TLS_CA": str(JOB)})
+
+
 def test_tls_cluster_trains_linear_regression_to_the_least_squares_optimum(tmp_path):
     result = run_job([sys.executable, "-m", "phalanx.cli", "run", "--ps", "1", "--workers", "2", "--tls",
                       str(JOB), str(tmp_path), "lstsq"], timeout=150, cwd=tmp_path,
