@@ -122,7 +122,7 @@ def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_
 # call, one message of at most the 1 MiB receive limit plus what gRPC buffers of the rest of the
 # stream, at most its HTTP/2 flow-control window (grown by gRPC's bandwidth probing to a few MiB on
 # a fast link): 16 x 8 MiB, plus 32 MiB for the threads and allocator arenas serving the calls
-# touches. Measured here: +50 to +117 MiB, against +2.5 GB for 1.6 GB of unsigned requests before.
+# touches. Measured here: +29 to +117 MiB, against +2.5 GB for 1.6 GB of unsigned requests before.
 FLOOD_RSS_BOUND = 16 * (8 << 20) + (32 << 20)
 
 
