@@ -20,8 +20,13 @@ def _data(steps: int = 6, batch: int = 32):
 
 
 def _model():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    # Created inside a GPU strategy's scope, parameters are initialised on the GPU with the CUDA
+    # generator; load the same CPU-made values everywhere so that runs start equal.
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model.load_state_dict(reference.state_dict())
+    return model
 
 
 def _train(model, opt, data, step_fn):
