@@ -140,6 +140,7 @@ class GradientReducer:
             self.sync = previous
 
     # ---------------------------------------------------------------------------- backward
+    @torch.compiler.disable  # runs inside a compiled step's backward: never trace the collectives
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
