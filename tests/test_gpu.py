@@ -119,3 +119,16 @@ def test_mirrored_default_takes_every_visible_gpu():
         assert layer.weight.is_cuda
     finally:
         strategy.close()
+
+
+def test_a_module_built_inside_run_lands_on_the_replica_gpu():
+    strategy = px.OneDeviceStrategy("gpu:0")
+    built = {}
+
+    def step(x):
+        if "layer" not in built:
+            built["layer"] = torch.nn.Linear(4, 2)  # created on the CPU; the capture moves it
+        return built["layer"](x)
+
+    out = strategy.run(step, args=(torch.ones(3, 4, device="cuda"),))
+    assert built["layer"].weight.is_cuda and out.is_cuda

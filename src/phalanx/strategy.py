@@ -254,9 +254,9 @@ class StrategyExtended:
         return self._local_device.torch_device
 
     # ---------------------------------------------------------------- variables
-    def _variable_scope(self, owner: object) -> variables.capture:
+    def _variable_scope(self, owner: object, default_device: bool = True) -> variables.capture:
         return variables.capture(variables.Capture(owner, self._torch_device, self._new_params.append,
-                                                   self._new_buffers.append))
+                                                   self._new_buffers.append), default_device)
 
     def _sync_new_variables(self) -> None:
         """Makes variables created since the last call identical everywhere and synchronised.
@@ -590,7 +590,7 @@ class Strategy:
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
             ext._before_run()  # friend
-            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self), \
+            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self, default_device=False), \
                     global_batch.using(info), loss_scale_watch(ext._reducer, ext._comm.world_size):  # friend
                 # friend: the first step watches for parameters no scope synchronised
                 result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)
