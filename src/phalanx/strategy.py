@@ -332,8 +332,10 @@ class Strategy:
     def _wrap_local(self, structure: Any) -> Any:
         if self.num_replicas_in_sync == 1:
             return structure
+        ids, n = (getattr(getattr(self._extended, "_comm", None), "rank", 0),), self.num_replicas_in_sync
         return nest.map_structure(
-            lambda v: v if isinstance(v, DistributedValues) or v is None else PerReplica((v,)), structure)
+            lambda v: v if isinstance(v, DistributedValues) or v is None
+            else PerReplica((v,), replica_ids=ids, num_replicas=n), structure)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas, as a tuple (one per local replica)."""
