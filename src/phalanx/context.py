@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -87,6 +88,25 @@ def enter_scope(strategy: "Strategy") -> contextlib.AbstractContextManager[None]
 
 def enter_replica(strategy: "Strategy", replica_id: int) -> contextlib.AbstractContextManager[None]:
     return _push(_Frame(strategy, ReplicaContext(strategy, replica_id)))
+
+
+_LATEST: "weakref.ref[Strategy] | None" = None
+
+
+def note_created(strategy: "Strategy") -> None:
+    """Remembers the strategy most recently created in this process (see :func:`latest_strategy`)."""
+    global _LATEST
+    if not strategy._is_default:
+        _LATEST = weakref.ref(strategy)
+
+
+def latest_strategy() -> "Strategy | None":
+    """The live strategy most recently created in this process, if any.
+
+    Code outside any ``scope()`` (a custom loop's summaries, its logging) still needs to know
+    whether this process is the chief; this is the strategy that decides it.
+    """
+    return _LATEST() if _LATEST is not None else None
 
 
 def get_strategy() -> "Strategy":

@@ -262,6 +262,7 @@ class Strategy:
         self._extended = extended
         self._cluster_resolver = cluster_resolver
         extended._container_strategy_ref = weakref.ref(self)
+        context.note_created(self)
 
     # ---------------------------------------------------------------- properties
     @property
