@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -58,14 +59,17 @@ def test_per_replica_repr_in_one_process():
     assert repr(held) == "PerReplica(local replicas {1: 1.5} of 2)"
 
 
-def test_per_replica_repr_under_two_replicas_says_which_are_local(tmp_path):
+def test_per_replica_repr_and_is_chief_under_two_replicas(tmp_path):
+    """repr says which replicas are local; is_chief() outside scope() is true in replica 0 only."""
     script = tmp_path / "repr_job.py"
     script.write_text(
-        "import phalanx as px, torch\n"
+        "import json, phalanx as px, torch\n"
         "strategy = px.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
         "value = strategy.run(lambda: torch.tensor(1.5) + px.get_replica_context().replica_id_in_sync_group)\n"
-        "open(f'repr_{strategy.extended._comm.rank}.txt', 'w').write(repr(value))\n")
+        "rank = strategy.extended._comm.rank\n"
+        "json.dump({'repr': repr(value), 'chief': px.is_chief()}, open(f'repr_{rank}.json', 'w'))\n")
     result = run_job([sys.executable, str(script)], timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.logs()
-    assert (tmp_path / "repr_0.txt").read_text() == "PerReplica(local replicas {0: tensor(1.5000)} of 2)"
-    assert (tmp_path / "repr_1.txt").read_text() == "PerReplica(local replicas {1: tensor(2.5000)} of 2)"
+    zero, one = (json.loads((tmp_path / f"repr_{r}.json").read_text()) for r in range(2))
+    assert zero == {"repr": "PerReplica(local replicas {0: tensor(1.5000)} of 2)", "chief": True}
+    assert one == {"repr": "PerReplica(local replicas {1: tensor(2.5000)} of 2)", "chief": False}

@@ -42,8 +42,14 @@ __version__ = "0.1.0"
 
 
 def is_chief() -> bool:
-    """Whether this process is the one that writes checkpoints, logs and summaries."""
-    return get_strategy().extended.should_checkpoint
+    """Whether this process is the one that writes checkpoints, logs and summaries.
+
+    Inside a strategy's ``scope()`` or ``run`` that strategy decides; outside (a custom loop's
+    logging), the strategy most recently created in this process does.
+    """
+    from phalanx import context
+
+    return context.deciding_strategy().extended.should_checkpoint
 
 
 __all__ = [

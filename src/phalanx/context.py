@@ -109,6 +109,13 @@ def latest_strategy() -> "Strategy | None":
     return _LATEST() if _LATEST is not None else None
 
 
+def deciding_strategy() -> "Strategy":
+    """The strategy that decides who writes: the current one, else the latest created, else the default."""
+    if has_strategy():
+        return get_strategy()
+    return latest_strategy() or get_strategy()
+
+
 def get_strategy() -> "Strategy":
     """The current strategy: the one whose ``scope()`` or ``run`` we are in, else the default."""
     top = _top()

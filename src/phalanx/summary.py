@@ -59,13 +59,9 @@ _state = _State()
 def _is_chief() -> bool:
     from phalanx import context
 
-    if context.has_strategy():
-        strategy = context.get_strategy()
-    else:
-        strategy = context.latest_strategy()
-        if strategy is None:  # no strategy in this process: a single process, which writes
-            return True
-    return bool(strategy.extended.should_save_summary)
+    # The current strategy, else the latest created in this process (a custom loop writes its
+    # summaries outside scope()), else the default strategy: a single process, which writes.
+    return bool(context.deciding_strategy().extended.should_save_summary)
 
 
 class SummaryWriter:
