@@ -24,8 +24,8 @@ Example (each replica runs this; only the chief writes ``logs/``)::
 Differences from ``tf.summary``: values are torch tensors, numpy arrays or numbers; a
 :class:`~phalanx.values.PerReplica` value is refused (reduce it first, so the curve shows the
 whole job, not replica 0's share). Which process writes is decided at the first write, from the
-strategy that is current then or, outside any ``scope()``, the strategy most recently created in
-this process (a program without one is a single process, which writes).
+strategy that is current then or, outside any ``scope()``, the strategy this process built last
+(see :func:`phalanx.is_chief`; a program without one is a single process, which writes).
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ _state = _State()
 
 
 def _is_chief() -> bool:
-    from phalanx import context
+    from phalanx.process import identity
 
-    # The current strategy, else the latest created in this process (a custom loop writes its
-    # summaries outside scope()), else the default strategy: a single process, which writes.
-    return bool(context.deciding_strategy().extended.should_save_summary)
+    # The current strategy, else the one this process built last, else the launcher's
+    # environment, else a single process (which writes): a custom loop writes outside scope().
+    return identity().is_chief
 
 
 class SummaryWriter:
