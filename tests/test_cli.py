@@ -77,7 +77,7 @@ def test_run_warns_when_n_exceeds_the_cores(tmp_path):
     """The real command: more replicas than cores still runs, with the warning printed once."""
     n = len(os.sched_getaffinity(0)) + 1
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('replica', os.environ.get('PHALANX_RANK'))\n")
+    script.write_text("import os\nprint(f\"replica {os.environ.get('PHALANX_RANK')}\")\n")
     result = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", str(n), str(script)], timeout=120,
                      cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.logs()
