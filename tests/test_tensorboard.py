@@ -96,7 +96,7 @@ for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
         written.append(summary.scalar("loss", loss))
         written.append(summary.histogram("weight", model.weight))
 writer.close()
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 json.dump({"written": written, "losses": losses}, open(f"result_{rank}.json", "w"))
 """
 
@@ -133,7 +133,7 @@ with strategy.scope():
                   metrics=["accuracy"])
 history = model.fit(x, y, epochs=2, batch_size=32, validation_split=0.25, verbose=0,
                     callbacks=[TensorBoard(sys.argv[1], histogram_freq=1, update_freq="batch")])
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, open(f"history_{rank}.json", "w"))
 """
 

@@ -66,7 +66,7 @@ def test_per_replica_repr_and_is_chief_under_two_replicas(tmp_path):
         "import json, phalanx as px, torch\n"
         "strategy = px.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
         "value = strategy.run(lambda: torch.tensor(1.5) + px.get_replica_context().replica_id_in_sync_group)\n"
-        "rank = strategy.extended._comm.rank\n"
+        "rank = strategy.extended.process_index\n"
         "json.dump({'repr': repr(value), 'chief': px.is_chief()}, open(f'repr_{rank}.json', 'w'))\n")
     result = run_job([sys.executable, str(script)], timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.logs()
