@@ -37,6 +37,10 @@ ROOT = HERE.parent
 
 THROUGHPUT_CONFIGS = {  # name -> how to launch it
     "px_mirrored": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored", m, out, "--seconds", s],
+    "px_mirrored_compiled": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_compiled", m,
+                                               out, "--seconds", s],
+    "px_mirrored_bf16": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_bf16", m, out,
+                                           "--seconds", s],
     "px_mwms": lambda m, out, s: _run2("px_mwms", m, out, s),
     "ddp": lambda m, out, s: _run2("ddp", m, out, s),
     "local2": lambda m, out, s: _run2("local2", m, out, s),
@@ -48,7 +52,9 @@ if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pi
                                                                 out, "--seconds", s])(_tf)
 
 RATIOS = [("px_mirrored", "ddp"), ("px_mwms", "ddp"), ("px_mirrored", "local2"), ("px_mwms", "local2"),
-          ("ddp", "local2"), ("px_mirrored", "one_process"), ("px_mirrored", "tf_mirrored"), ("px_mwms", "tf_mwms")]
+          ("ddp", "local2"), ("px_mirrored", "one_process"), ("px_mirrored_compiled", "px_mirrored"),
+          ("px_mirrored_bf16", "px_mirrored"), ("px_mirrored_compiled", "local2"), ("px_mirrored", "tf_mirrored"),
+          ("px_mirrored_compiled", "tf_mirrored"), ("px_mwms", "tf_mwms")]
 
 
 def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
@@ -56,7 +62,7 @@ def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
             "--seconds", seconds]
 
 
-def _job(cmd: list[str], out: str, timeout: float = 180) -> dict:
+def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled configs compile for minutes
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("OMP_NUM_THREADS", None)
     subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=True, stdout=subprocess.DEVNULL,

@@ -50,12 +50,16 @@ def _run(args: argparse.Namespace) -> int:
         print("phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without "
               "-n or --nnodes", file=sys.stderr)
         return 2
+    if args.tls and not args.ps:
+        print("phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
+              "torch.distributed, which has no TLS", file=sys.stderr)
+        return 2
     warning = _oversubscription_warning(args.nproc)
     if warning:
         print(warning, file=sys.stderr)
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers)
+                   ps=args.ps, workers=args.workers, tls=args.tls)
     return run_job(spec)
 
 
@@ -168,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="parameter servers of a local ParameterServerStrategy cluster (with --workers)")
     run.add_argument("--workers", type=int, default=0, metavar="N",
                      help="workers of a local ParameterServerStrategy cluster (with --ps)")
+    run.add_argument("--tls", action="store_true",
+                     help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run")
     run.add_argument("--log-dir", default=None, metavar="DIR",
                      help="where per-replica logs go (default: $PHALANX_LOG_ROOT, else a temporary directory)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
