@@ -129,7 +129,7 @@ Arguments after the script go to the script. Replica 0 writes to this terminal; 
 replicas' logs go to files whose directory is printed once."""
 
 _TOP_EXAMPLES = """examples:
-  phalanx demo                       # train a small model under OneDevice and Mirrored (about a minute)
+  phalanx demo                       # train a small model under OneDevice and Mirrored, print a table
   phalanx run -n 2 train.py          # run your script as 2 replica processes
   phalanx bench --quick              # a short benchmark run (from a source checkout)
   phalanx <command> --help           # a command's options
