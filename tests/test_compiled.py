@@ -187,3 +187,13 @@ def test_function_without_strategy_run_compiles_the_whole_function():
 def test_function_rejects_mode_with_options():
     with pytest.raises(px.compiled.CompileOptionsError, match="mode"):
         px.function(lambda: None, mode="max-autotune", options={"trace.enabled": True})
+
+
+def test_importing_phalanx_leaves_torch_compile_unloaded():
+    """torch.compile's machinery costs 3-5 s to import and sets TORCHINDUCTOR_CACHE_DIR: a program
+    that never compiles must not pay for it (every replica process imports phalanx)."""
+    import subprocess
+
+    code = ("import sys, phalanx, phalanx.comm.reducer, phalanx.compiled; "
+            "assert 'torch._dynamo' not in sys.modules, 'phalanx imported torch._dynamo'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
