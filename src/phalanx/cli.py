@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -50,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers)
+                   ps=args.ps, workers=args.workers, tee=args.tee)
     return run_job(spec)
 
 
@@ -83,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)")
     run.add_argument("--ps", type=int, default=0, help="parameter servers of a local ParameterServerStrategy cluster")
     run.add_argument("--workers", type=int, default=0, help="workers of a local ParameterServerStrategy cluster")
-    run.add_argument("--log-dir", default=None, help="where per-replica logs go (default: a temp dir)")
+    run.add_argument("--log-dir", default=None,
+                     help="log root: each run writes LOG_DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
+                          "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)")
+    run.add_argument("--tee", action="store_true",
+                     help="also show every replica's output here, each line prefixed with the replica's name")
     run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
     run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
     run.set_defaults(func=_run)
@@ -103,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if argv is None and args.func is _run:
+        # The launcher is done (every replica has ended) but it imported torch with phalanx, whose
+        # interpreter teardown took seconds under load: the job's end would lag its exit status.
+        # Nothing is left to clean up, so end now.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ class GroupSpec:
     timeout: float = 60.0  # every collective
     rendezvous_timeout: float = 60.0
     fingerprint: tuple[tuple[str, Any], ...] = ()  # extra fields that must agree (cluster spec)
+    # Keys of this communicator in the job's store. A program's second strategy runs on the same
+    # processes, store and port as its first: the prefix keeps their rendezvous apart.
+    store_prefix: str = ""
 
     def name(self, rank: int) -> str:
         label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"
@@ -133,6 +136,9 @@ def _process_state(pid: int) -> str:
         return ""
 
 
+_JOB_STORES: dict[tuple[str, int, bool], Any] = {}
+
+
 class GlooCommunicator:
     """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
 
@@ -169,7 +175,17 @@ class GlooCommunicator:
         atexit.register(self.close)
 
     # ----------------------------------------------------------------------------- set up
-    def _connect_store(self, spec: GroupSpec) -> dist.TCPStore:
+    def _connect_store(self, spec: GroupSpec) -> dist.Store:
+        # One store (one listening port) per job and process, shared by the program's strategies.
+        key = (spec.master_addr, spec.master_port, spec.rank == 0)
+        if key not in _JOB_STORES:
+            if not _JOB_STORES:
+                atexit.register(_JOB_STORES.clear)  # after every communicator closed (LIFO)
+            _JOB_STORES[key] = self._new_store(spec)
+        store = _JOB_STORES[key]
+        return dist.PrefixStore(spec.store_prefix, store) if spec.store_prefix else store
+
+    def _new_store(self, spec: GroupSpec) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=spec.rendezvous_timeout)
         try:
             if spec.rank == 0:
@@ -286,6 +302,8 @@ class GlooCommunicator:
             try:
                 client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
                                        datetime.timedelta(seconds=2), wait_for_workers=False)
+                if self.spec.store_prefix:
+                    client = dist.PrefixStore(self.spec.store_prefix, client)
 
                 def beats() -> dict[int, bytes]:
                     return {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}

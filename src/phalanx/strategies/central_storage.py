@@ -67,11 +67,11 @@ from phalanx.comm.communicator import Handle
 from phalanx.comm.reducer import GradientReducer
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
-from phalanx.launch.env import ReplicaEnv
 from phalanx.strategies.common import (
     build_communicator,
     close_at_exit,
     configure_cpu_threads,
+    job_env,
     select_device,
     local_devices,
     replica_env_for,
@@ -284,7 +284,7 @@ class CentralStorageStrategy(Strategy):
     """
 
     def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
-        compute = local_devices(compute_devices, ReplicaEnv.from_environ(), "compute_devices")
+        compute = local_devices(compute_devices, job_env(), "compute_devices")
         if parameter_device is None:
             only_gpu = len(compute) == 1 and compute[0].type == "cuda"
             parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)

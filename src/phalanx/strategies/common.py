@@ -13,7 +13,8 @@ from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
-from phalanx.launch.env import ReplicaEnv, install_error_recorder
+from phalanx.launch import replica_hooks
+from phalanx.launch.env import ReplicaEnv
 
 DEFAULT_TIMEOUT = 300.0  # seconds for one collective; CommunicationOptions(timeout_seconds=...) overrides
 DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
@@ -55,10 +56,18 @@ def select_device(device: LogicalDevice) -> None:
 def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
                        names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
                        backend: str = "gloo") -> Any:
-    """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
-    install_error_recorder()
+    """The communicator of this process: local for one replica, gloo/NCCL otherwise.
+
+    The program's k-th multi-replica communicator of a job uses the job's store under its own key
+    prefix, so that strategies created one after another (or alive together) run on the same
+    processes; every process creates its strategies in the same order, so they agree on k.
+    """
+    replica_hooks.install()
     if env is None or env.world_size == 1:
         return LocalCommunicator()
+    job = (env.master_addr, env.master_port)
+    generation = _generations.get(job, 0)
+    _generations[job] = generation + 1
     spec = GroupSpec(
         rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
         # With no address from a cluster spec, listen on the local address that routes to the master
@@ -66,8 +75,11 @@ def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, 
         bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
         timeout=timeout or env_seconds("PHALANX_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT),
         rendezvous_timeout=env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT),
-        fingerprint=fingerprint)
+        fingerprint=fingerprint, store_prefix=f"strategy{generation}/" if generation else "")
     return GlooCommunicator(spec, backend=backend)
+
+
+_generations: dict[tuple[str, int], int] = {}  # (master address, port) -> communicators created
 
 
 def close_at_exit(strategy: Any) -> None:
@@ -100,14 +112,25 @@ def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -
     return parsed
 
 
-def replica_env_for(strategy: Any, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
-    """This process's identity: from the launcher, or by starting the other replicas now."""
+def job_env() -> ReplicaEnv | None:
+    """This process's replica identity: from its launcher, or as replica 0 of the replicas it started."""
     env = ReplicaEnv.from_environ()
-    if env is None and len(devices) > 1:
-        from phalanx.launch.self_launch import ReplicaLauncher
+    if env is None:
+        from phalanx.launch.self_launch import current_job
 
-        strategy._launcher = ReplicaLauncher(len(devices))
-        env = strategy._launcher.env
+        job = current_job()
+        env = job.env if job is not None else None
+    return env
+
+
+def replica_env_for(strategy: Any, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
+    """This process's identity: from the launcher, or by starting the other replicas now (once
+    per program: a later multi-replica strategy runs on the replicas started for the first)."""
+    env = job_env()
+    if env is None and len(devices) > 1:
+        from phalanx.launch.self_launch import launch
+
+        env = launch(len(devices)).env
     if env is not None and env.local_world_size != len(devices):
         raise ClusterSpecError(what, [str(d) for d in devices],
                                f"the launcher started {env.local_world_size} replica processes on this host",

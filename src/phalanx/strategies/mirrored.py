@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from phalanx.comm.cross_device_ops import CrossDeviceOps
-from phalanx.launch.env import ReplicaEnv
 from phalanx.strategies.common import (
     build_communicator,
     close_at_exit,
     configure_cpu_threads,
+    job_env,
     select_device,
     local_devices,
     replica_env_for,
@@ -48,7 +48,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
-        local = local_devices(devices, ReplicaEnv.from_environ())
+        local = local_devices(devices, job_env())
         env = replica_env_for(self, local)
         local_rank = env.local_rank if env is not None else 0
         select_device(local[local_rank])
