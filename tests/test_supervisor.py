@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import _session_processes, run_job
 
 EXITS = Path(__file__).parent / "scripts" / "exits.py"
@@ -53,7 +52,7 @@ def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
     assert root_cause([bug, died]) is died  # earlier wins
     assert root_cause([ended("replica 0", 0, 0, 1)]) is None
     text = format_failure(bug)
-    assert "replica 0 (pid 102) failed with exit code 1" in text and "a bug in replica zero" in text
+    assert "replica 0 (pid 102) failed: exit code 1" in text and "a bug in replica zero" in text
     assert "killed by signal SIGTERM" in format_failure(stopped)
 
 
@@ -91,10 +90,30 @@ KERAS_FIT = """
 """
 
 
+def _screen(line: str) -> str:
+    """What a terminal shows for ``line``: Keras' bar redraws itself with backspaces and carriage
+    returns (how often depends on timing, so only the final picture can be compared)."""
+    cells: list[str] = []
+    cursor = 0
+    for ch in re.sub(r"\x1b\[[0-9;]*m", "", line):
+        if ch == "\r":
+            cursor = 0
+        elif ch == "\b":
+            cursor = max(0, cursor - 1)
+        else:
+            cells[cursor:cursor + 1] = [ch]
+            cursor += 1
+    return "".join(cells).rstrip()
+
+
 def _program_lines(output: str) -> list[str]:
-    """The program's own lines: supervisor messages dropped, timings (which vary) masked."""
-    lines = [line for line in output.splitlines() if not line.startswith("phalanx:")]
-    return [re.sub(r"\d+(\.\d+)?(ms|us|s)(/step)?", "T", line) for line in lines]
+    """The program's own lines as seen on a terminal: supervisor messages dropped, timings masked."""
+    lines = [_screen(line) for line in output.splitlines() if not line.startswith("phalanx:")]
+    lines = [re.sub(r"\d+(\.\d+)?(ms|us|s)(/step)?", "T", line) for line in lines]
+    # Which step a bar last showed (and the running loss then) depends on when Keras redrew it.
+    lines = [re.sub(r"^\d+/(\d+) (━{20}) T T - loss: [\d.]+$", r"S/\1 \2 T T - loss: L", line) for line in lines]
+    # Keras itself sometimes draws an epoch's last frame once more on a line of its own.
+    return [line for i, line in enumerate(lines) if i == 0 or not (line.startswith("S/") and line == lines[i - 1])]
 
 
 def test_phalanx_run_output_is_python_train_py_output_and_logs_have_one_layout(tmp_path, script):
@@ -107,6 +126,8 @@ def test_phalanx_run_output_is_python_train_py_output_and_logs_have_one_layout(t
     assert "[phalanx" not in launched.output and "[replica" not in launched.output, launched.output
     assert _program_lines(launched.output) == _program_lines(direct.output), (direct.output, launched.output)
     assert "Epoch 2/2" in launched.output and "hello from replica 0" in launched.output
+    bars = [line for line in _program_lines(launched.output) if line.startswith("S/4 ")]
+    assert len(bars) == 2, launched.output  # one intact bar per epoch
     for res in (direct, launched):
         (run_dir,) = [p for p in res.log_dir.iterdir() if p.is_dir()]
         assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run_dir.name)
@@ -225,3 +246,24 @@ def test_kill_9_of_the_launcher_leaves_no_replica_alive(tmp_path, launcher):
         for pid in [int(f.read_text()) for f in tmp_path.glob("pid_*")]:
             if psutil.pid_exists(pid):
                 psutil.Process(pid).kill()
+
+
+# ----------------------------------------------------------------------------- many strategies
+MANY = Path(__file__).parent / "scripts" / "many_strategies.py"
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_many_strategies_per_program_run_on_the_same_replicas(tmp_path, launcher):
+    """Mirrored twice (alive together, one scope at a time), CentralStorage, then Mirrored again
+    after the others were closed and collected: each trains a step on the same two processes."""
+    res = run_job(_cmd(launcher, str(MANY), str(tmp_path)), timeout=240, cwd=tmp_path,
+                  env={"PHALANX_RENDEZVOUS_TIMEOUT": "30", "PHALANX_COLLECTIVE_TIMEOUT": "30"})
+    assert res.returncode == 0, res.logs()[-6000:]
+    assert (tmp_path / "done").read_text() == "ok"
+    logs = res.logs()
+    tags = ["mirrored #1", "mirrored #2", "mirrored #1 again", "central storage", "mirrored #3"]
+    for rank in (0, 1):
+        lines = [line for line in logs.splitlines() if f"on replica {rank} of 2" in line]
+        assert [line.split(":")[0] for line in lines] == tags, logs[-4000:]
+        assert len({line.rsplit("pid ", 1)[1] for line in lines}) == 1, lines  # one process throughout
+    assert len(list(res.log_dir.rglob("replica_1.log"))) == 1  # replica 1 was started once

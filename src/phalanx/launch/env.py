@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 from phalanx.errors import ClusterSpecError
 
@@ -43,7 +43,7 @@ class ReplicaEnv:
         return {PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "ReplicaEnv | None":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaEnv | None:
         """The replica identity in ``environ``, or None when this process was not launched by phalanx."""
         environ = os.environ if environ is None else environ
         if PREFIX + "RANK" not in environ:

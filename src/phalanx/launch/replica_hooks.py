@@ -14,6 +14,7 @@ Called once per process when a strategy builds its communicator (:func:`install`
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -34,6 +35,25 @@ def install() -> None:
     install_error_recorder()
     _install_stack_dump()
     _watch_parent()
+    _mark_done_at_exit()
+
+
+def _mark_done_at_exit() -> None:
+    """Tells the supervisor when the program has finished: the interpreter's own teardown (a final
+    garbage collection over torch and Keras) took more than 10 s on a loaded machine, and a replica
+    in it is not "still running" its program."""
+    path = os.environ.get("PHALANX_DONE_FILE")
+    if not path:
+        return
+
+    def mark() -> None:
+        try:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
+
+    atexit.register(mark)  # registered now, so it runs after the communicators' handlers (LIFO)
 
 
 def install_error_recorder() -> None:
@@ -46,7 +66,7 @@ def install_error_recorder() -> None:
     if getattr(previous, "_phalanx", False):
         return
 
-    def hook(kind, value, tb):  # noqa: ANN001
+    def hook(kind, value, tb):
         # The traceback first: the supervisor acts on the error file at once, and the log's
         # tail must already hold the traceback when it reports.
         try:

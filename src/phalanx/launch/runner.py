@@ -21,16 +21,15 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task
+from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
 MAX_PREEMPTION_RESTARTS = 100
-_WAIT_NOTICE_S = 2.0  # replica 0 finished this long ago and a peer still runs: say so
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class _Interrupted(Exception):
 def forwarded_signals() -> Iterator[None]:
     """Turns SIGTERM/SIGINT to this process into :class:`_Interrupted` in the main loop."""
 
-    def on_signal(signum, frame):  # noqa: ANN001
+    def on_signal(signum, frame):
         raise _Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -144,17 +143,16 @@ def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
         tasks.append(Task(name=f"replica {rank}", command=(sys.executable, *spec.command),
                           env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt)},
                           log_path=None if to_terminal else run.log_path(f"replica_{rank}"),
-                          error_path=run.error_path(f"replica_{rank}"),
+                          error_path=run.error_path(f"replica_{rank}"), done_path=run.done_path(f"replica_{rank}"),
                           info=f"node {spec.node_rank}, local rank {local}"))
     return tasks
 
 
 def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int) -> int:
+    sup.forget_exits()
     started = [sup.start(task) for task in _tasks(spec, run, attempt)]
     primary = started[0] if spec.node_rank == 0 else None  # replica 0 lives on node 0
     exits: list[Exit] = []
-    finished_at: float | None = None
-    noticed = False
     try:
         while True:
             for ended in sup.poll():
@@ -162,21 +160,11 @@ def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int
                 if ended.failed:
                     return _fail(sup, exits, ended)
                 if primary is not None and ended.task is primary.task:
-                    finished_at = time.monotonic()
+                    return wait_for_the_rest(sup)  # the others must finish too, and soon
             if sup.failing():  # a replica recorded an uncaught exception and is tearing down
                 return _fail(sup, exits, None)
-            alive = sup.alive()
-            if not alive:
+            if not sup.alive():
                 return 0
-            if finished_at is not None:
-                waited = time.monotonic() - finished_at
-                limit = settings.exit_timeout()
-                if not noticed and waited >= _WAIT_NOTICE_S:
-                    noticed = True
-                    sup.say(f"replica 0 has finished; waiting up to {limit:g} s for "
-                            + ", ".join(f"{r.task.name} (pid {r.pid})" for r in alive) + " to finish")
-                if waited >= limit:
-                    return _still_running(sup, alive, limit)
             time.sleep(0.05)
     except _Interrupted:
         raise  # the caller forwards the signal and gives the replicas their grace period
@@ -195,18 +183,3 @@ def _fail(sup: Supervisor, exits: list[Exit], first: Exit | None) -> int:
     cause = sup.report_root_cause(exits)
     assert cause is not None
     return cause.status or 1
-
-
-def _still_running(sup: Supervisor, alive: list, limit: float) -> int:
-    """Replica 0 finished normally but others did not: a failure. Name them and show their stacks."""
-    stacks = sup.dump_stacks(alive)
-    for run in alive:
-        sup.say(f"root cause (first failure): {run.task.name} ({run.task.info}, pid {run.pid}) was still running "
-                f"{limit:g} s after replica 0 finished normally (a replica blocked in a collective, or a "
-                f"program that does more on some replicas). Where it was:\n"
-                + "\n".join(stacks.get(run.task.name, "").splitlines()[-40:]))
-        break  # the first is the root cause; the others are stopped with it
-    if len(alive) > 1:
-        sup.say("also still running: " + ", ".join(f"{r.task.name} (pid {r.pid})" for r in alive[1:]))
-    sup.stop(signal.SIGTERM)
-    return 1

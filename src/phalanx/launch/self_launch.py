@@ -19,6 +19,8 @@ Exit rules, the same as ``phalanx run``'s:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import os
 import signal
 import sys
@@ -26,13 +28,11 @@ import threading
 import time
 
 from phalanx.errors import LaunchError
-from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task
+from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
-_WAIT_NOTICE_S = 2.0  # replica 0 finished this long ago and a peer still runs: say so
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
-_job: "ReplicaLauncher | None" = None
+_job: ReplicaLauncher | None = None
 _job_lock = threading.Lock()
 
 
@@ -54,12 +54,12 @@ def _script_command() -> list[str]:
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
 
-def current_job() -> "ReplicaLauncher | None":
+def current_job() -> ReplicaLauncher | None:
     """The replicas this process started (it is their replica 0), if any."""
     return _job
 
 
-def launch(world_size: int) -> "ReplicaLauncher":
+def launch(world_size: int) -> ReplicaLauncher:
     """Starts replicas 1..world_size-1 of this script, or returns those started before.
 
     Raises:
@@ -90,12 +90,14 @@ class ReplicaLauncher:
         self.supervisor = Supervisor()
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._main_exiting = threading.Event()
+        self._own_failure = False
         self._lock = threading.Lock()
         for rank in range(1, world_size):
             identity = ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank})
             self.supervisor.start(Task(name=f"replica {rank}", command=tuple(self.command),
                                        env=identity.to_environ(), log_path=self.run.log_path(f"replica_{rank}"),
                                        error_path=self.run.error_path(f"replica_{rank}"),
+                                       done_path=self.run.done_path(f"replica_{rank}"),
                                        info=f"local rank {rank}"))
         if not quiet:
             self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
@@ -115,7 +117,7 @@ class ReplicaLauncher:
     def _install_excepthook(self) -> None:
         previous = sys.excepthook
 
-        def hook(kind, value, tb):  # noqa: ANN001
+        def hook(kind, value, tb):
             try:
                 previous(kind, value, tb)
             finally:
@@ -131,6 +133,7 @@ class ReplicaLauncher:
             if self._ended.is_set():
                 return
             self._ended.set()
+            self._own_failure = True  # Python's own exit status (1, or 130 for Ctrl-C) stands
         self.supervisor.stop_after_failure()
         self.supervisor.report_root_cause([*self.supervisor.exits, mine])
 
@@ -161,42 +164,20 @@ class ReplicaLauncher:
             failed_before = self._ended.is_set()
             self._ended.set()
         if failed_before:
-            _exit(1)
-        sup = self.supervisor
-        limit = settings.exit_timeout()
-        start = time.monotonic()
-        noticed = False
-        while True:
-            ended = sup.poll()
-            if any(e.failed for e in ended) or sup.failing():
-                sup.stop_after_failure()
-                sup.report_root_cause()
-                _exit(1)
-            alive = sup.alive()
-            if not alive:
+            if self._own_failure:
+                # The job has failed and every replica is stopped: leave the objects of this process
+                # to the OS rather than to a final collection over torch's and Keras' (which took
+                # seconds on a loaded machine), so the job ends when its error is out.
+                gc.freeze()
                 return
-            waited = time.monotonic() - start
-            if not noticed and waited >= _WAIT_NOTICE_S:
-                noticed = True
-                sup.say(f"replica 0 has finished; waiting up to {limit:g} s for "
-                        + ", ".join(f"{r.task.name} (pid {r.pid})" for r in alive) + " to finish")
-            if waited >= limit:
-                stacks = sup.dump_stacks(alive)
-                first = alive[0]
-                sup.say(f"root cause (first failure): {first.task.name} ({first.task.info}, pid {first.pid}) was "
-                        f"still running {limit:g} s after replica 0 finished normally (a replica blocked in a "
-                        f"collective, or a program that does more on some replicas). Where it was:\n"
-                        + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:]))
-                sup.stop(signal.SIGTERM)
-                _exit(1)
-            time.sleep(0.05)
+            _exit(1)  # another replica failed: never exit 0, whatever replica 0 did after
+        if wait_for_the_rest(self.supervisor) != 0:
+            _exit(1)
 
 
 def _exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
-            pass
     os._exit(code)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -43,15 +44,16 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Iterable, Mapping, Sequence
+from typing import IO
 
 from phalanx.launch import settings
 
 __all__ = [
     "Exit",
-    "Running",
     "RunDirectory",
+    "Running",
     "Supervisor",
     "Task",
     "describe_exit_code",
@@ -59,6 +61,7 @@ __all__ = [
     "prune_runs",
     "root_cause",
     "tail",
+    "wait_for_the_rest",
 ]
 
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
@@ -128,7 +131,7 @@ class RunDirectory:
         self.run_id = run_id or new_run_id()
         self.path = os.path.join(self.root, self.run_id)
 
-    def create(self) -> "RunDirectory":
+    def create(self) -> RunDirectory:
         """Creates the directory and prunes the oldest ones (``PHALANX_KEEP_RUNS``)."""
         keep = settings.keep_runs()
         os.makedirs(self.path, exist_ok=True)
@@ -142,6 +145,9 @@ class RunDirectory:
 
     def error_path(self, stem: str) -> str:
         return os.path.join(self.path, f"{stem}.error.json")
+
+    def done_path(self, stem: str) -> str:
+        return os.path.join(self.path, f".{stem}.done")
 
 
 def tail(path: str | None, lines: int = 15) -> str:
@@ -171,6 +177,7 @@ class Task:
         env: variables added to the supervisor's own environment.
         log_path: where its stdout and stderr go; None: this process's terminal, untouched.
         error_path: where it records an uncaught exception (torch elastic's error-file format).
+        done_path: where it marks that its program has finished (it is then only tearing down).
         info: extra identity for reports ("node 0, local rank 1").
     """
 
@@ -179,6 +186,7 @@ class Task:
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: str | None = None
     error_path: str | None = None
+    done_path: str | None = None
     info: str = ""
 
 
@@ -196,6 +204,11 @@ class Running:
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def done(self) -> bool:
+        """Whether its program has finished (its exit handlers ran); it may still be tearing down."""
+        return bool(self.task.done_path) and os.path.exists(self.task.done_path)
 
 
 @dataclass(frozen=True)
@@ -267,8 +280,11 @@ def _who(task: Task, pid: int) -> str:
 def format_failure(exit: Exit, *, lines: int = 15) -> str:
     """The report of one failed task: who, how, its recorded error and its log's last lines."""
     how = "an uncaught exception" if exit.stopped_while_failing else describe_exit_code(exit.code)
-    text = f"{_who(exit.task, exit.pid)} failed with {how}\n"
-    log = tail(exit.task.log_path, lines)
+    text = f"{_who(exit.task, exit.pid)} failed: {how}\n"
+    log = tail(exit.task.log_path, 80)
+    start = log.rfind("Traceback (most recent call last):")
+    # The whole last traceback when there is one (it says where the replica was), else the tail.
+    log = log[start:] if start >= 0 else "\n".join(log.splitlines()[-lines:])
     error = exit.message.strip().splitlines()[-1] if exit.message.strip() else ""
     if error and error not in log:  # the log's traceback already ends with it: say it once
         text += f"error: {error}\n"
@@ -321,6 +337,10 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 os.unlink(task.error_path)
             env["TORCHELASTIC_ERROR_FILE"] = task.error_path
+        if task.done_path:
+            with contextlib.suppress(OSError):
+                os.unlink(task.done_path)
+            env["PHALANX_DONE_FILE"] = task.done_path
         piped = task.log_path is not None and self.tee
         log = None
         if task.log_path is not None:
@@ -331,7 +351,9 @@ class Supervisor:
             popen = subprocess.Popen(list(task.command), env=env, stdout=stdout,
                                      stderr=subprocess.STDOUT if log is not None else None,
                                      stdin=subprocess.DEVNULL,
-                                     preexec_fn=lambda parent=os.getpid(): _child_setup(parent))
+                                     # Not thread-safe in general (PLW1509); this one calls only
+                                     # async-signal-safe functions, resolved before the fork.
+                                     preexec_fn=functools.partial(_child_setup, os.getpid()))  # noqa: PLW1509
         except BaseException:
             if log is not None:
                 log.close()
@@ -415,6 +437,11 @@ class Supervisor:
                 self._exits.append(exit)
             ended.append(exit)
         return ended
+
+    def forget_exits(self) -> None:
+        """Starts a new attempt: earlier ends no longer count for the root cause."""
+        with self._lock:
+            self._exits = []
 
     @property
     def exits(self) -> list[Exit]:
@@ -506,7 +533,7 @@ class Supervisor:
             elif shutil.which("py-spy"):
                 try:
                     stacks[run.task.name] = subprocess.run(
-                        ["py-spy", "dump", "--pid", str(run.pid)], capture_output=True, text=True,
+                        ["py-spy", "dump", "--pid", str(run.pid)], check=False, capture_output=True, text=True,
                         timeout=10).stdout
                 except (OSError, subprocess.SubprocessError) as e:
                     stacks[run.task.name] = f"(py-spy failed: {e})"
@@ -534,6 +561,61 @@ class Supervisor:
         if cause is not None:
             self.say("root cause (first failure): " + format_failure(cause))
         return cause
+
+
+def lingering(runs: Sequence[Running]) -> list[Running]:
+    """Of ``runs``, those still running their program (not merely tearing down after it finished)."""
+    return [r for r in runs if not r.done]
+
+
+def wait_for_the_rest(sup: Supervisor, *, primary: str = "replica 0", notice_after: float = 2.0) -> int:
+    """After ``primary`` finished normally: the others get ``PHALANX_EXIT_TIMEOUT`` seconds to finish.
+
+    One still running its program after that is a failure: it is named with its stack (the root
+    cause), the rest are stopped, and the status is 1. The wait is announced after
+    ``notice_after`` seconds, never silent. A failure meanwhile is reported as usual. A task that
+    finished its program and is only tearing down is stopped without failing the job.
+
+    Returns:
+        0, or the exit status of the failure.
+    """
+    limit = settings.exit_timeout()
+    start = time.monotonic()
+    noticed = False
+    while True:
+        ended = sup.poll()
+        if any(e.failed for e in ended) or sup.failing():
+            sup.stop_after_failure()
+            cause = sup.report_root_cause()
+            return cause.status or 1 if cause is not None else 1
+        alive = sup.alive()
+        if not alive:
+            return 0
+        busy = lingering(alive)
+        waited = time.monotonic() - start
+        if busy and not noticed and waited >= notice_after:
+            noticed = True
+            sup.say(f"{primary} has finished; waiting up to {limit:g} s for "
+                    + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy) + " to finish")
+        if waited >= limit:
+            if not busy:
+                sup.say(", ".join(r.task.name for r in alive) + f" finished but still tore down {limit:g} s "
+                        "later; stopped")
+                sup.kill()
+                sup.poll()
+                return 0
+            stacks = sup.dump_stacks(busy)
+            first = busy[0]
+            sup.say(f"root cause (first failure): {_who(first.task, first.pid)} was still running {limit:g} s after "
+                    f"{primary} finished normally (blocked in a collective that {primary} never joined, or "
+                    f"a program that does more on some replicas). Where it was:\n"
+                    + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:]))
+            if len(busy) > 1:
+                sup.say("also still running: " + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy[1:]))
+            sup.stop(signal.SIGTERM)
+            sup.poll()
+            return 1
+        time.sleep(0.05)
 
 
 def _catches(pid: int, sig: int) -> bool:
