@@ -112,7 +112,7 @@ def test_phalanx_run_reports_root_cause_and_stops_the_rest(tmp_path, script):
     job = script("""
         import os, sys, time, phalanx as px, torch
         s = px.MirroredStrategy()
-        if s.extended._comm.rank == 1:
+        if s.extended.process_index == 1:
             raise RuntimeError("boom in replica one")
         s.gather(s.run(lambda: torch.ones(1)), axis=0)
     """)
@@ -129,7 +129,7 @@ def test_phalanx_run_restarts_the_group(tmp_path, script):
         import os, sys, phalanx as px, torch
         s = px.MirroredStrategy()
         attempt = int(os.environ["PHALANX_RESTART_COUNT"])
-        if attempt == 0 and s.extended._comm.rank == 1:
+        if attempt == 0 and s.extended.process_index == 1:
             sys.exit(3)
         total = s.reduce("SUM", s.run(lambda: torch.ones(())), axis=None)
         if s.extended.should_checkpoint:
@@ -145,7 +145,7 @@ def test_self_launched_replica_failure_fails_the_job(tmp_path, script):
     job = script("""
         import os, phalanx as px, torch
         s = px.MirroredStrategy(["cpu:0", "cpu:1"])
-        if s.extended._comm.rank == 1:
+        if s.extended.process_index == 1:
             os._exit(7)
         for _ in range(3):
             s.gather(s.run(lambda: torch.ones(1)), axis=0)
@@ -164,7 +164,7 @@ def test_phalanx_run_forwards_sigterm_and_preemption_restarts_are_free(tmp_path,
         import os, signal, sys, time, phalanx as px, torch
         s = px.MirroredStrategy()
         attempt = int(os.environ["PHALANX_RESTART_COUNT"])
-        rank = s.extended._comm.rank
+        rank = s.extended.process_index
         if attempt == 0:
             sys.exit(42)  # every replica asks for a restart (as after a preemption save)
         def on_term(*_):
@@ -224,32 +224,32 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
 
 
 def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
-    """A replica whose error is only "my peer is gone", or that elastic stopped with SIGTERM after
-    another exited, is not the root cause (pure logic, no processes; reproduced under load: a
+    """A replica whose error is only "my peer is gone", or that the supervisor stopped with SIGTERM
+    after another exited, is not the root cause (pure logic, no processes; reproduced under load: a
     preempted job was reported as "killed by signal SIGTERM" and lost its free restart)."""
-    from types import SimpleNamespace
+    from phalanx.launch.supervisor import Exit, Task, format_failure, root_cause
 
-    from phalanx.launch.runner import JobSpec, _root_cause
+    def failure(local_rank, exitcode, message="", pid=1, order=0, timestamp=1700000000, stopped=False):
+        task = Task(name=f"replica {local_rank}", command=("train.py",), info=f"node 0, local rank {local_rank}")
+        return Exit(task, pid, exitcode, order, stopped, message, timestamp)
 
-    def failure(exitcode, message=None, pid=1):
-        data = {"message": {"message": message}} if message else {}
-        return SimpleNamespace(timestamp=1700000000, error_file_data=data, exitcode=exitcode, pid=pid)
+    def cause(failures):
+        found = root_cause(failures)
+        return found.status, format_failure(found)
 
-    result = SimpleNamespace(failures={0: failure(1, "PeerUnavailableError: all-reduce on worker:0 failed", 10),
-                                       1: failure(13, pid=11)}, stderrs={}, stdouts={})
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures = [failure(0, 1, "PeerUnavailableError: all-reduce on worker:0 failed", 10, 0), failure(1, 13, pid=11, order=1)]
+    code, text = cause(failures)
     assert code == 13 and "local rank 1" in text and "exit code 13" in text
-    result.failures[1].timestamp -= 1  # an earlier one wins whatever it is
-    result.failures[0] = failure(1, "ValueError: a bug in replica zero", 10)
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 - 1)  # an earlier one wins whatever it is
+    failures[0] = failure(0, 1, "ValueError: a bug in replica zero", 10, 0)
+    code, text = cause(failures)
     assert code == 13 and "local rank 1" in text
-    result.failures[1].timestamp += 2  # a genuinely later failure is not preferred
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 + 1)  # a genuinely later failure is not preferred
+    code, text = cause(failures)
     assert code == 1 and "local rank 0" in text and "a bug in replica zero" in text
-    # A replica still exiting when elastic stopped the group (SIGTERM) is not the cause of a
-    # preemption (exit 42), even though elastic saw it in the same second.
-    result.failures = {0: failure(-15, pid=10), 1: failure(42, pid=11)}
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    # A replica still exiting when the supervisor stopped the group (SIGTERM) is not the cause of a
+    # preemption (exit 42), even though it was seen in the same second.
+    code, text = cause([failure(0, -15, pid=10, stopped=True), failure(1, 42, pid=11, order=1)])
     assert code == 42 and "local rank 1" in text
 
 
@@ -258,7 +258,7 @@ def test_error_file_is_written_whole_and_in_elastics_format(tmp_path, monkeypatc
     a file (it did once: torch elastic's parser raised and took the launcher down)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    from phalanx.launch.env import _record_atomically
+    from phalanx.launch.replica_hooks import _record_atomically
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))

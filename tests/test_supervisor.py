@@ -80,7 +80,7 @@ KERAS_FIT = """
     import keras, numpy as np, phalanx as px
     keras.utils.set_random_seed(0)
     strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
-    print(f"hello from replica {strategy.extended._comm.rank}", flush=True)
+    print(f"hello from replica {strategy.extended.process_index}", flush=True)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
@@ -140,7 +140,7 @@ def test_tee_shows_every_replica_prefixed(tmp_path, script):
     job = script("""
         import phalanx as px
         s = px.MirroredStrategy()
-        print(f"line from replica {s.extended._comm.rank}", flush=True)
+        print(f"line from replica {s.extended.process_index}", flush=True)
     """)
     res = run_job([*_cmd("run", "--tee", str(job))], timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.logs()[-3000:]

@@ -16,7 +16,7 @@ import phalanx as px
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 (out / f"pid_{rank}").write_text(str(os.getpid()))
 
 

@@ -21,7 +21,7 @@ def train_one_step(strategy, tag: str) -> None:
     with strategy.scope():
         model = torch.nn.Linear(4, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = strategy.extended._comm.rank
+    rank = strategy.extended.process_index
     x = torch.arange(8.0).reshape(2, 4) + rank  # different data per replica: gradients must be summed
 
     def step():
@@ -48,5 +48,5 @@ train_one_step(central, "central storage")
 del second
 gc.collect()
 train_one_step(px.MirroredStrategy(DEVICES), "mirrored #3")
-if central.extended._comm.rank == 0:
+if central.extended.process_index == 0:
     (out / "done").write_text("ok")

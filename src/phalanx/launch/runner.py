@@ -17,16 +17,22 @@ rules every launcher shares:
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
+from phalanx.launch.supervisor import (
+    Exit,
+    Interrupted,
+    RunDirectory,
+    Supervisor,
+    Task,
+    forwarded_signals,
+    stop_on_signal,
+    wait_for_the_rest,
+)
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
 MAX_PREEMPTION_RESTARTS = 100
@@ -61,41 +67,6 @@ class JobSpec:
     tee: bool = False
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def forwarded_signals() -> Iterator[None]:
-    """Turns SIGTERM/SIGINT to this process into :class:`_Interrupted` in the main loop."""
-
-    def on_signal(signum, frame):
-        raise _Interrupted(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def stop_on_signal(sup: Supervisor, signum: int) -> int:
-    """Forwards ``signum`` to every task, waits its grace period, kills the rest; the exit status."""
-    grace = settings.preemption_grace() if signum == signal.SIGTERM else settings.stop_grace()
-    name = signal.Signals(signum).name
-    sup.say(f"received {name}; passing it to {len(sup.alive())} task(s) (up to {grace:g} s before SIGKILL)")
-    # Ignore further signals while stopping: a second one must not abandon children half-stopped.
-    with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sup.stop(signum, grace)
-    sup.poll()
-    return 128 + signum
-
-
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
     if spec.ps > 0:
@@ -126,7 +97,7 @@ def run_job(spec: JobSpec) -> int:
                     return code
                 failures += 1
                 sup.say(f"restarting the job (restart {failures} of {spec.max_restarts})")
-        except _Interrupted as e:
+        except Interrupted as e:
             return stop_on_signal(sup, e.signum)
 
 
@@ -166,7 +137,7 @@ def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int
             if not sup.alive():
                 return 0
             time.sleep(0.05)
-    except _Interrupted:
+    except Interrupted:
         raise  # the caller forwards the signal and gives the replicas their grace period
     except BaseException:
         sup.kill()  # nothing of this attempt outlives a launcher error

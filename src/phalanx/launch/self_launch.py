@@ -10,7 +10,7 @@ multi-replica strategy (TF's tutorials create several) runs on the same processe
 Exit rules, the same as ``phalanx run``'s:
 
 * a replica that fails ends the job: the others are stopped, the root cause is printed once, and
-  replica 0 exits 1 (at its next collective, or after ``PHALANX_STOP_GRACE`` seconds);
+  replica 0 exits 1 (at its next collective, or a moment later);
 * an uncaught exception or a Ctrl-C on replica 0 stops the others at once;
 * when replica 0 finishes normally it waits for the others, saying so after a second; one still
   running after ``PHALANX_EXIT_TIMEOUT`` seconds is named with its stack, and replica 0 exits 1.

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -561,6 +561,43 @@ class Supervisor:
         if cause is not None:
             self.say("root cause (first failure): " + format_failure(cause))
         return cause
+
+
+class Interrupted(Exception):
+    """The supervisor was told to stop (SIGTERM, SIGINT); ``signum`` says how."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def forwarded_signals() -> Iterator[None]:
+    """Turns SIGTERM/SIGINT to this process into :class:`Interrupted` in the main thread's loop."""
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def stop_on_signal(sup: Supervisor, signum: int) -> int:
+    """Forwards ``signum`` to every task, waits its grace period, kills the rest; the exit status."""
+    grace = settings.preemption_grace() if signum == signal.SIGTERM else settings.stop_grace()
+    name = signal.Signals(signum).name
+    sup.say(f"received {name}; passing it to {len(sup.alive())} task(s) (up to {grace:g} s before SIGKILL)")
+    # Ignore further signals while stopping: a second one must not abandon children half-stopped.
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sup.stop(signum, grace)
+    sup.poll()
+    return 128 + signum
 
 
 def lingering(runs: Sequence[Running]) -> list[Running]:

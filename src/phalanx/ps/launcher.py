@@ -26,8 +26,16 @@ import time
 from dataclasses import dataclass
 
 from phalanx.launch.env import free_port
-from phalanx.launch.runner import _Interrupted, forwarded_signals, stop_on_signal
-from phalanx.launch.supervisor import RunDirectory, Supervisor, Task, describe_exit_code, exit_status
+from phalanx.launch.supervisor import (
+    Interrupted,
+    RunDirectory,
+    Supervisor,
+    Task,
+    describe_exit_code,
+    exit_status,
+    forwarded_signals,
+    stop_on_signal,
+)
 from phalanx.ps.wire import SECRET_ENV, generate_secret
 
 
@@ -131,7 +139,7 @@ def run_cluster(job: ClusterJob) -> int:
                 sup.report_root_cause()
             cluster.stop(job.shutdown_grace)
             return exit_status(code)
-        except _Interrupted as e:
+        except Interrupted as e:
             return stop_on_signal(sup, e.signum)
         except BaseException:
             sup.kill()
