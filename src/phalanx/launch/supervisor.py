@@ -285,7 +285,7 @@ def format_failure(exit: Exit, *, lines: int = 15) -> str:
     start = log.rfind("Traceback (most recent call last):")
     # The whole last traceback when there is one (it says where the replica was), else the tail.
     log = log[start:] if start >= 0 else "\n".join(log.splitlines()[-lines:])
-    error = exit.message.strip().splitlines()[-1] if exit.message.strip() else ""
+    error = exit.message.strip().splitlines()[0] if exit.message.strip() else ""
     if error and error not in log:  # the log's traceback already ends with it: say it once
         text += f"error: {error}\n"
     if log:
