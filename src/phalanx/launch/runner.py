@@ -30,7 +30,6 @@ from phalanx.launch.supervisor import (
     Supervisor,
     Task,
     forwarded_signals,
-    root_cause,
     stop_on_signal,
     wait_for_the_rest,
 )
@@ -152,8 +151,6 @@ def _fail(sup: Supervisor, exits: list[Exit], first: Exit | None) -> int:
         # saves: let them end by themselves before stopping anything.
         sup.wait_any(sup.alive(), settings.preemption_grace())
     exits.extend(sup.stop_after_failure())
-    cause = root_cause(exits)
+    cause = sup.report_root_cause(exits)
     assert cause is not None
-    if cause.code != RESTART_EXIT_CODE:  # a preemption restart is announced by the caller, not a failure
-        sup.report_root_cause(exits)
     return cause.status or 1

@@ -236,7 +236,9 @@ class Exit:
     @property
     def consequence(self) -> bool:
         """Whether this failure only followed another's (stopped by us, or lost a peer)."""
-        return self.stopped_by_supervisor or any(name in self.message for name in _CONSEQUENCES)
+        # Stopped by us means killed by our signal: one that was already exiting with its own code
+        # (a replica whose threads were still dying when a peer noticed) is not a consequence.
+        return (self.stopped_by_supervisor and self.code < 0) or any(name in self.message for name in _CONSEQUENCES)
 
 
 def describe_exit_code(code: int) -> str:
