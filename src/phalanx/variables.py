@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from phalanx import context, hooks
 
@@ -26,6 +27,16 @@ class Capture:
     device: torch.device
     on_parameter: Callable[[torch.nn.Parameter], None]
     on_buffer: Callable[[torch.Tensor], None]
+
+
+# Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.
+_LABELS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def label_of(param: torch.Tensor) -> str:
+    """A readable name for a captured parameter: ``"Linear.weight (shape (128, 784))"``."""
+    name = _LABELS.get(param, "parameter")
+    return f"{name} (shape {tuple(param.shape)})"
 
 
 _ACTIVE: contextvars.ContextVar[Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
@@ -50,8 +61,10 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
         return None
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
+        _LABELS[param] = f"{type(module).__name__}.{name}"
         cap.on_parameter(param)
         return param
+    _LABELS[param] = f"{type(module).__name__}.{name}"
     cap.on_parameter(param)
     return None
 

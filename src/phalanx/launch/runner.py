@@ -52,6 +52,7 @@ class JobSpec:
         ps, workers: when ``ps > 0``, start a parameter-server cluster instead (one chief,
             ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
         tee: show every replica's output on this terminal, each line prefixed with its name.
+        tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
     """
 
     command: tuple[str, ...]
@@ -65,6 +66,7 @@ class JobSpec:
     ps: int = 0
     workers: int = 0
     tee: bool = False
+    tls: bool = False
 
 
 def run_job(spec: JobSpec) -> int:
@@ -73,7 +75,7 @@ def run_job(spec: JobSpec) -> int:
         from phalanx.ps.launcher import ClusterJob, run_cluster
 
         return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir,
-                                      tee=spec.tee))
+                                      tee=spec.tee, tls=spec.tls))
     run = RunDirectory(spec.log_dir or None).create()
     sup = Supervisor(tee=spec.tee)
     here = "every replica writes here, prefixed" if spec.tee else (

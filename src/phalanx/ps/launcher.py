@@ -51,6 +51,7 @@ class ClusterJob:
     host: str = "127.0.0.1"
     shutdown_grace: float = 10.0
     tee: bool = False
+    tls: bool = False
 
 
 def _threads(task_type: str, num_workers: int) -> str:
@@ -69,12 +70,17 @@ class _Cluster:
         ports = {(kind, i): free_port(job.host) for kind, n in kinds for i in range(n)}
         cluster = {kind: [f"{job.host}:{ports[(kind, i)]}" for i in range(n)] for kind, n in kinds}
         secret = os.environ.get(SECRET_ENV) or generate_secret()
+        tls_env: dict[str, str] = {}
+        if job.tls:  # a throwaway CA and certificate for this run (<run dir>/tls), as PHALANX_TLS_*
+            from phalanx.ps.tls import generate_local
+
+            tls_env = generate_local(os.path.join(self.log_dir, "tls"), hosts=(job.host, "localhost"))
         self.tasks: dict[str, Task] = {}
         for kind, n in kinds:
             for index in range(n):
                 name = f"{kind}:{index}"
                 env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}}),
-                       SECRET_ENV: secret, "PHALANX_RESTART_COUNT": "0"}
+                       SECRET_ENV: secret, "PHALANX_RESTART_COUNT": "0", **tls_env}
                 if "OMP_NUM_THREADS" not in os.environ:
                     env["OMP_NUM_THREADS"] = _threads(kind, job.num_workers)
                 to_terminal = kind == "chief" and not job.tee
