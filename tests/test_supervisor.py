@@ -19,6 +19,9 @@ import psutil
 import pytest
 from conftest import _session_processes, run_job
 
+from phalanx.errors import ClusterSpecError
+from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause
+
 EXITS = Path(__file__).parent / "scripts" / "exits.py"
 BOUND = 2.0  # seconds: an error or interrupt anywhere ends the whole job within this
 
@@ -37,8 +40,6 @@ def _exits(launcher: str, tmp_path: Path, mode: str, **env: str) -> tuple:
 # ----------------------------------------------------------------------------- pure logic
 def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
     """A replica that only lost a peer, or that the supervisor stopped, is not the root cause."""
-    from phalanx.launch.supervisor import Exit, Task, format_failure, root_cause
-
     def ended(name, code, order, timestamp, message="", stopped=False):
         return Exit(Task(name=name, command=("x",)), 100 + order, code, order, stopped, message, timestamp)
 
@@ -57,8 +58,6 @@ def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
 
 
 def test_old_run_directories_are_pruned(tmp_path, monkeypatch):
-    from phalanx.launch.supervisor import RunDirectory
-
     old = [f"20250101-0000{i:02d}-abcdef" for i in range(12)]
     for name in old:
         (tmp_path / name).mkdir()
@@ -69,8 +68,6 @@ def test_old_run_directories_are_pruned(tmp_path, monkeypatch):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([old[0], old[10], old[11], run.run_id, "mine"]), left
     monkeypatch.setenv("PHALANX_KEEP_RUNS", "zero")
-    from phalanx.errors import ClusterSpecError
-
     with pytest.raises(ClusterSpecError, match="PHALANX_KEEP_RUNS"):
         RunDirectory(str(tmp_path)).create()
 
