@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers, tls=args.tls)
+                   ps=args.ps, workers=args.workers, tee=args.tee, tls=args.tls)
     return run_job(spec)
 
 
@@ -175,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tls", action="store_true",
                      help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run")
     run.add_argument("--log-dir", default=None, metavar="DIR",
-                     help="where per-replica logs go (default: $PHALANX_LOG_ROOT, else a temporary directory)")
+                     help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
+                          "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)")
+    run.add_argument("--tee", action="store_true",
+                     help="also show every replica's output here, each line prefixed with the replica's name")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module (as python -m does) instead of a script")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
@@ -203,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # forward everything verbatim: argparse would reorder or reject options
         return _bench(argparse.Namespace(forwarded=argv[1:]))
@@ -212,7 +216,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nphalanx: give a command: start with 'phalanx demo', or run your script with 'phalanx run -n 2 train.py'",
               file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if from_command_line and args.func is _run:
+        # The launcher is done (every replica has ended) but it imported torch with phalanx, whose
+        # interpreter teardown took seconds under load: the job's end would lag its exit status.
+        # Nothing is left to clean up, so end now.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import SyncExtended
+from phalanx.strategies.common import SyncExtended, job_env
 from phalanx.strategy import InputSharding, Strategy, tf_device_name
 
 
@@ -97,7 +97,7 @@ class MultiWorkerMirroredExtended(SyncExtended):
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
         options = communication_options or CommunicationOptions()
-        env = ReplicaEnv.from_environ()
+        env = job_env()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_from_environment()
         spec = resolver.cluster_spec() if resolver is not None else None
         if spec and resolver.lists_every_task:  # a partial spec (torchrun) cannot list this task
