@@ -34,11 +34,12 @@ from phalanx.checkpoint import (
     TerminationConfig,
     UnsafeCheckpointError,
     UnsupportedStateError,
+    codec,
     latest_checkpoint,
     load_state,
     register_sharded_type,
+    storage,
 )
-from phalanx.checkpoint import codec, storage
 from phalanx.checkpoint.sharding import split_full
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import phalanx as px
-from conftest import run_job
 from phalanx.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint, load_state
+
+from conftest import run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_roundtrip as rt  # noqa: E402

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="train the seed MLP on scikit-learn's digits under each strategy")
-    from phalanx.demo import add_arguments, main as demo_main
+    from phalanx.demo import add_arguments
+    from phalanx.demo import main as demo_main
 
     add_arguments(demo)
     demo.set_defaults(func=demo_main)

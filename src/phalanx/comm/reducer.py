@@ -21,7 +21,6 @@ from typing import Any, Callable
 import torch
 
 from phalanx._compat.torch import queue_backward_callback
-from phalanx.comm.cross_device_ops import CrossDeviceOps
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 

@@ -385,7 +385,8 @@ class DistributedModel:
             versions = [version_counter(v.value) for v in candidates]
         logs = self._run_local(raw, step, step.share)
         if versions is not None:
-            changed = torch.tensor([float(version_counter(v.value) != before) for v, before in zip(candidates, versions)])
+            changed = torch.tensor([float(version_counter(v.value) != before)
+                                    for v, before in zip(candidates, versions)])
             changed = self._ext.all_reduce([changed], ReduceOp.SUM)[0] if len(candidates) else changed
             self._stat_vars = [v for v, c in zip(candidates, changed.tolist()) if c > 0]
         stat_vars = self._stat_vars or []

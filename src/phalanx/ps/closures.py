@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 
 class RemoteValue:
-    """The result of a scheduled function, available once it has run (``tf.distribute.experimental.coordinator.RemoteValue``)."""
+    """The result of a scheduled function, available once it has run.
+
+    (``tf.distribute.experimental.coordinator.RemoteValue``.)
+    """
 
     def __init__(self, coordinator: ClusterCoordinator, name: str) -> None:
         self._coordinator = coordinator
@@ -56,7 +59,8 @@ class RemoteValue:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._event.wait(0.05):
-            self._coordinator._check_progress()  # friend: ps.coordinator. A failed parameter server; no worker for too long
+            # friend: ps.coordinator. A failed parameter server; no worker for too long.
+            self._coordinator._check_progress()  # friend
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{self._name} did not finish within {timeout}s")
         if self._error is not None:
