@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import phalanx as px
@@ -91,7 +90,6 @@ def test_multi_worker_two_workers_to_three(tmp_path):
         _assert_same(saved, _load(three / f"restored_{rank}.pt"), f"MWMS 2 workers -> 3 workers, rank {rank}")
 
 
-@pytest.mark.skipif(not hasattr(px, "CentralStorageStrategy"), reason="CentralStorageStrategy is not built yet")
 def test_one_device_to_central_storage_to_mirrored_and_back(tmp_path):
     strategy, objects, ckpt = _one_device_objects()
     rt.train(strategy, objects, 2)

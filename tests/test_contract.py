@@ -162,3 +162,18 @@ def test_a_server_task_serves_until_shutdown_and_returns():
         assert not any(t.is_alive() for t in threads), "serve() did not return after the shutdown"
     finally:
         transport.close()
+
+
+def test_tf_compatibility_parameters_without_effect_warn():
+    strategy = px.OneDeviceStrategy("cpu")
+    with pytest.warns(UserWarning, match=r"Strategy.run\(options=...\)"):
+        strategy.run(lambda: None, options=object())
+
+    def step():
+        ctx = px.get_replica_context()
+        with pytest.warns(UserWarning, match="all_reduce"):
+            ctx.all_reduce("SUM", torch.ones(1), options=object())
+        with pytest.warns(UserWarning, match="all_gather"):
+            ctx.all_gather(torch.ones(1), 0, options=object())
+
+    strategy.run(step)

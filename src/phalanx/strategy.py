@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
@@ -388,6 +389,12 @@ def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
     return ref() if ref is not None else None
 
 
+def _ignored(api: str, parameter: str) -> None:
+    """Warns that a parameter accepted for TF signature parity has no effect here."""
+    warnings.warn(f"{api}({parameter}=...) is accepted for TensorFlow compatibility and has no effect in phalanx",
+                  UserWarning, stacklevel=3)
+
+
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
 _LIVE: list[weakref.ref] = []
 _LIVE_LOCK = threading.Lock()
@@ -475,12 +482,15 @@ class Strategy:
         Args:
             fn: the replica function, e.g. one training step.
             args, kwargs: its arguments; distributed values are replaced by this replica's part.
+            options: accepted for TF compatibility; has no effect (a warning says so).
 
         Raises:
             NotCallableError: ``fn`` is not callable.
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        if options is not None:
+            _ignored("Strategy.run", "options")
         if not isinstance(args, (tuple, list)):
             args = (args,)
         args, kwargs = tuple(args), dict(kwargs or {})

@@ -110,10 +110,11 @@ class PerWorkerDataset(_Resource):
         return PerWorkerIterator(self)
 
     def build(self) -> PerWorkerDataset:
+        """This dataset (TF's ``PerWorkerDataset.build()``: the workers build theirs when a function needs it)."""
         return self
 
     def meta(self, blob_index: int) -> dict[str, Any]:
-        return {"kind": "dataset", "id": self.id, "blob": blob_index}
+        return {"kind": self.kind, "id": self.id, "blob": blob_index}
 
 
 class PerWorkerIterator(_Resource):
@@ -129,7 +130,7 @@ class PerWorkerIterator(_Resource):
         return [self.dataset, self]
 
     def meta(self, blob_index: int) -> dict[str, Any]:
-        return {"kind": "iterator", "id": self.id, "dataset": self.dataset.id}
+        return {"kind": self.kind, "id": self.id, "dataset": self.dataset.id}
 
     def __next__(self) -> Any:
         raise TypeError("a per-worker iterator is consumed on the workers: pass it to a function given to "

@@ -430,7 +430,6 @@ class ParameterServerExtended(StrategyExtended):
         else:
             service = WorkerService(self._task_id, len(self._cluster.task_indices("worker")), strategy, self._io,
                                     self._secret, on_shutdown=stop.set)
-        self._service = service
         server = self._transport.serve(address, service)
         orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())
