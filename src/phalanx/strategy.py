@@ -186,6 +186,11 @@ class StrategyExtended:
         return self._step
 
     @property
+    def is_asynchronous(self) -> bool:
+        """Whether workers train independently (parameter servers) rather than in lockstep."""
+        return False
+
+    @property
     def communicator(self) -> Any:
         """The communicator behind the collectives (:mod:`phalanx.comm`), for tools and benchmarks."""
         return self._comm

@@ -127,6 +127,11 @@ class ParameterServerExtended(StrategyExtended):
 
     # ---------------------------------------------------------------- the contract with the coordinator
     @property
+    def is_asynchronous(self) -> bool:
+        """True: each worker trains on its own batches; the servers apply updates as they come."""
+        return True
+
+    @property
     def rpc_timeout(self) -> float:
         """Seconds before a call to a task counts as failed."""
         return self._rpc_timeout
