@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import checkpoint, cluster_resolver, coordinator, experimental, nn
+from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -17,6 +17,7 @@ from phalanx.comm.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from phalanx.compiled import function
 from phalanx.context import (
     ReplicaContext,
     get_cross_replica_context,
@@ -47,7 +48,7 @@ __all__ = [
     "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions",
     "InputReplicationMode", "Mirrored", "MirroredStrategy", "MultiWorkerMirroredStrategy", "NcclAllReduce",
     "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
-    "Strategy", "StrategyExtended", "ValueContext", "barrier", "checkpoint", "cluster_resolver", "coordinator",
-    "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
-    "in_cross_replica_context", "is_chief", "nn", "num_processes", "process_index",
+    "Strategy", "StrategyExtended", "ValueContext", "barrier", "checkpoint", "cluster_resolver", "compiled",
+    "coordinator", "experimental", "function", "get_cross_replica_context", "get_replica_context", "get_strategy",
+    "has_strategy", "in_cross_replica_context", "is_chief", "nn", "num_processes", "process_index",
 ]

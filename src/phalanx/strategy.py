@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import context, nest, variables
+from phalanx import compiled, context, nest, variables
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
@@ -496,6 +496,7 @@ class Strategy:
             raise NotCallableError(fn)
         if options is not None:
             _ignored("Strategy.run", "options")
+        fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)
         args, kwargs = tuple(args), dict(kwargs or {})

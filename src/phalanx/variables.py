@@ -37,9 +37,17 @@ def _current() -> Capture | None:
     return cap if cap is not None and context.get_strategy() is cap.owner else None
 
 
+def _is_compiler_module(module: torch.nn.Module) -> bool:
+    # torch.compile builds fx GraphModules while it compiles a replica function; what they
+    # register are the user's own (already synchronised) tensors or constants, and whether a
+    # graph is built at all may differ between replicas (the chief's optimizer step is not the
+    # others' under CentralStorage): capturing them would make replicas broadcast different sets.
+    return isinstance(module, torch.fx.GraphModule) or torch.compiler.is_compiling()
+
+
 def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
     cap = _current()
-    if cap is None or param is None:
+    if cap is None or param is None or _is_compiler_module(module):
         return None
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
@@ -51,7 +59,7 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
 
 def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
     cap = _current()
-    if cap is None or buffer is None:
+    if cap is None or buffer is None or _is_compiler_module(module):
         return None
     moved = buffer.to(cap.device) if buffer.device != cap.device else buffer
     cap.on_buffer(moved)
