@@ -123,7 +123,7 @@ def test_checkpoint_made_outside_scope_saves_as_a_team_under_self_launched_mirro
     assert res.returncode == 0, res.logs()[-6000:]
     results = [json.loads((out / f"result_{rank}.json").read_text()) for rank in range(2)]
     team = {"strategy": "MirroredStrategy", "num_replicas_in_sync": 2}
-    for rank, result in enumerate(results):
+    for result in results:
         assert result["saved_by"] == team and result["values_only_saved_by"] == team, result
         assert result["path"] == "ckpt-1" and result["step"] == 3, result
         assert result["restored_equal"] and result["momentum_equal"], result
