@@ -34,6 +34,7 @@ ORPHAN_TIMEOUT = 300.0  # a ps/worker task with no word from its coordinator exi
 WORKER_RECOVERY_TIMEOUT = 600.0  # the coordinator waits this long for any worker to come back
 SHM_TIMEOUT = 30.0  # a peer's turn in the shared-memory all-reduce
 GROUP_TIMEOUT = 60.0  # GroupSpec's default when a caller builds one by hand
+CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's clock
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -70,6 +71,8 @@ class Settings:
         log_root: PHALANX_LOG_ROOT, where replicas' log files go.
         restart_count: PHALANX_RESTART_COUNT, set by the launcher on a restarted job.
         checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
+        clock_skew: PHALANX_CLOCK_SKEW, seconds a signed frame's time may differ from the receiver's.
+        tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -86,6 +89,10 @@ class Settings:
     log_root: str | None = field(default=None, metadata={"env": "PHALANX_LOG_ROOT"})
     restart_count: int = field(default=0, metadata={"env": "PHALANX_RESTART_COUNT"})
     checkpoint_fault: str | None = field(default=None, metadata={"env": "PHALANX_CHECKPOINT_FAULT"})
+    clock_skew: float = field(default=CLOCK_SKEW, metadata={"env": "PHALANX_CLOCK_SKEW"})
+    tls_cert: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CERT"})
+    tls_key: str | None = field(default=None, metadata={"env": "PHALANX_TLS_KEY"})
+    tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

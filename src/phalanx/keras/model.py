@@ -62,6 +62,7 @@ from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
 from phalanx.keras.discovery import distributed_model
+from phalanx.nn import mark_loss_scaled
 from phalanx.strategy import register_scope_enter_hook
 from phalanx.values import ReduceOp
 
@@ -391,6 +392,7 @@ class SyncAdapter(DistributedModel):
 
         def replica_fn() -> None:
             self._grad_scale.value = scale
+            mark_loss_scaled()  # the gradient hook scales for the global batch
             try:
                 out["result"] = raw([step.local])
             finally:
