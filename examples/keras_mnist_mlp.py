@@ -77,8 +77,8 @@ with distribute.scope():
 # SPEED TEST - NORMAL VS DISTRIBUTED MODEL
 start_time = time.time()
 model_dis.fit(X_train, y_train, epochs=10, batch_size=25)
-print("Time taken by distributed training : {}".format(time.time() - start_time))
+print(f"Time taken by distributed training : {time.time() - start_time}")
 
 start_time = time.time()
 model_normal.fit(X_train, y_train, epochs=10, batch_size=25)
-print("Time taken by normal training : {}".format(time.time() - start_time))
+print(f"Time taken by normal training : {time.time() - start_time}")

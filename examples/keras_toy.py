@@ -33,8 +33,8 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402  (from tensorflow import keras)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402  (tf.data, tf.dtypes)
 from strategy_flag import strategy_from_flags  # noqa: E402
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_job
-
 import phalanx
 from phalanx import cli
+
+from conftest import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["run", "demo"]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import phalanx as px
+
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "compiled.py"

@@ -20,13 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
-
-from conftest import run_jobs
 from test_multi_host import two_hosts  # noqa: F401  (the 2-namespace fixture)
 
 from phalanx.cluster.detect import resolve_from_environment
+
+from conftest import run_jobs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy"
 _DONE = re.compile(r"done: task (\S+), (\d+) replicas, final loss (\S+), parameters (\w+)")

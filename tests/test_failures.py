@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 FAULTS = Path(__file__).parent / "scripts" / "faults.py"

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import _session_processes, run_job
 
 from phalanx.errors import ClusterSpecError
 from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause
+
+from conftest import _session_processes, run_job
 
 EXITS = Path(__file__).parent / "scripts" / "exits.py"
 BOUND = 2.0  # seconds: an error or interrupt anywhere ends the whole job within this

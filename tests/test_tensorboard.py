@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from conftest import run_job  # noqa: E402
-
 import phalanx as px  # noqa: E402
 from phalanx import summary  # noqa: E402
+
+from conftest import run_job  # noqa: E402
 
 
 def _events(logdir: Path) -> EventAccumulator:

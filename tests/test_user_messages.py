@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from conftest import run_job
-
 import phalanx as px
 from phalanx.errors import DeviceNotFoundError, InvalidDeviceError
+
+from conftest import run_job
 
 
 @pytest.mark.parametrize("name", ["gpu:7", "/gpu:7", "cuda:7", "/job:localhost/replica:0/task:0/device:GPU:7"])

@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "table of epoch time, throughput and accuracy. Needs the demo extra.",
                           epilog="examples:\n  phalanx demo\n  phalanx demo --strategy mirrored --replicas 2 "
                                  "--epochs 5", formatter_class=_HelpFormatter)
-    from phalanx.demo import add_arguments, main as demo_main
+    from phalanx.demo import add_arguments
+    from phalanx.demo import main as demo_main
 
     add_arguments(demo)
     demo.set_defaults(func=demo_main)
@@ -213,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help(sys.stderr)
-        print("\nphalanx: give a command: start with 'phalanx demo', or run your script with 'phalanx run -n 2 train.py'",
+        print("\nphalanx: give a command: start with 'phalanx demo', or run your script with "
+              "'phalanx run -n 2 train.py'",
               file=sys.stderr)
         return 2
     code = int(args.func(args) or 0)

@@ -38,6 +38,7 @@ EXIT_TIMEOUT = 10.0  # the other replicas finish after replica 0 finished normal
 STOP_GRACE = 1.5  # a stopped replica, between SIGTERM/SIGINT and SIGKILL, when a job fails or is interrupted
 PREEMPTION_GRACE = 30.0  # replicas save after the launcher received SIGTERM
 KEEP_RUNS = 10  # run directories kept under the log root
+CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's clock
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -78,6 +79,8 @@ class Settings:
         preemption_grace: PHALANX_PREEMPTION_GRACE, seconds replicas get to save after SIGTERM.
         restart_count: PHALANX_RESTART_COUNT, set by the launcher on a restarted job.
         checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
+        clock_skew: PHALANX_CLOCK_SKEW, seconds a signed frame's time may differ from the receiver's.
+        tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -98,6 +101,10 @@ class Settings:
     preemption_grace: float = field(default=PREEMPTION_GRACE, metadata={"env": "PHALANX_PREEMPTION_GRACE"})
     restart_count: int = field(default=0, metadata={"env": "PHALANX_RESTART_COUNT"})
     checkpoint_fault: str | None = field(default=None, metadata={"env": "PHALANX_CHECKPOINT_FAULT"})
+    clock_skew: float = field(default=CLOCK_SKEW, metadata={"env": "PHALANX_CLOCK_SKEW"})
+    tls_cert: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CERT"})
+    tls_key: str | None = field(default=None, metadata={"env": "PHALANX_TLS_KEY"})
+    tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -8,7 +8,12 @@ Example:
     >>> from phalanx.devices import canonicalize
     >>> canonicalize("/job:localhost/replica:0/task:0/device:CPU:1")
     LogicalDevice(type='cpu', index=1)
-    >>> canonicalize("/gpu:1").torch_device
+    >>> canonicalize("cpu:1").torch_device  # every logical CPU device computes on torch's CPU
+    device(type='cpu')
+
+A GPU name is checked against the visible GPUs (needs two GPUs, so not run as a doctest)::
+
+    >>> canonicalize("/gpu:1").torch_device  # doctest: +SKIP
     device(type='cuda', index=1)
 """
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
@@ -36,8 +37,8 @@ from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParameterError
-from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 from phalanx.nn import loss_scale_watch
+from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
 
 def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
@@ -189,6 +190,11 @@ class StrategyExtended:
     def step(self) -> int:
         """How many times ``strategy.run`` was called (the step the job is at)."""
         return self._step
+
+    @property
+    def is_asynchronous(self) -> bool:
+        """Whether workers train independently (parameter servers) rather than in lockstep."""
+        return False
 
     @property
     def communicator(self) -> Any:
@@ -482,6 +488,12 @@ def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
     return ref() if ref is not None else None
 
 
+def _ignored(api: str, parameter: str) -> None:
+    """Warns that a parameter accepted for TF signature parity has no effect here."""
+    warnings.warn(f"{api}({parameter}=...) is accepted for TensorFlow compatibility and has no effect in phalanx",
+                  UserWarning, stacklevel=3)
+
+
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
 _LIVE: list[weakref.ref] = []
 _LIVE_LOCK = threading.Lock()
@@ -569,12 +581,15 @@ class Strategy:
         Args:
             fn: the replica function, e.g. one training step.
             args, kwargs: its arguments; distributed values are replaced by this replica's part.
+            options: accepted for TF compatibility; has no effect (a warning says so).
 
         Raises:
             NotCallableError: ``fn`` is not callable.
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        if options is not None:
+            _ignored("Strategy.run", "options")
         fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)

@@ -2,7 +2,8 @@
 
 torch calls a global *registration hook* whenever a module registers a parameter or buffer;
 plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs
-one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only while a capture is active in the current thread
+one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only
+while a capture is active in the current thread
 (a context variable says which), and only for modules created under that capture's strategy.
 Nothing is monkey-patched and nothing outside a scope is touched.
 """

@@ -15,8 +15,15 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.nest walks structures with it
 
-__all__ = ["untraced", "compile_falls_back_per_frame", "gloo_options", "nccl_options", "pytree", "queue_backward_callback",
-           "version_counter"]
+__all__ = [
+    "compile_falls_back_per_frame",
+    "gloo_options",
+    "nccl_options",
+    "pytree",
+    "queue_backward_callback",
+    "untraced",
+    "version_counter",
+]
 
 
 def version_counter(tensor: torch.Tensor) -> int:

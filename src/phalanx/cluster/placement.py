@@ -8,8 +8,8 @@ nodes are the synchronous tasks in the order ``chief`` (if any), then ``worker``
 from __future__ import annotations
 
 import hashlib
-import json
 import ipaddress
+import json
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any

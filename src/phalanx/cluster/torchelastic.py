@@ -12,8 +12,14 @@ import os
 from collections.abc import Mapping
 
 from phalanx.cluster.base import ClusterResolver, env_int, format_master_url
-from phalanx.cluster.placement import (TaskPlacement, check_local_layout, host_address, is_loopback,
-                                      own_address_for, resolve_address)
+from phalanx.cluster.placement import (
+    TaskPlacement,
+    check_local_layout,
+    host_address,
+    is_loopback,
+    own_address_for,
+    resolve_address,
+)
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.errors import ClusterSpecError
 

@@ -49,8 +49,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
 from phalanx.keras.callbacks import Coordinator  # noqa: E402
-from phalanx.keras.model import DistributedModel, InputMismatchError, distribute, distributed_model  # noqa: E402
+from phalanx.keras.model import (  # noqa: E402
+    DistributedModel,
+    InputMismatchError,
+    PsAdapter,
+    SyncAdapter,
+    distribute,
+    distributed_model,
+)
 from phalanx.keras.parameter_server import DatasetCreator, UnsupportedOptimizerError  # noqa: E402
 
 __all__ = ["Coordinator", "DatasetCreator", "DistributedModel", "InputMismatchError", "SUPPORTED",
-           "UnsupportedKerasError", "UnsupportedOptimizerError", "distribute", "distributed_model"]
+           "PsAdapter", "SyncAdapter", "UnsupportedKerasError", "UnsupportedOptimizerError", "distribute",
+           "distributed_model"]

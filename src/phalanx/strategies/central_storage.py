@@ -64,8 +64,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm.communicator import Handle
-from phalanx.config import settings
 from phalanx.comm.reducer import GradientReducer
+from phalanx.config import settings
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
 from phalanx.strategies.common import SyncExtended, job_env, local_devices
