@@ -298,14 +298,16 @@ def test_tests_and_benchmarks_use_the_public_contract():
 # ------------------------------------------------------------------------------------ settings
 def test_every_phalanx_variable_is_a_setting_or_the_launchers_identity():
     # One place says what the process can be configured with: phalanx.config.Settings (plus the
-    # PHALANX_RANK... family through which a launcher tells a replica who it is).
+    # PHALANX_RANK... family through which a launcher tells a replica who it is, and the two
+    # variables the supervisor sets for its children, named in launch/env.py).
     import dataclasses
     import re
 
     from phalanx.config import Settings
-    from phalanx.launch.env import PREFIX, ReplicaEnv
+    from phalanx.launch.env import PREFIX, SUPERVISOR_VARIABLES, ReplicaEnv
 
-    known = set(Settings.variables()) | {PREFIX + f.name.upper() for f in dataclasses.fields(ReplicaEnv)}
+    known = (set(Settings.variables()) | {PREFIX + f.name.upper() for f in dataclasses.fields(ReplicaEnv)}
+             | set(SUPERVISOR_VARIABLES))
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for name in re.findall(r"\bPHALANX_[A-Z][A-Z0-9_]*\b", path.read_text()):

@@ -22,6 +22,9 @@ from dataclasses import dataclass, fields
 from phalanx.errors import ClusterSpecError
 
 PREFIX = "PHALANX_"
+# Set by the supervisor for each child it starts (not user settings): the launcher's pid, which
+# the replica watches so that it dies with it, and the file a replica writes when its program ends.
+SUPERVISOR_VARIABLES = ("PHALANX_PARENT_PID", "PHALANX_DONE_FILE")
 
 
 @dataclass(frozen=True)

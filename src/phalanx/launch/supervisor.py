@@ -334,7 +334,7 @@ class Supervisor:
     # ------------------------------------------------------------------ starting
     def start(self, task: Task) -> Running:
         """Starts ``task`` (again, for a restart) and returns its handle."""
-        env = {**os.environ, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}  # see env.SUPERVISOR_VARIABLES
         if task.error_path:
             with contextlib.suppress(OSError):
                 os.unlink(task.error_path)
