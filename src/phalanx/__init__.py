@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import checkpoint, cluster_resolver, coordinator, experimental, nn
+from phalanx import checkpoint, cluster_resolver, coordinator, experimental, interactive, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -51,6 +51,6 @@ __all__ = [
     "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
-    "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
+    "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "interactive", "get_cross_replica_context", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "is_chief", "nn",
 ]

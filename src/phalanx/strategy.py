@@ -35,6 +35,7 @@ from phalanx.devices import LogicalDevice
 from phalanx.errors import ContextError, NotCallableError
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 from phalanx import variables
+from phalanx.interactive import hooks as _interactive
 
 
 def _tf_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
@@ -314,6 +315,7 @@ class Strategy:
             local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
             args, kwargs = nest.map_structure(local, args), nest.map_structure(local, kwargs)
         ext = self._extended
+        _interactive.before_step()  # an interrupted notebook stops every replica at the same step
         ext._step += 1
         ext._comm.step = ext._step
         with context.enter_scope(self):
@@ -422,6 +424,9 @@ class Strategy:
     def close(self) -> None:
         """Releases the communicator (also done at interpreter exit)."""
         self._extended._close()
+        launcher = getattr(self, "_launcher", None)
+        if launcher is not None and hasattr(launcher, "strategy_closed"):
+            launcher.strategy_closed(self)  # an interactive session ends with its last strategy
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -102,12 +102,20 @@ def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -
 
 def replica_env_for(strategy: Any, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
     """This process's identity: from the launcher, or by starting the other replicas now."""
-    env = ReplicaEnv.from_environ()
-    if env is None and len(devices) > 1:
-        from phalanx.launch.self_launch import ReplicaLauncher
+    from phalanx import interactive
 
-        strategy._launcher = ReplicaLauncher(len(devices))
-        env = strategy._launcher.env
+    in_session = interactive.hooks.session is not None
+    env = None if in_session else ReplicaEnv.from_environ()
+    if env is None and len(devices) > 1:
+        if in_session or interactive.interactive_main():  # a notebook, the REPL, -c, stdin: no script to rerun
+            from phalanx.interactive.session import start
+
+            strategy._launcher, env = start(strategy, len(devices))
+        else:
+            from phalanx.launch.self_launch import ReplicaLauncher
+
+            strategy._launcher = ReplicaLauncher(len(devices))
+            env = strategy._launcher.env
     if env is not None and env.local_world_size != len(devices):
         raise ClusterSpecError(what, [str(d) for d in devices],
                                f"the launcher started {env.local_world_size} replica processes on this host",
