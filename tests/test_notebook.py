@@ -232,7 +232,11 @@ def test_notebook_spawn_session_matches_one_device(tmp_path):
         assert "(spawn)" in started["stderr"]
         _check_fit(kernel, out)
         pids = _replica_pids(out, "fit")
-        kernel.ok("strategy.close()")
+        # A second strategy reuses the session's replica, with its own process group.
+        second = kernel.ok("second = phalanx.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
+                           "second.reduce('sum', second.run(lambda: torch.ones(1) * 3), axis=None)")
+        assert "tensor([6.])" in second["results"][0] and "started replicas" not in second["stderr"]
+        kernel.ok("second.close(); strategy.close()")
         assert not _gone([pids[1]], 5), "strategy.close() left the replica running"
         assert "replicas" not in kernel.ok("print(1)")["stderr"]
     finally:

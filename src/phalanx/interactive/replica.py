@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -196,6 +197,22 @@ class _ReplicaPrompt:
         os._exit(0)
 
 
+_INHERITED: list[Any] = []  # the parent's communicators, kept alive in a forked child (see below)
+
+
+def _keep_inherited_communicators() -> None:
+    """Never lets a forked child destroy the parent's stores and process groups.
+
+    Their C++ destructors join threads (a TCPStore's daemon, gloo's run loops) that exist only in
+    the parent, so in the child they wait forever: a strategy replaced or closed before this fork,
+    freed later in the child, would hang it. The child ends with ``os._exit``; nothing is lost.
+    """
+    for obj in gc.get_objects():
+        module = type(obj).__dict__.get("__module__")
+        if isinstance(module, str) and module.startswith(("phalanx.comm", "torch.distributed")):
+            _INHERITED.append(obj)
+
+
 def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: str) -> None:
     """In a child just forked from the interactive main: turn it into replica ``session.rank``.
 
@@ -203,13 +220,18 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
     ``rank``; it is taken over once that unit ends (IPython: ``post_run_cell``; REPL: the next
     prompt). In ``python -c``/stdin mode it simply runs the rest of the program.
     """
-    os.setpgid(0, 0)  # Ctrl-C in a terminal reaches replica 0 only; it decides how to stop the rest
-    die_with_parent()
-    if os.getppid() != parent_pid:
+    try:
+        _keep_inherited_communicators()
+        os.setpgid(0, 0)  # Ctrl-C in a terminal reaches replica 0 only; it decides how to stop the rest
+        die_with_parent()
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        redirect_output(log_path)
+    except BaseException:  # never fall back into the parent's kernel machinery (its sockets are the parent's)
+        traceback.print_exc()
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    redirect_output(log_path)
     hooks.session = session
     if session.mode == "ipython":
         quiet_shell(session.shell)
@@ -222,9 +244,7 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
             sys.stderr.flush()
             os._exit(0)
 
-        # Callbacks the interactive main registered are not ours to run here.
-        for event in ("pre_run_cell", "post_run_cell", "pre_execute", "post_execute"):
-            session.shell.events.callbacks[event] = []
+        # Replica 0 registers its own callbacks after the fork: this copy of the shell has none of them.
         session.shell.events.register("post_run_cell", take_over)
     elif session.mode == "repl":
         sys.ps1 = _ReplicaPrompt(session)
