@@ -55,10 +55,15 @@ class ReplicaSession:
         self.mode, self.shell = mode, shell
         self.steps = 0
         self._strategies = 0
+        self.replaying = False  # running the cells before the one that started the session
 
     # ------------------------------------------------------------------ used by strategies
     def env_for(self, strategy: Any, world_size: int) -> ReplicaEnv:
         """The identity of the next strategy this replica constructs (the order is the cells')."""
+        if self.replaying:
+            raise LaunchError("A multi-replica strategy of an earlier cell is not recreated while a spawned "
+                              "replica replays the history (its replicas are gone); the cell that starts "
+                              "this session does that.")
         index, self._strategies = self._strategies, self._strategies + 1
         if index == 0:
             return self.env
@@ -120,11 +125,14 @@ class ReplicaSession:
         try:
             for i, source in enumerate(sources):
                 self.steps = 0
+                self.replaying = i < len(sources) - 1
                 error = self.run_source(source)
                 if error is not None and i < len(sources) - 1:
                     print(f"phalanx: replayed cell {i + 1} failed here too; going on", file=sys.stderr)
         except KeyboardInterrupt as e:
             error = e
+        finally:
+            self.replaying = False
         while True:
             try:
                 self.report(cell, error)
