@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import checkpoint, cluster_resolver, coordinator, experimental, interactive, nn
+from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, interactive, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -17,6 +17,7 @@ from phalanx.comm.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from phalanx.compiled import function
 from phalanx.context import (
     ReplicaContext,
     get_cross_replica_context,
@@ -38,19 +39,16 @@ from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
+from phalanx.process import barrier, is_chief, num_processes, process_index
+
 __version__ = "0.1.0"
-
-
-def is_chief() -> bool:
-    """Whether this process is the one that writes checkpoints, logs and summaries."""
-    return get_strategy().extended.should_checkpoint
 
 
 __all__ = [
     "CentralStorageStrategy", "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
-    "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
+    "cluster_resolver", "compiled", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
     "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "interactive", "get_cross_replica_context", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", "is_chief", "nn",
+    "function", "has_strategy", "in_cross_replica_context", "is_chief", "nn", "barrier", "num_processes", "process_index",
 ]

@@ -101,7 +101,7 @@ class DistributedDataset:
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
-        workers = ext._num_workers
+        workers = ext.input_sharding.num_workers
         local_world = strategy.num_replicas_in_sync // workers
         policy = self._options.auto_shard_policy
         shardable = callable(getattr(dataset, "shard", None))
@@ -110,12 +110,12 @@ class DistributedDataset:
             raise ValueError(f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
                              f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches.")
         if workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
-            dataset = dataset.shard(workers, ext._worker_index)  # type: ignore[attr-defined]
-            self._split = (local_world, ext._comm.rank % local_world)
+            dataset = dataset.shard(workers, ext.input_sharding.worker_index)  # type: ignore[attr-defined]
+            self._split = (local_world, ext.process_index % local_world)
         elif workers > 1 and policy is AutoShardPolicy.OFF:
-            self._split = (local_world, ext._comm.rank % local_world)
+            self._split = (local_world, ext.process_index % local_world)
         else:
-            self._split = (strategy.num_replicas_in_sync, ext._comm.rank)
+            self._split = (strategy.num_replicas_in_sync, ext.process_index)
         self._dataset = dataset
 
     def __iter__(self) -> DistributedIterator:
@@ -139,8 +139,8 @@ class DistributedDataset:
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
-        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
-        source = _agreed(ext, (e for e, _ in self._slices())) if ext._agree_on_input_end else self._slices()
+        place = _Placer(ext.device, self._options.experimental_fetch_to_device)
+        source = _agreed(ext, (e for e, _ in self._slices())) if ext.input_sharding.agree_on_end else self._slices()
         yield from _emit(self._strategy, source, place)
 
 
@@ -152,7 +152,7 @@ class DatasetFromFunction:
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
-        self._context = InputContext(ext._comm.world_size, ext._comm.rank, strategy.num_replicas_in_sync)
+        self._context = InputContext(ext.num_processes, ext.process_index, strategy.num_replicas_in_sync)
         self._dataset = dataset_fn(self._context)
 
     def __iter__(self) -> DistributedIterator:
@@ -160,7 +160,7 @@ class DatasetFromFunction:
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
-        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+        place = _Placer(ext.device, self._options.experimental_fetch_to_device)
         elements = (nest.map_structure(_to_tensor, e) for e in self._dataset)
         yield from _emit(self._strategy, _agreed(ext, elements), place)
 
@@ -171,12 +171,12 @@ def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int]], place: _Place
     for local, global_size in source:
         ready = (place(local), global_size)
         if pending is not None:
-            strategy.extended._global_batch_size = pending[1]
-            yield strategy._wrap_local(pending[0])
+            strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
+            yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
         pending = ready
     if pending is not None:
-        strategy.extended._global_batch_size = pending[1]
-        yield strategy._wrap_local(pending[0])
+        strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
+        yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
 
 
 def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
@@ -194,13 +194,13 @@ def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
         local_size = batch_size_of(element) if element is not None else 0
         # One small collective per step: does anyone still have data, and how many examples
         # make up this step's global batch?
-        flags = ext._all_reduce_tensors(
+        flags = ext.all_reduce(
             [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)], ReduceOp.SUM)[0]
         if flags[0] == 0:
             return
         if element is None:
             if last is None:
-                raise ValueError(f"The input of {ext._comm.name(ext._comm.rank)} produced no batch at all while "
+                raise ValueError(f"The input of {ext.process_name()} produced no batch at all while "
                                  "others did; every input pipeline needs at least one batch.")
             element = nest.map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
         else:
