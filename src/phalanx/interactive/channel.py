@@ -14,7 +14,8 @@ import json
 import socket
 import struct
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from phalanx.errors import LaunchError
 
@@ -74,20 +75,28 @@ class Channel:
             pass
 
 
-def accept_authenticated(listener: socket.socket, secret: str, timeout: float) -> tuple[Channel, int]:
+def accept_authenticated(listener: socket.socket, secret: str, timeout: float,
+                         check: Callable[[], None] | None = None) -> tuple[Channel, int]:
     """Accepts one replica that proves it knows ``secret``; returns its channel and rank.
+
+    ``check`` is called every 0.2 s while waiting; it raises to give up early (a replica died).
 
     Raises:
         LaunchError: nobody presented the secret within ``timeout`` seconds.
     """
-    listener.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    listener.settimeout(0.2)
     while True:
         try:
             sock, _ = listener.accept()
         except socket.timeout:
+            if check is not None:
+                check()
+            if time.monotonic() < deadline:
+                continue
             raise LaunchError(f"No replica connected back within {timeout:.0f} s.",
                               hint="see the replicas' logs for the reason they did not start") from None
-        sock.settimeout(timeout)
+        sock.settimeout(max(1.0, deadline - time.monotonic()))
         channel = Channel(sock)
         try:
             hello = channel.recv()

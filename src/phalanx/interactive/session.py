@@ -253,8 +253,15 @@ class Session:
                         [sys.executable, "-m", "phalanx.interactive.replica"], env=env, stdout=log,
                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(),
                         preexec_fn=_new_group_dying_with_parent)
+            def check() -> None:
+                for rank, process in processes.items():
+                    if process.poll() is not None:
+                        raise LaunchError(f"Replica {rank} (pid {process.pid}) {_describe(process.returncode)} "
+                                          f"before it connected. Last lines of {self.log_path(rank)}:\n"
+                                          f"{self._tail(rank)}")
+
             for _ in processes:
-                channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S)
+                channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S, check)
                 self.replicas[rank] = _Replica(rank, processes[rank].pid, channel, processes[rank])
         except BaseException:
             for process in processes.values():
