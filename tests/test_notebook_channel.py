@@ -61,3 +61,16 @@ def test_only_a_peer_with_the_secret_is_accepted():
         accept_authenticated(listener, "s3cret", timeout=0.2)
     for s in [*peers, raw, listener]:
         s.close()
+
+
+def test_start_method_setting(monkeypatch):
+    from phalanx.errors import ClusterSpecError
+    from phalanx.interactive.session import start_method
+
+    monkeypatch.delenv("PHALANX_INTERACTIVE_START", raising=False)
+    assert start_method() == "fork"  # no CUDA initialised in this process
+    monkeypatch.setenv("PHALANX_INTERACTIVE_START", "spawn")
+    assert start_method() == "spawn"
+    monkeypatch.setenv("PHALANX_INTERACTIVE_START", "thread")
+    with pytest.raises(ClusterSpecError, match="thread"):
+        start_method()

@@ -70,6 +70,8 @@ class Settings:
         log_root: PHALANX_LOG_ROOT, where replicas' log files go.
         restart_count: PHALANX_RESTART_COUNT, set by the launcher on a restarted job.
         checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
+        interactive_start: PHALANX_INTERACTIVE_START, how a notebook starts its replicas: ``fork``
+            or ``spawn`` (default: fork, spawn once CUDA is initialised); see ``phalanx.interactive``.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -86,6 +88,7 @@ class Settings:
     log_root: str | None = field(default=None, metadata={"env": "PHALANX_LOG_ROOT"})
     restart_count: int = field(default=0, metadata={"env": "PHALANX_RESTART_COUNT"})
     checkpoint_fault: str | None = field(default=None, metadata={"env": "PHALANX_CHECKPOINT_FAULT"})
+    interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -81,7 +81,9 @@ def interactive_mode() -> str | None:
 
 
 def start_method() -> str:
-    raw = os.environ.get(START_ENV, "")
+    from phalanx import config
+
+    raw = config.settings().interactive_start or ""
     if raw not in ("", "fork", "spawn"):
         from phalanx.errors import ClusterSpecError
 
@@ -94,7 +96,9 @@ def start_method() -> str:
 
 
 def log_root() -> str:
-    return os.environ.get("PHALANX_LOG_ROOT") or os.path.join(tempfile.gettempdir(), "phalanx-logs")
+    from phalanx import config
+
+    return config.settings().log_root or os.path.join(tempfile.gettempdir(), "phalanx-logs")
 
 
 class _Replica:
