@@ -56,7 +56,8 @@ from phalanx.launch.env import ReplicaEnv, free_port
 
 START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
 FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
-ESCALATE_S = 1.0  # an agreed stop not reached by then becomes an immediate interrupt everywhere
+ESCALATE_S = 1.0  # no step started for this long: the agreed stop becomes an immediate interrupt everywhere
+MAX_AGREED_STOP_S = 10.0  # steps still starting, but the stop step not reached: the same
 EXIT_GRACE_S = 2.0
 SPAWN_TIMEOUT_S = 120.0
 
@@ -337,10 +338,17 @@ class Session:
         threading.Thread(target=self._escalate_later, daemon=True).start()
 
     def _escalate_later(self) -> None:
-        deadline = time.monotonic() + ESCALATE_S
-        while time.monotonic() < deadline:
-            if not self.running or self._stopped:
-                return
+        # Steps still starting means the stop step will come (a loaded host makes steps slow); no
+        # step started for ESCALATE_S means the replicas are somewhere else (data loading, a sleep).
+        start = time.monotonic()
+        seen, last_progress = self.control.steps(), start
+        while self.running and not self._stopped:
+            now = time.monotonic()
+            steps = self.control.steps()
+            if steps != seen:
+                seen, last_progress = steps, now
+            if now - last_progress > ESCALATE_S or now - start > MAX_AGREED_STOP_S:
+                break
             time.sleep(0.02)
         if self.running and not self._stopped:
             os.kill(os.getpid(), signal.SIGINT)  # handled again: now an immediate interrupt everywhere
