@@ -26,7 +26,7 @@ jupyter_client = pytest.importorskip("jupyter_client")
 TOL = 1e-5
 SETUP = """
 import json, os, time
-import numpy as np, torch, keras, phalanx
+import numpy as np, torch, keras, phalanx, phalanx.keras
 OUT = {out!r}
 rng = np.random.default_rng(0)
 X = rng.normal(size=(256, 20)).astype("float32")
