@@ -240,7 +240,7 @@ def test_notebook_spawn_session_matches_one_device(tmp_path):
         assert not _gone([pids[1]], 5), "strategy.close() left the replica running"
         assert "replicas" not in kernel.ok("print(1)")["stderr"]
         # A new session replays a history holding the earlier sessions' strategies: those are skipped.
-        kernel.ok(STRATEGY + "\nrecord('third', model)", timeout=180)
+        kernel.ok(STRATEGY + "\nrecord('third', reference)", timeout=180)
         third = _replica_pids(out, "third")
         assert sorted(third) == [0, 1] and third[1] != pids[1]
         assert "tensor([2.])" in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)"
