@@ -264,6 +264,8 @@ class StrategyExtended:
         self._new_params, self._new_buffers = [], []
         with torch.no_grad():
             self._broadcast_tensors([p.data for p in params] + list(buffers))
+        for t in (*params, *buffers):  # a Checkpoint made outside scope() finds its strategy through them
+            self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
         if self._comm.world_size > 1:
             self._attach_gradient_sync(params)

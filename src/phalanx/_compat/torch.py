@@ -32,7 +32,9 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     ``Variable._execution_engine.queue_callback``: the hook DDP, DeepSpeed and FSDP use to act
     once every gradient of a backward pass is ready. Must be called during a backward pass.
     """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    # torch.compiler.disable: a compiled step's backward runs with torch.compile's frame hook set;
+    # the callback (collectives, waits) must run as plain Python, never be traced into graphs.
+    torch.autograd.Variable._execution_engine.queue_callback(torch.compiler.disable(callback))
 
 
 def gloo_options(timeout: datetime.timedelta, bind_addr: str) -> Any:

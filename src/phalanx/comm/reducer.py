@@ -91,6 +91,7 @@ class GradientReducer:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # ---------------------------------------------------------------------------- backward
+    @torch.compiler.disable  # runs inside a compiled step's backward: never trace the collectives
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
