@@ -629,9 +629,10 @@ class _Console(code.InteractiveConsole):
         error = None
         try:
             exec(compiled, self.locals)
-        except SystemExit as e:
+        except SystemExit:  # exit(): end the input, so that the REPL itself ends as usual
             session.after_cell(None)
-            _exit_repl(e.code)
+            _end_input()
+            return False
         except BaseException as e:  # noqa: BLE001 - shown like the REPL does
             error = e
             self.showtraceback()
@@ -641,19 +642,19 @@ class _Console(code.InteractiveConsole):
         return False
 
 
-def _exit_repl(code: Any) -> None:
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+def _end_input() -> None:
+    """Points stdin at /dev/null: the console, then the C REPL, read end of input and stop."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
 
 
 class _LeaderPrompt:
     """sys.ps1 of the REPL once a session runs: at the next prompt, read statements ourselves.
 
     The C REPL gives no hook per statement; it does ask ``str(sys.ps1)`` before each one. The
-    first time, this runs a :class:`_Console` on the same ``__main__`` until end of input, then
-    ends the process as the REPL would.
+    first time, this runs a :class:`_Console` on the same ``__main__`` until end of input (or
+    ``exit()``, whose exit status is not kept), then lets the REPL read end of input and exit.
     """
 
     def __init__(self, session: Session, prompt: Any) -> None:
@@ -663,7 +664,8 @@ class _LeaderPrompt:
         sys.ps1 = self.prompt if not isinstance(self.prompt, _LeaderPrompt) else ">>> "
         self.session.after_cell(None)  # the statement that created the strategy
         _Console(self.session, sys.modules["__main__"].__dict__).interact(banner="", exitmsg="")
-        _exit_repl(0)
+        self.session.close()
+        _end_input()
         return ""
 
 
