@@ -77,6 +77,7 @@ def test_compiled_multi_worker_mirrored(tmp_path, reference):
     _check(tmp_path, 2, reference["fp32"], 1e-5)
 
 
+@pytest.mark.timeout(600)  # C++ code generation for every graph: minutes on 2 loaded cores
 def test_inductor_compiled_step_under_mirrored(tmp_path, reference):
     """The default backend end to end: generated C++ kernels for forward, backward and Adam."""
     res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", "step", "inductor", "fp32"],

@@ -608,8 +608,11 @@ class Strategy:
     def _wrap_local(self, structure: Any) -> Any:
         if self.num_replicas_in_sync == 1:
             return structure
+        # The repr of a PerReplica then says which replica it holds and of how many.
+        ids, n = (getattr(self._extended, "replica_id", 0),), self.num_replicas_in_sync
         return nest.map_structure(
-            lambda v: v if isinstance(v, DistributedValues) or v is None else PerReplica((v,)), structure)
+            lambda v: v if isinstance(v, DistributedValues) or v is None
+            else PerReplica((v,), replica_ids=ids, num_replicas=n), structure)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas, as a tuple (one per local replica)."""
