@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, nn
+from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, interactive, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -50,5 +50,5 @@ __all__ = [
     "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
     "Strategy", "StrategyExtended", "ValueContext", "barrier", "checkpoint", "cluster_resolver", "compiled",
     "coordinator", "experimental", "function", "get_cross_replica_context", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", "is_chief", "nn", "num_processes", "process_index",
+    "has_strategy", "in_cross_replica_context", "interactive", "is_chief", "nn", "num_processes", "process_index",
 ]

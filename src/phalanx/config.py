@@ -81,6 +81,8 @@ class Settings:
         checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
         clock_skew: PHALANX_CLOCK_SKEW, seconds a signed frame's time may differ from the receiver's.
         tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
+        interactive_start: PHALANX_INTERACTIVE_START, how a notebook starts its replicas: ``fork``
+            or ``spawn`` (default: fork, spawn once CUDA is initialised); see ``phalanx.interactive``.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -105,6 +107,7 @@ class Settings:
     tls_cert: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CERT"})
     tls_key: str | None = field(default=None, metadata={"env": "PHALANX_TLS_KEY"})
     tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
+    interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

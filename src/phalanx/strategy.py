@@ -37,6 +37,7 @@ from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParameterError
+from phalanx.interactive import hooks as _interactive
 from phalanx.nn import loss_scale_watch
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
@@ -601,6 +602,7 @@ class Strategy:
             # Replace distributed values by this replica's part (skipped for plain tensors: hot path).
             local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
             args, kwargs = nest.map_structure(local, args), nest.map_structure(local, kwargs)
+        _interactive.before_step()  # an interrupted notebook stops every replica at the same step
         ext._step += 1  # friend: Strategy and its StrategyExtended are one object in two parts (TF's pairing)
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
@@ -715,6 +717,9 @@ class Strategy:
         """Releases the communicator (also done at interpreter exit)."""
         self._closed = True
         self._extended._close()
+        launcher = getattr(self._extended, "_launcher", None)
+        if launcher is not None and hasattr(launcher, "strategy_closed"):
+            launcher.strategy_closed(self._extended)  # an interactive session ends with its last strategy
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -100,13 +100,21 @@ class SyncExtended(StrategyExtended):
         Raises:
             ClusterSpecError: the launcher started a different number of replicas than ``devices``.
         """
-        env = job_env()
-        if env is None and len(devices) > 1:
-            from phalanx.launch.self_launch import launch
+        from phalanx import interactive
 
-            # Once per program: a later multi-replica strategy runs on the replicas started for the first.
-            self._launcher = launch(len(devices))
-            env = self._launcher.env
+        in_session = interactive.hooks.session is not None
+        env = None if in_session else job_env()
+        if env is None and len(devices) > 1:
+            if in_session or interactive.interactive_main():  # a notebook, the REPL, -c, stdin: no script to rerun
+                from phalanx.interactive.session import start
+
+                self._launcher, env = start(self, len(devices))
+            else:
+                from phalanx.launch.self_launch import launch
+
+                # Once per program: a later multi-replica strategy runs on the replicas started for the first.
+                self._launcher = launch(len(devices))
+                env = self._launcher.env
         if env is not None and env.local_world_size != len(devices):
             raise ClusterSpecError(what, [str(d) for d in devices],
                                    f"the launcher started {env.local_world_size} replica processes on this host",

@@ -1,0 +1,686 @@
+"""Replica 0 of an interactive session: start the other replicas and ship them every cell.
+
+In a Jupyter/IPython kernel, IPython's terminal, the plain REPL, ``python -c`` or ``python -``,
+there is no script to start again, so constructing a multi-replica strategy starts a
+:class:`Session`. It makes N-1 replica processes:
+
+* **fork** (default): each child is a copy of the interactive process at the moment the strategy
+  is constructed, so every variable defined before (data, a model built without a strategy)
+  exists there. The child finishes that cell as replica ``k``, then serves the following ones.
+* **spawn** (when CUDA is already initialised, which forbids forking, or when forced with
+  ``PHALANX_INTERACTIVE_START=spawn``): fresh processes replay the cells executed so far (IPython
+  keeps them), each on its own device, and construct the strategy as replica ``k``.
+
+Then every cell replica 0 runs is shipped to the replicas first (IPython's ``pre_run_cell``
+event; the REPL is read by this module's console) and run there in order. After the cell,
+replica 0 waits for every replica's outcome: a failure on any replica fails the cell with that
+replica's traceback; a dead replica is named, the others are stopped, and the notebook stays
+usable (the next cell says the strategy is gone; a new strategy starts new replicas).
+
+Interrupts. Replicas are in their own process group: the kernel's SIGINT reaches replica 0
+only. If a strategy step has run in the cell, replica 0 chooses a stop step just past every
+replica's current one (shared counters, :mod:`phalanx.interactive.control`), and every replica
+raises ``KeyboardInterrupt`` when it starts that step, so they all stop after the same number of
+complete steps and stay in step. Otherwise (or at a second interrupt, or if no step starts within
+:data:`ESCALATE_S`) every replica is interrupted at once.
+
+Ending. ``strategy.close()`` of the last strategy, the kernel's shutdown or restart, and the end
+of the REPL stop the replicas (``exit``, then SIGKILL after :data:`EXIT_GRACE_S`); a replica also
+dies with its parent (``PR_SET_PDEATHSIG``) and leaves no shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import code
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+from phalanx.errors import LaunchError, PhalanxError
+from phalanx.interactive import hooks
+from phalanx.interactive.channel import Channel, accept_authenticated
+from phalanx.interactive.control import Control
+from phalanx.interactive.replica import ReplicaSession, become_forked_replica, die_with_parent, ipython_shell
+from phalanx.launch.env import ReplicaEnv, free_port
+
+START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
+FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
+ESCALATE_S = 1.0  # no step started for this long: the agreed stop becomes an immediate interrupt everywhere
+MAX_AGREED_STOP_S = 10.0  # steps still starting, but the stop step not reached: the same
+EXIT_GRACE_S = 2.0
+SPAWN_TIMEOUT_S = 120.0
+
+
+class ReplicaCellError(PhalanxError):
+    """A cell failed on another replica (its traceback is in the message), or a replica died."""
+
+    def __init__(self, rank: int, what: str, detail: str) -> None:
+        self.rank = rank
+        super().__init__(f"replica {rank} {what}:\n{detail}".rstrip())
+
+
+def interactive_mode() -> str | None:
+    """How this interpreter runs user code: "ipython", "repl", "program" (-c, stdin), or None (a script)."""
+    if ipython_shell() is not None:
+        return "ipython"
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script and os.path.exists(script):
+        return None
+    return "repl" if hasattr(sys, "ps1") else "program"
+
+
+def start_method() -> str:
+    from phalanx import config
+
+    raw = config.settings().interactive_start or ""
+    if raw not in ("", "fork", "spawn"):
+        from phalanx.errors import ClusterSpecError
+
+        raise ClusterSpecError(START_ENV, raw, "must be fork or spawn",
+                               hint="leave it unset: fork, or spawn once CUDA is initialised")
+    if raw:
+        return raw
+    torch = sys.modules.get("torch")
+    return "spawn" if torch is not None and torch.cuda.is_initialized() else "fork"
+
+
+def log_root() -> str:
+    from phalanx import config
+
+    return config.settings().log_root or os.path.join(tempfile.gettempdir(), "phalanx-logs")
+
+
+class _Replica:
+    def __init__(self, rank: int, pid: int, channel: Channel, process: subprocess.Popen | None = None) -> None:
+        self.rank, self.pid, self.channel, self.process = rank, pid, channel, process
+        self.exit: str | None = None  # how it ended, once it has
+
+    def poll(self) -> int | None:
+        """Its exit status if it ended (reaped), else None."""
+        if self.process is not None:
+            return self.process.poll()
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return -1
+        if pid == 0:
+            return None
+        self._status = os.waitstatus_to_exitcode(status)
+        return self._status
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "closed its control connection"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Session:
+    """Replica 0's side of an interactive session (see the module docstring)."""
+
+    rank = 0
+
+    def __init__(self, world_size: int, mode: str, method: str | None = None) -> None:
+        self.world_size, self.mode = world_size, mode
+        self.method = method or start_method()
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.log_dir = os.path.join(log_root(), self.run_id)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.env = ReplicaEnv(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
+                              master_addr="127.0.0.1", master_port=free_port(), run_id=self.run_id,
+                              log_dir=self.log_dir)
+        self.shell = ipython_shell() if mode == "ipython" else None
+        self.control = Control(world_size, os.path.join(self.log_dir, "control") if self.method == "spawn" else None)
+        self.replicas: dict[int, _Replica] = {}
+        self.ports: list[int | None] = [self.env.master_port]
+        self.strategies: list[weakref.ref] = []
+        self.cell = 0
+        self.steps = 0
+        self.running = False
+        self.broken: str | None = None
+        self._told_broken = False
+        self.closed = False
+        self._done: dict[int, dict] = {}
+        self._cond = threading.Condition()
+        self._prev_sigint: Any = None
+        self._stop_requested = False
+        self._stopped = False
+        self._watcher: threading.Thread | None = None
+        self._exit_code = 0
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"replica_{rank}.log")
+
+    # ------------------------------------------------------------------ starting
+    def launch(self, strategy: Any) -> tuple[Any, ReplicaEnv]:
+        """Starts replicas 1..N-1. Returns ``(session, env)`` for this process: in a forked child,
+        the child's own :class:`ReplicaSession` and identity."""
+        if self.mode == "program" and self.method == "spawn":
+            raise LaunchError("A multi-replica strategy in `python -c` or `python -` cannot spawn fresh "
+                              "replicas (CUDA is initialised, or PHALANX_INTERACTIVE_START=spawn): "
+                              "there is no source to start them from.",
+                              hint="save the code to train.py and run `python train.py`")
+        if self.mode == "repl" and self.method == "spawn":
+            raise LaunchError("The plain Python REPL cannot spawn fresh replicas (CUDA is initialised, or "
+                              "PHALANX_INTERACTIVE_START=spawn): it keeps no history of what ran before.",
+                              hint="create the strategy before anything touches CUDA, or use IPython "
+                                   "(`ipython`, Jupyter), which replays its history")
+        started = time.perf_counter()
+        hooks.session = self
+        try:
+            if self.method == "fork":
+                child = self._fork()
+                if child is not None:
+                    child._strategies = 1
+                    return child, child.env
+            else:
+                self._spawn()
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - started
+        self.strategies.append(weakref.ref(strategy))
+        self._watcher = threading.Thread(target=self._watch, name="phalanx-interactive-watch", daemon=True)
+        self._watcher.start()
+        atexit.register(self.close)
+        self.running = True  # the cell constructing the strategy runs on every replica now
+        if self.shell is not None:
+            self.shell.events.register("pre_run_cell", self._pre_run_cell)
+            self.shell.events.register("post_run_cell", self._post_run_cell)
+            if not self.shell.custom_exceptions:  # never replace a handler the user set
+                self.shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
+        elif self.mode == "repl":
+            sys.ps1 = _LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
+        what = "the rest of the program" if self.mode == "program" else "every cell from this one on"
+        print(f"phalanx: started replicas 1..{self.world_size - 1} ({self.method}); they run {what}. "
+              f"Their output is in {self.log_dir}/replica_<k>.log", file=sys.stderr, flush=True)
+        return self, self.env
+
+    def _replica_env(self, rank: int) -> ReplicaEnv:
+        return ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank})
+
+    def _fork(self) -> ReplicaSession | None:
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for rank in range(1, self.world_size):
+            ours, theirs = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:
+                ours.close()
+                for replica in self.replicas.values():
+                    replica.channel.close()
+                child = ReplicaSession(rank, self.world_size, Channel(theirs), self.control,
+                                       self._replica_env(rank), self.mode, self.shell)
+                become_forked_replica(child, parent, self.log_path(rank))
+                return child
+            theirs.close()
+            self.replicas[rank] = _Replica(rank, pid, Channel(ours))
+        return None
+
+    def _spawn(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(self.world_size)
+        secret = secrets.token_hex(32)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        processes = {}
+        try:
+            for rank in range(1, self.world_size):
+                env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_") or k == "PHALANX_LOG_ROOT"}
+                env.update(PHALANX_INTERACTIVE_RANK=str(rank), PHALANX_INTERACTIVE_ADDR=address,
+                           PHALANX_INTERACTIVE_SECRET=secret, PYTHONUNBUFFERED="1")
+                with open(self.log_path(rank), "wb") as log:
+                    processes[rank] = subprocess.Popen(
+                        [sys.executable, "-m", "phalanx.interactive.replica"], env=env, stdout=log,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(),
+                        preexec_fn=_new_group_dying_with_parent)
+            def check() -> None:
+                for rank, process in processes.items():
+                    if process.poll() is not None:
+                        raise LaunchError(f"Replica {rank} (pid {process.pid}) {_describe(process.returncode)} "
+                                          f"before it connected. Last lines of {self.log_path(rank)}:\n"
+                                          f"{self._tail(rank)}")
+
+            for _ in processes:
+                channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S, check)
+                self.replicas[rank] = _Replica(rank, processes[rank].pid, channel, processes[rank])
+        except BaseException:
+            for process in processes.values():
+                process.kill()
+                process.wait()
+            raise
+        finally:
+            listener.close()
+        cells = self._history()
+        for rank, replica in self.replicas.items():
+            replica.channel.send({"op": "init", "env": self._replica_env(rank).__dict__, "mode": self.mode,
+                                  "control": self.control.path})
+            replica.channel.send({"op": "replay", "cells": cells})
+
+    def _history(self) -> list[str]:
+        """The cells this kernel ran so far, the current one (which constructs the strategy) last."""
+        return [cell for cell in self.shell.history_manager.input_hist_raw[1:]]
+
+    # ------------------------------------------------------------------ strategies
+    def env_for(self, strategy: Any, world_size: int) -> ReplicaEnv:
+        """A further strategy in this session: same replica processes, a new process group."""
+        if world_size != self.world_size:
+            with self._cond:
+                self.ports.append(None)
+                self._cond.notify_all()
+            raise LaunchError(f"This session's replicas are {self.world_size} processes; a strategy over "
+                              f"{world_size} devices cannot use them.",
+                              hint="call strategy.close() on the session's strategies first (a cell of its "
+                                   "own), then create the new one")
+        with self._cond:
+            port = free_port()
+            self.ports.append(port)
+            self._cond.notify_all()
+        self.strategies.append(weakref.ref(strategy))
+        return ReplicaEnv(**{**self.env.__dict__, "master_port": port})
+
+    def strategy_closed(self, strategy: Any) -> None:
+        """Called by ``strategy.close()``; the session ends after the cell once none is left."""
+        self.strategies = [r for r in self.strategies if r() is not None and r() is not strategy]
+
+    def _answer_port(self, replica: _Replica, message: dict) -> None:
+        index = int(message["index"])
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.ports) > index or self.closed, timeout=SPAWN_TIMEOUT_S)
+            port = self.ports[index] if len(self.ports) > index else None
+        try:
+            replica.channel.send({"op": "port", "port": port, "error": "replica 0 refused the strategy"})
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ steps and interrupts
+    def before_step(self) -> None:
+        self.steps += 1
+        self.control.set_steps(0, self.steps)
+        stop = self.control.stop
+        if stop and self.steps >= stop:
+            self._stopped = True
+            raise hooks.InterruptedAtStep(self.steps)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if (self._stop_requested or not self.running or self.broken or self.closed
+                or threading.current_thread() is not threading.main_thread() or max(self.control.steps()) == 0):
+            self._interrupt_everyone(signum, frame)
+            return
+        self._stop_requested = True
+        # A replica can be at most one step past the slowest one that gates a collective; +2 leaves
+        # every replica room to finish the step it is in, and none can start the stop step first.
+        self.control.stop = max(self.control.steps()) + 2
+        threading.Thread(target=self._escalate_later, daemon=True).start()
+
+    def _escalate_later(self) -> None:
+        # Steps still starting means the stop step will come (a loaded host makes steps slow); no
+        # step started for ESCALATE_S means the replicas are somewhere else (data loading, a sleep).
+        start = time.monotonic()
+        seen, last_progress = self.control.steps(), start
+        while self.running and not self._stopped:
+            now = time.monotonic()
+            steps = self.control.steps()
+            if steps != seen:
+                seen, last_progress = steps, now
+            if now - last_progress > ESCALATE_S or now - start > MAX_AGREED_STOP_S:
+                break
+            time.sleep(0.02)
+        if self.running and not self._stopped:
+            os.kill(os.getpid(), signal.SIGINT)  # handled again: now an immediate interrupt everywhere
+
+    def _interrupt_everyone(self, signum: int, frame: Any) -> None:
+        self._signal_replicas(signal.SIGINT)
+        previous = self._prev_sigint
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def _signal_replicas(self, sig: int) -> None:
+        for replica in self.replicas.values():
+            if replica.exit is None:
+                try:
+                    os.kill(replica.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    # ------------------------------------------------------------------ cells
+    def before_cell(self, source: str) -> None:
+        """Ships ``source`` to every replica, then lets replica 0 run it."""
+        if self.closed:
+            return
+        if self.broken:
+            if not self._told_broken:
+                self._told_broken = True
+                print(f"phalanx: this strategy's replicas are gone ({self.broken}); cells run on this "
+                      "process only. Create a new strategy to start new replicas.", file=sys.stderr, flush=True)
+            return
+        self.cell += 1
+        self.steps = 0
+        self._stop_requested = self._stopped = False
+        self.control.reset()
+        with self._cond:
+            self._done.clear()
+        for replica in self.replicas.values():
+            if replica.exit is None:
+                try:
+                    replica.channel.send({"op": "cell", "id": self.cell, "source": source})
+                except OSError:
+                    pass
+        self.running = True
+        if threading.current_thread() is threading.main_thread():
+            self._prev_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def after_cell(self, error: BaseException | None) -> ReplicaCellError | None:
+        """Waits for every replica to finish the cell; returns the error the cell should fail with."""
+        if not self.running:
+            return None
+        self.running = False
+        if self._prev_sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._prev_sigint)
+            self._prev_sigint = None
+        trouble_since = time.monotonic() if error is not None else None
+        interrupted = killed = False
+        while True:
+            with self._cond:
+                pending = [r for r in self.replicas.values() if r.rank not in self._done and r.exit is None]
+                failed = [r for r in self.replicas.values()
+                          if r.exit is not None or not self._done.get(r.rank, {"ok": True})["ok"]]
+                if not pending:
+                    break
+                if failed and trouble_since is None:
+                    trouble_since = time.monotonic()
+                try:
+                    self._cond.wait(0.05)
+                except KeyboardInterrupt:
+                    trouble_since = time.monotonic() - FAILURE_GRACE_S
+            if trouble_since is not None and time.monotonic() - trouble_since > FAILURE_GRACE_S and not interrupted:
+                interrupted = True
+                self._signal_replicas(signal.SIGINT)
+            if trouble_since is not None and time.monotonic() - trouble_since > 2 * FAILURE_GRACE_S:
+                killed = True
+                break
+        result = self._cell_failure(error)
+        dead = [r for r in self.replicas.values() if r.exit is not None]
+        if dead and not killed:
+            self._break(f"replica {dead[0].rank} {dead[0].exit}")
+        if killed:
+            waiting = ", ".join(str(r.rank) for r in pending)
+            self._break(f"replica(s) {waiting} could not finish cell {self.cell} (blocked in a collective "
+                        "after another replica stopped)")
+        if self.broken is None and not self.closed and not any(r() is not None for r in self.strategies):
+            self.close()
+        return result
+
+    def _cell_failure(self, error: BaseException | None) -> ReplicaCellError | None:
+        for replica in sorted(self.replicas.values(), key=lambda r: r.rank):
+            report = self._done.get(replica.rank)
+            if report is not None and not report["ok"]:
+                if error is not None and report.get("type") == type(error).__name__ and not isinstance(
+                        error, PhalanxError):
+                    return None  # the same error everywhere: replica 0's own traceback says it all
+                return ReplicaCellError(replica.rank, f"(pid {replica.pid}) failed in this cell, "
+                                        f"as shown in {self.log_path(replica.rank)}", report["error"])
+            if report is None and replica.exit is not None:
+                return ReplicaCellError(replica.rank, f"(pid {replica.pid}) {replica.exit}",
+                                        f"last lines of {self.log_path(replica.rank)}:\n{self._tail(replica.rank)}")
+        return None
+
+    def _tail(self, rank: int, lines: int = 15) -> str:
+        try:
+            with open(self.log_path(rank), "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _break(self, reason: str) -> None:
+        """The replicas cannot go on in step: stop them; the next cell says so."""
+        if self.broken is None:
+            self.broken = reason
+        self._stop_replicas(graceful=False)
+
+    # ------------------------------------------------------------------ IPython events
+    def _pre_run_cell(self, info: Any) -> None:
+        self.before_cell(info.raw_cell)
+
+    def _post_run_cell(self, result: Any) -> None:
+        error = (result.error_before_exec or result.error_in_exec) if result is not None else None
+        failure = self.after_cell(error)
+        if failure is None or result is None:
+            return
+        self.shell.showtraceback((type(failure), failure, None))
+        result.error_in_exec = failure
+
+    # ------------------------------------------------------------------ watching
+    def _watch(self) -> None:
+        while not self.closed:
+            live = [r for r in self.replicas.values() if r.exit is None]
+            if not live:
+                return
+            try:
+                readable, _, _ = select.select([r.channel for r in live], [], [], 0.1)
+            except (OSError, ValueError):
+                if self.closed:
+                    return
+                continue
+            for replica in readable:
+                replica = next(r for r in live if r.channel is replica)
+                try:
+                    message = replica.channel.recv()
+                except (PhalanxError, ValueError):
+                    message = None
+                if message is None:
+                    self._on_exit(replica)
+                elif message.get("op") == "done":
+                    with self._cond:
+                        if int(message["id"]) == self.cell:
+                            self._done[replica.rank] = message
+                        self._cond.notify_all()
+                elif message.get("op") == "port":
+                    threading.Thread(target=self._answer_port, args=(replica, message), daemon=True).start()
+
+    def _on_exit(self, replica: _Replica) -> None:
+        code = None
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            code = replica.poll()
+            if code is not None:
+                break
+            time.sleep(0.01)
+        with self._cond:
+            replica.exit = _describe(code)
+            self._cond.notify_all()
+        if self.closed or (self.mode == "program" and code in (0, None)):
+            return  # a replica at the end of the program; _finish_program reads its status
+        if code not in (0, None) and self._exit_code == 0:
+            self._exit_code = 1
+        print(f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}. Last lines of "
+              f"{self.log_path(replica.rank)}:\n{self._tail(replica.rank)}\n", file=sys.stderr, flush=True)
+        if self.mode == "program":
+            threading.Thread(target=self._end_program_later, daemon=True).start()
+            return
+        if not self.running:
+            self._break(f"replica {replica.rank} {replica.exit}")
+
+    def _end_program_later(self) -> None:
+        # The main thread normally fails at its next collective; if it cannot notice, end the job.
+        time.sleep(5.0)
+        if not self.closed:
+            print("phalanx: replica 0 is stopping because a replica failed", file=sys.stderr, flush=True)
+            self._stop_replicas(graceful=False)
+            os._exit(1)
+
+    # ------------------------------------------------------------------ ending
+    def _stop_replicas(self, graceful: bool) -> None:
+        if graceful:
+            for replica in self.replicas.values():
+                try:
+                    replica.channel.send({"op": "exit"})
+                except OSError:
+                    pass
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while time.monotonic() < deadline and any(r.poll() is None for r in self.replicas.values()
+                                                      if r.exit is None or r.process is not None):
+                time.sleep(0.01)
+        for replica in self.replicas.values():
+            if replica.poll() is None:
+                replica.kill()
+                try:
+                    if replica.process is not None:
+                        replica.process.wait(5)
+                    else:
+                        os.waitpid(replica.pid, 0)
+                except (ChildProcessError, subprocess.TimeoutExpired):
+                    pass
+            if replica.exit is None:
+                replica.exit = "was stopped"
+
+    def close(self) -> None:
+        """Stops the replicas and detaches from the shell; safe to call twice."""
+        if self.closed:
+            return
+        if self.mode == "program":
+            self._finish_program()
+        self.closed = True
+        if hooks.session is self:
+            hooks.session = None
+        if self.shell is not None:
+            for event, callback in (("pre_run_cell", self._pre_run_cell), ("post_run_cell", self._post_run_cell)):
+                try:
+                    self.shell.events.unregister(event, callback)
+                except ValueError:
+                    pass
+            if self.shell.custom_exceptions == (hooks.InterruptedAtStep,):
+                self.shell.set_custom_exc((), None)
+        self._stop_replicas(graceful=True)
+        for replica in self.replicas.values():
+            replica.channel.close()
+        self.control.remove()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _finish_program(self) -> None:
+        """``python -c``/stdin: replicas run the same program to its end; a failed one fails this one."""
+        failed = None
+        for replica in self.replicas.values():
+            deadline = time.monotonic() + 60
+            while replica.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            code = getattr(replica, "_status", None)
+            if code and failed is None:
+                failed = replica
+        if failed is not None:
+            self.closed = True
+            self._stop_replicas(graceful=False)
+            print(f"phalanx: root cause (first failure): replica {failed.rank} (pid {failed.pid}) "
+                  f"{_describe(failed._status)}. Last lines of {self.log_path(failed.rank)}:\n"
+                  f"{self._tail(failed.rank)}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def _new_group_dying_with_parent() -> None:
+    os.setpgid(0, 0)
+    die_with_parent()
+
+
+class _Console(code.InteractiveConsole):
+    """The plain REPL once a session runs: each complete statement runs on every replica."""
+
+    def __init__(self, session: Session, namespace: dict) -> None:
+        super().__init__(namespace, filename="<stdin>")
+        self.session = session
+
+    def runsource(self, source: str, filename: str = "<stdin>", symbol: str = "single") -> bool:
+        try:
+            compiled = self.compile(source, filename, symbol)
+        except (OverflowError, SyntaxError, ValueError):
+            self.showsyntaxerror(filename)
+            return False
+        if compiled is None:
+            return True
+        session = hooks.session or self.session
+        session.before_cell(source)
+        error = None
+        try:
+            exec(compiled, self.locals)
+        except SystemExit:  # exit(): end the input, so that the REPL itself ends as usual
+            session.after_cell(None)
+            _end_input()
+            return False
+        except BaseException as e:  # noqa: BLE001 - shown like the REPL does
+            error = e
+            self.showtraceback()
+        failure = session.after_cell(error)
+        if failure is not None:
+            print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+        return False
+
+
+def _end_input() -> None:
+    """Points stdin at /dev/null: the console, then the C REPL, read end of input and stop."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+
+
+class _LeaderPrompt:
+    """sys.ps1 of the REPL once a session runs: at the next prompt, read statements ourselves.
+
+    The C REPL gives no hook per statement; it does ask ``str(sys.ps1)`` before each one. The
+    first time, this runs a :class:`_Console` on the same ``__main__`` until end of input (or
+    ``exit()``, whose exit status is not kept), then lets the REPL read end of input and exit.
+    """
+
+    def __init__(self, session: Session, prompt: Any) -> None:
+        self.session, self.prompt = session, prompt
+
+    def __str__(self) -> str:
+        sys.ps1 = self.prompt if not isinstance(self.prompt, _LeaderPrompt) else ">>> "
+        self.session.after_cell(None)  # the statement that created the strategy
+        _Console(self.session, sys.modules["__main__"].__dict__).interact(banner="", exitmsg="")
+        self.session.close()
+        _end_input()
+        return ""
+
+
+def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
+    """The self-launch of an interactive main (see :func:`interactive_mode`).
+
+    Returns ``(launcher, env)``: the session (replica 0's or, in a forked child, the child's) and
+    this process's identity.
+    """
+    current = hooks.session
+    if current is not None and (current.rank != 0 or not current.broken):
+        return current, current.env_for(strategy, world_size)
+    if current is not None:
+        current.close()
+    mode = interactive_mode()
+    if mode is None:
+        raise LaunchError("phalanx.interactive.start is for interactive mains only.")
+    return Session(world_size, mode).launch(strategy)
