@@ -166,6 +166,21 @@ def test_entering_a_scope_never_imports_phalanx_keras():
          "assert 'phalanx.keras' not in sys.modules, 'scope() imported phalanx.keras'\n")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="Keras is not installed")
+def test_a_keras_model_built_in_scope_without_phalanx_keras_is_refused():
+    # Without the integration, fit would run undistributed on every replica: wrong, silently.
+    _run("import os\nos.environ.setdefault('KERAS_BACKEND', 'torch')\nimport keras, phalanx as px\n"
+         "from phalanx.errors import KerasIntegrationError\n"
+         "try:\n    with px.OneDeviceStrategy('cpu').scope():\n"
+         "        keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+         "except KerasIntegrationError as e:\n    assert 'import phalanx.keras' in str(e)\n"
+         "else:\n    raise AssertionError('a Keras model was built in scope without phalanx.keras')\n"
+         "import phalanx.keras\n"
+         "with px.OneDeviceStrategy('cpu').scope():\n"
+         "    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+         "assert phalanx.keras.distributed_model(model) is not None\n")
+
+
 def test_scope_works_next_to_a_keras_that_phalanx_keras_refuses():
     # A torch-only program in a process where some other code imported a Keras phalanx.keras would
     # refuse (here: a fake 'keras' 2.x module) must still be able to use a strategy.

@@ -163,6 +163,22 @@ class CollectiveTimeoutError(PeerUnavailableError):
     """A collective did not complete within its timeout (a stalled peer)."""
 
 
+class KerasIntegrationError(PhalanxError, RuntimeError):
+    """A Keras model was built in a strategy's scope, but ``phalanx.keras`` was never imported.
+
+    The core never imports Keras. Without the integration, ``fit`` would run undistributed on
+    every replica (each on the whole global batch, the summed gradients scaling the update by the
+    replica count): silently wrong training, which this error prevents.
+    """
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+        super().__init__(
+            f"A Keras layer ({type(layer).__name__}) was built in a strategy's scope, but phalanx.keras is not "
+            f"imported, so Keras would train it undistributed.",
+            hint="add `import phalanx.keras` once, after `import keras` and before building the model")
+
+
 class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
 

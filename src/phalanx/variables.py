@@ -11,6 +11,7 @@ Nothing is monkey-patched and nothing outside a scope is touched.
 from __future__ import annotations
 
 import contextvars
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from phalanx import context, hooks
+from phalanx.errors import KerasIntegrationError
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,26 @@ def _is_compiler_module(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.fx.GraphModule) or torch.compiler.is_compiling()
 
 
+def _check_keras_integration(module: torch.nn.Module) -> None:
+    # The core never imports Keras; a Keras layer built in scope without phalanx.keras would train
+    # undistributed and wrong, silently. Keras registers its variables from its own code (through
+    # a ParameterDict on the layer), so look for a Keras frame among the callers.
+    if "keras" not in sys.modules or "phalanx.keras" in sys.modules:
+        return
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__", "").startswith("keras."):
+            raise KerasIntegrationError(frame.f_locals.get("self", module))
+        frame = frame.f_back
+
+
 def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
     cap = _current()
     if cap is None or param is None or _is_compiler_module(module):
         return None
+    _check_keras_integration(module)
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
         _LABELS[param] = f"{type(module).__name__}.{name}"
