@@ -32,6 +32,7 @@ def test_api_across_replicas(tmp_path, n, launch):
     for r, got in enumerate(results):
         assert got["rank"] == r and got["num_replicas"] == n and got["chief"] == (r == 0)
         assert got["run_type"] == "PerReplica" and got["local_id"] == r
+        assert got["local_ids"] == list(range(n)), "experimental_local_results: every replica of the host"
         # replica r holds [10r, 10r+1, ..., 10r+r]
         values = [10 * k + i for k in range(n) for i in range(k + 1)]
         assert got["sum_axis0"] == pytest.approx(sum(values))

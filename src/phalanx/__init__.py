@@ -25,7 +25,18 @@ from phalanx.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from phalanx.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
+from phalanx.global_strategy import experimental_set_strategy
+from phalanx.input import (
+    AutoShardPolicy,
+    DistributedDataset,
+    DistributedIterator,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+)
+from phalanx.options import RunOptions
+from phalanx.server import Server
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.mirrored import MirroredStrategy
 from phalanx.strategies.multi_worker_mirrored import (
@@ -53,4 +64,5 @@ __all__ = [
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
     "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "is_chief", "nn",
+    "DistributedDataset", "DistributedIterator", "RunOptions", "Server", "experimental_set_strategy",
 ]

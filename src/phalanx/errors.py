@@ -148,3 +148,11 @@ class CollectiveTimeoutError(PeerUnavailableError):
 
 class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
+
+
+class InputMismatchError(PhalanxError, RuntimeError):
+    """Replicas that must read the same global batches were fed different ones."""
+
+
+class WriteError(DistributedRuntimeError):
+    """The chief failed to write a file every replica waits for (``model.save`` under a strategy)."""

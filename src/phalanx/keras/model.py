@@ -35,6 +35,9 @@ Semantics (tf.keras under tf.distribute):
 * Non-trainable state a step updates (BatchNormalization's moving statistics) is averaged,
   weighted by each replica's share of the batch, so replicas stay identical.
 * ``predict`` gathers every replica's outputs in replica order: each input row once, in order.
+* ``save`` / ``save_weights`` / ``export`` write once: the chief writes, and every replica
+  returns when the file is complete (a failed write raises on every replica). Every replica must
+  call them, as every replica runs the program.
 * A final batch smaller than the number of replicas leaves some replicas without rows. They run
   the step on a stand-in row with weight 0 (no gradient, no metric contribution), so every
   replica takes part in every collective and nothing hangs.
@@ -55,7 +58,7 @@ import torch
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from phalanx import context, nest
-from phalanx.errors import PhalanxError, StrategyScopeError
+from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.values import ReduceOp
@@ -65,10 +68,7 @@ if TYPE_CHECKING:
 
 _ATTR = "_phalanx_distributed"
 _KINDS = ("train", "test", "predict")
-
-
-class InputMismatchError(PhalanxError, RuntimeError):
-    """Replicas were fed different global batches (the inputs differ between workers)."""
+_WRITERS = ("save", "save_weights", "export")
 
 
 class _GradScale:
@@ -201,12 +201,18 @@ class DistributedModel:
         self._decorrelated = False
         self._checks_left = 0
         self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
+        self._writing = False
         model.__dict__[_ATTR] = self
         for method in ("fit", "evaluate", "predict"):
             wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
                                                getattr(type(model), method))
             # object.__setattr__: an instance attribute, bypassing Keras' and torch's tracking.
             object.__setattr__(model, method, wrapper)
+        for method in _WRITERS:
+            if hasattr(type(model), method):
+                wrapper = functools.update_wrapper(functools.partial(self._write_once, method),
+                                                   getattr(type(model), method))
+                object.__setattr__(model, method, wrapper)
         # Also now, in case the model is adapted by its own first fit() (a model without input
         # shape, fitted inside the scope): that fit then takes phalanx's step functions.
         self._prepare()
@@ -287,6 +293,30 @@ class DistributedModel:
                 arguments["verbose"] = 0
         self._prepare()
         return call(arguments)
+
+    def _write_once(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``model.<method>(...)`` on the chief only; every replica returns once the file is complete."""
+        model = self.model
+        original = getattr(type(model), method)
+        if self._writing or self._num_replicas == 1 or self._on_parameter_servers:
+            return original(model, *args, **kwargs)
+        result, error = None, None
+        if self.is_chief:
+            self._writing = True
+            try:
+                result = original(model, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+                error = e
+            finally:
+                self._writing = False
+        # Also the barrier: nobody returns before the chief has finished writing.
+        failed = self._ext._all_reduce_tensors([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
+        if error is not None:
+            raise error
+        if float(failed[0]) > 0:
+            raise WriteError(f"model.{method}(...) failed on the chief; nothing was written.",
+                             hint="see the chief's error (replica 0's output)")
+        return result
 
     @staticmethod
     def _bind(method: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> tuple[Callable, dict]:
@@ -485,7 +515,9 @@ class DistributedModel:
         new = [v.value for v in weights if id(v.value) not in self._synced]
         if new and self._num_replicas > 1:
             ext = self._ext
-            ext._new_params.extend(p for p in new if isinstance(p, torch.nn.Parameter))
+            # Those the strategy captured (in scope, or inside run) it synchronises itself.
+            ext._new_params.extend(p for p in new if isinstance(p, torch.nn.Parameter)
+                                   and not ext.variable_created_in_scope(p))
             ext._sync_new_variables()  # a collective: every replica reaches it at the same step
         for p in new:
             self._synced[id(p)] = p

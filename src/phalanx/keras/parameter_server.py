@@ -176,6 +176,36 @@ def _send_updates_to_servers(optimizer: Any) -> None:
     object.__setattr__(optimizer, "apply", apply)
 
 
+_OPTIMIZER_KIND = "keras_optimizer"
+
+
+def optimizer_reference(optimizer: Any) -> tuple:
+    """What a scheduled function carries instead of a Keras optimizer of the chief.
+
+    On the worker it becomes an optimizer whose ``apply`` / ``apply_gradients`` send the gradients
+    to the parameter servers, which apply them with the ``torch.optim`` equivalent (learning rate
+    as it is when the function is scheduled; see :func:`torch_optimizer_config`).
+
+    Raises:
+        UnsupportedOptimizerError: the optimizer has no equivalent on the servers (at ``schedule``).
+    """
+    config = torch_optimizer_config(optimizer)
+    return (_OPTIMIZER_KIND, json.dumps(keras.optimizers.serialize(optimizer)), json.dumps(config))
+
+
+def resolve_optimizer(service: Any, pid: tuple) -> Any:
+    """The worker's stand-in for the chief's Keras optimizer ``pid`` (built once per configuration)."""
+    _, config, server_config = pid
+    cache = service.__dict__.setdefault("_keras_optimizers", {})
+    optimizer = cache.get((config, server_config))
+    if optimizer is None:
+        optimizer = keras.optimizers.deserialize(json.loads(config))
+        optimizer._phalanx_ps_config = json.loads(server_config)
+        _send_updates_to_servers(optimizer)
+        cache[(config, server_config)] = optimizer
+    return optimizer
+
+
 def train_step(model: Any, iterator: Any, optimizer_config: dict[str, Any]) -> tuple[dict[str, float], int]:
     """One training step on a worker: the scheduled function of ``fit``. Returns the batch's logs and size."""
     batch = next(iterator)

@@ -210,6 +210,10 @@ class WorkerService:
             from phalanx.keras.parameter_server import resolve
 
             return resolve(self, pid, run)
+        if kind == "keras_optimizer":
+            from phalanx.keras.parameter_server import resolve_optimizer
+
+            return resolve_optimizer(self, pid)
         raise ProtocolError(f"unknown reference {pid!r} in a scheduled function")
 
     def _adopt(self, spec_json: str, tensor: torch.Tensor) -> None:

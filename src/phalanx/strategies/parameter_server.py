@@ -243,6 +243,14 @@ class ParameterServerExtended(StrategyExtended):
             from phalanx.keras.parameter_server import reference
 
             return reference(obj, self)
+        if keras is not None and isinstance(obj, keras.optimizers.Optimizer):
+            from phalanx.keras.parameter_server import optimizer_reference
+
+            return optimizer_reference(obj)  # the worker's stand-in sends its updates to the servers
+        if keras is not None and isinstance(obj, keras.metrics.Metric):
+            from phalanx.keras.metrics import refuse_in_scheduled_function
+
+            refuse_in_scheduled_function(obj)
         if isinstance(obj, Strategy):
             if obj.extended is self:
                 return ("strategy",)

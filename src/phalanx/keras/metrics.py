@@ -1,0 +1,164 @@
+"""Keras metrics in custom training loops: ``result()`` reports the global value, as in TF.
+
+In TF a metric created in ``strategy.scope()`` keeps its state in sync-on-read variables: each
+replica adds its own examples inside ``strategy.run``, and reading ``result()`` in cross-replica
+context aggregates over all replicas. Here every replica is a process with its own copy of the
+metric, so phalanx adapts the metric *instance* (never the class) once it is used by a function
+given to ``strategy.run``: in cross-replica context ``result()`` combines every replica's state
+(each variable by its Keras ``aggregation``: ``sum``, ``mean`` or ``only_first_replica``), computes
+the result from it, and leaves each replica's own state as it was, so ``update_state`` /
+``reset_state`` keep their meaning. Inside ``run`` ``result()`` is the replica's own value (TF's too).
+
+How a metric is found: the function given to ``run`` names it, directly or through functions it
+calls by name (module globals or closure cells, two calls deep), which is how TF's tutorials and
+most custom loops use metrics. ``result()`` in cross-replica context is then a collective: call it
+on every replica (as ``strategy.reduce``), not only on the chief.
+
+Under ParameterServerStrategy a scheduled function that uses a Keras metric is refused at
+``schedule`` (:class:`UnsupportedMetricError`): its updates would stay on a worker. Return the
+values from the function and update the metric on the chief with the fetched results.
+
+Example::
+
+    with strategy.scope():
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    def step(x, y):
+        accuracy.update_state(y, model(x))
+    for x, y in dist_dataset:
+        strategy.run(step, args=(x, y))
+    print(float(accuracy.result()))   # over every replica's examples, on every replica
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import keras
+import torch
+
+from phalanx import context, nest
+from phalanx.errors import PhalanxError
+from phalanx.values import ReduceOp
+
+if TYPE_CHECKING:
+    from phalanx.strategy import Strategy
+
+_ATTR = "_phalanx_metric_strategy"
+_DEPTH = 2
+_FOUND: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+class UnsupportedMetricError(PhalanxError, TypeError):
+    """A Keras metric used where its updates would be lost (a ParameterServerStrategy scheduled function)."""
+
+
+def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
+    """The Keras metrics ``fn`` names (globals, closure), following called functions ``_DEPTH`` deep."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def visit(f: Any, depth: int) -> None:
+        f = getattr(f, "__func__", f)  # bound methods
+        code = getattr(f, "__code__", None)
+        if code is None or id(f) in seen:
+            return
+        seen.add(id(f))
+        values = [f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})]
+        values += [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
+        for v in values:
+            for item in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(item, keras.metrics.Metric):
+                    found.setdefault(id(item), item)
+                elif depth > 0 and isinstance(item, (types.FunctionType, types.MethodType)):
+                    visit(item, depth - 1)
+
+    visit(fn, _DEPTH)
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def observe_run(strategy: "Strategy", fn: Callable[..., Any]) -> None:
+    """Adapts the metrics ``fn`` uses (called by ``strategy.run`` before each step; cached per function)."""
+    if strategy.num_replicas_in_sync == 1:
+        return
+    try:
+        cached = _FOUND.get(fn)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is None:
+        cached = tuple(metrics_used_by(fn))
+        try:
+            _FOUND[fn] = cached
+        except TypeError:
+            pass
+    for metric in cached:
+        if metric.__dict__.get(_ATTR) is None:
+            adapt(metric, strategy)
+
+
+def adapt(metric: Any, strategy: "Strategy") -> Any:
+    """Makes ``metric.result()`` global in cross-replica context (idempotent; see the module docstring)."""
+    if metric.__dict__.get(_ATTR) is not None:
+        return metric
+    original = metric.result
+    ref = weakref.ref(strategy)
+
+    def result() -> Any:
+        s = ref()
+        if s is None or s.num_replicas_in_sync == 1 or (
+                context.get_replica_context() is not None and context.get_strategy() is s):
+            return original()
+        return global_result(metric, s, original)
+
+    object.__setattr__(metric, _ATTR, ref)
+    object.__setattr__(metric, "result", result)
+    return metric
+
+
+_OPS = {"sum": ReduceOp.SUM, "none": ReduceOp.SUM, None: ReduceOp.SUM, "mean": ReduceOp.MEAN}
+
+
+def global_result(metric: Any, strategy: "Strategy", original: Callable[[], Any]) -> Any:
+    """``original()`` computed from every replica's combined state; the local state is kept."""
+    ext = strategy.extended
+    variables = list(metric.variables)
+    local = [v.value.detach().clone() for v in variables]
+    combined: list[torch.Tensor | None] = [None] * len(variables)
+    groups: dict[ReduceOp, list[int]] = {}
+    for i, v in enumerate(variables):
+        aggregation = getattr(v, "aggregation", "sum")
+        if aggregation == "only_first_replica":
+            t = local[i].clone()
+            ext._broadcast_tensors([t])
+            combined[i] = t
+        else:
+            groups.setdefault(_OPS.get(aggregation, ReduceOp.SUM), []).append(i)
+    for op, idx in groups.items():
+        for i, t in zip(idx, ext._all_reduce_tensors([local[i] for i in idx], op)):
+            combined[i] = t
+    try:
+        for v, t in zip(variables, combined):
+            v.assign(t.to(v.value.dtype))
+        value = original()
+        return nest.map_structure(lambda r: r.detach().clone() if isinstance(r, torch.Tensor) else r, value)
+    finally:
+        for v, t in zip(variables, local):
+            v.assign(t)
+
+
+def refuse_in_scheduled_function(metric: Any) -> None:
+    """Raises :class:`UnsupportedMetricError` (a ParameterServerStrategy scheduled function uses ``metric``)."""
+    raise UnsupportedMetricError(
+        f"The Keras metric {metric.name!r} is used by a function given to ClusterCoordinator.schedule; under "
+        "ParameterServerStrategy its updates would stay on the worker and result() on the chief would not see them.",
+        hint="return the values the metric needs from the scheduled function and call metric.update_state "
+             "on the chief with coordinator.fetch(...) / remote_value.fetch()")
