@@ -69,7 +69,9 @@ class StrategyExtended:
         self._bucket_bytes = bucket_bytes
         self._new_params: list[torch.nn.Parameter] = []
         self._new_buffers: list[torch.Tensor] = []
-        self._created: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # variable_created_in_scope
+        # id -> tensor of every variable created under this strategy (variable_created_in_scope);
+        # by id, because tensors compare elementwise.
+        self._created: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._buffers: list[torch.Tensor] = []
         self._reducer: GradientReducer | None = None
         self._step = 0
@@ -119,9 +121,9 @@ class StrategyExtended:
                                                    self._on_new_buffer))
 
     def _on_new_parameter(self, param: torch.nn.Parameter) -> None:
-        if param in self._created:
+        if self._created.get(id(param)) is param:
             return  # registered again (Keras re-registers a built model's variables)
-        self._created.add(param)
+        self._created[id(param)] = param
         self._new_params.append(param)
         if context.get_replica_context() is not None:
             # Created inside `run` (a model built lazily by its first call): synchronise it now,
@@ -129,7 +131,7 @@ class StrategyExtended:
             self._sync_new_variables()
 
     def _on_new_buffer(self, buffer: torch.Tensor) -> None:
-        self._created.add(buffer)
+        self._created[id(buffer)] = buffer
         self._new_buffers.append(buffer)
 
     def _sync_new_variables(self) -> None:
@@ -182,7 +184,8 @@ class StrategyExtended:
     # ---------------------------------------------------------------- TF's library-author API
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` (a parameter, buffer or Keras variable) was created under this strategy."""
-        return getattr(v, "value", v) in self._created
+        tensor = getattr(v, "value", v)
+        return self._created.get(id(tensor)) is tensor
 
     def value_container(self, value: Any) -> Any:
         """The distributed container of ``value``: a variable is its own (one copy per process)."""
