@@ -32,8 +32,9 @@ def experimental_set_strategy(strategy: Any) -> None:
     Raises:
         StrategyScopeError: called inside a ``strategy.scope()`` block.
     """
-    current = _current["strategy"]
-    if context.has_strategy() and (context.get_strategy() is not current or not context.in_cross_replica_context()):
+    # Only the frame of the program-wide scope itself may be on the context stack.
+    expected = 1 if _current["scope"] is not None else 0
+    if len(context._STACK.get()) > expected:
         raise StrategyScopeError("experimental_set_strategy was called inside a strategy's scope (or run).",
                                  hint="call it at the top level of the program, outside `with strategy.scope():`")
     if _current["scope"] is not None:

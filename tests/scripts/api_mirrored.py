@@ -97,7 +97,10 @@ def train(b):
     loss = px.nn.compute_average_loss(model(b).pow(2).sum(1))
     opt.zero_grad(); loss.backward(); opt.step()
     return loss
-for b in strategy.experimental_distribute_dataset([torch.randn(8, 3) * (rank + 1) for _ in range(3)]):
+# Different data per replica: one pipeline per process (the same global batches are what
+# experimental_distribute_dataset requires, and it would report different ones).
+for b in strategy.distribute_datasets_from_function(
+        lambda ctx: [torch.randn(4, 3) * (ctx.input_pipeline_id + 1) for _ in range(3)]):
     strategy.run(train, args=(b,))
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 res["param_checksum"] = strategy.gather(strategy.run(lambda: flat.sum().reshape(1)), axis=0).tolist()
