@@ -154,15 +154,28 @@ def test_keras_optimizer_in_a_scheduled_function_updates_the_parameter_servers()
         coordinator.shutdown()
 
 
-def test_keras_metric_in_a_scheduled_function_is_refused_at_schedule():
+def test_keras_metric_in_scheduled_functions_counts_on_the_parameter_servers():
+    """The parameter-server tutorial's accuracy metric: updated on the workers, read on the chief."""
     keras = _keras()
-    from phalanx.keras import UnsupportedMetricError
     from phalanx.ps.testing import InProcessCluster
 
-    with InProcessCluster(num_ps=1, num_workers=1) as cluster:
+    with InProcessCluster(num_ps=2, num_workers=2) as cluster:
         with cluster.strategy.scope():
             accuracy = keras.metrics.Accuracy()
+            seen = keras.metrics.Sum()
         coordinator = cluster.coordinator()
-        with pytest.raises(UnsupportedMetricError, match="accuracy"):
-            coordinator.schedule(lambda: accuracy.update_state([1], [1]))
+
+        def step(labels, pred):
+            accuracy.update_state(labels, pred)
+            seen.update_state(float(len(labels)))
+
+        for i in range(10):  # 10 batches of 4: 3 of each 4 right
+            coordinator.schedule(step, args=(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 1, 0, 1])))
+        coordinator.join()
+        assert float(seen.result()) == 40.0
+        assert float(accuracy.result()) == pytest.approx(0.75)
+        accuracy.reset_state()
+        coordinator.schedule(step, args=(torch.tensor([1]), torch.tensor([1])))
+        coordinator.join()
+        assert float(accuracy.result()) == 1.0  # the chief's reset reached the servers first
         coordinator.shutdown()

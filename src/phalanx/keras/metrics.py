@@ -14,9 +14,11 @@ calls by name (module globals or closure cells, two calls deep), which is how TF
 most custom loops use metrics. ``result()`` in cross-replica context is then a collective: call it
 on every replica (as ``strategy.reduce``), not only on the chief.
 
-Under ParameterServerStrategy a scheduled function that uses a Keras metric is refused at
-``schedule`` (:class:`UnsupportedMetricError`): its updates would stay on a worker. Return the
-values from the function and update the metric on the chief with the fetched results.
+Under ParameterServerStrategy the metric's variables live on the parameter servers (as TF's do),
+placed when a scheduled function first uses the metric: each worker adds its updates there (the
+worker's in-place changes of non-trainable variables are sent as deltas), and ``result()`` on the
+chief reads the servers' values first. ``reset_state()`` on the chief is sent to the servers with
+the next scheduled function (call it after ``coordinator.join()``, as TF's tutorial does).
 
 Example::
 
@@ -31,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import types
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
@@ -155,10 +158,63 @@ def global_result(metric: Any, strategy: "Strategy", original: Callable[[], Any]
             v.assign(t)
 
 
-def refuse_in_scheduled_function(metric: Any) -> None:
-    """Raises :class:`UnsupportedMetricError` (a ParameterServerStrategy scheduled function uses ``metric``)."""
-    raise UnsupportedMetricError(
-        f"The Keras metric {metric.name!r} is used by a function given to ClusterCoordinator.schedule; under "
-        "ParameterServerStrategy its updates would stay on the worker and result() on the chief would not see them.",
-        hint="return the values the metric needs from the scheduled function and call metric.update_state "
-             "on the chief with coordinator.fetch(...) / remote_value.fetch()")
+_METRIC_KIND = "keras_metric"
+
+
+def metric_reference(metric: Any, extended: Any) -> tuple:
+    """What a scheduled function carries instead of the chief's metric (whose pickle copies its state):
+    its config and its variables on the parameter servers, where the worker's copy adds its updates."""
+    place_on_parameter_servers(metric, extended)
+    specs = [extended._json[extended._spec_of(v.value).name] for v in metric.variables]
+    config = metric.__dict__.get("_phalanx_ps_config")
+    if config is None:
+        config = metric.__dict__["_phalanx_ps_config"] = json.dumps(keras.metrics.serialize(metric))
+    return (_METRIC_KIND, str(id(metric)), config, specs)
+
+
+def resolve_metric(service: Any, pid: tuple, run: Any) -> Any:
+    """On a worker: the metric for ``pid`` (built once), its variables this run's copies of the servers'."""
+    _, key, config, specs = pid
+    metrics = service.__dict__.setdefault("_keras_metrics", {})
+    entry = metrics.get(key)
+    if entry is None or entry[0] != config:
+        metric = keras.metrics.deserialize(json.loads(config))
+        if len(metric.variables) != len(specs):
+            raise UnsupportedMetricError(f"the metric rebuilt on {service.task} has {len(metric.variables)} "
+                                         f"variables; the chief's has {len(specs)}",
+                                         hint="use a built-in or registered Keras metric")
+        for v, spec_json in zip(metric.variables, specs):
+            service._adopt(spec_json, v.value)
+        entry = metrics[key] = (config, metric)
+    for spec_json in specs:
+        service._resolve(("var", spec_json), run)  # read from the servers now; the change goes back as a delta
+    return entry[1]
+
+
+def place_on_parameter_servers(metric: Any, extended: Any) -> None:
+    """Creates ``metric``'s variables on the parameter servers (once); ``result()`` reads them from there.
+
+    Called on the chief when a scheduled function that uses ``metric`` is pickled.
+
+    Raises:
+        UnsupportedMetricError: the metric was not created in the strategy's scope.
+    """
+    if metric.__dict__.get(_ATTR) is not None:
+        return
+    strategy = extended._container_strategy()
+    if not getattr(metric, "_phalanx_in_scope", True):
+        raise UnsupportedMetricError(f"The Keras metric {metric.name!r} was not created in strategy.scope().",
+                                     hint="create it inside `with strategy.scope():`")
+    tensors = [v.value for v in metric.variables if extended._spec_of(v.value) is None]
+    if tensors:
+        extended._new_buffers.extend(tensors)
+        extended._sync_new_variables()  # creates them on the servers (chief only)
+    original = metric.result
+    names = [extended._spec_of(v.value).name for v in metric.variables]
+
+    def result() -> Any:
+        extended.pull_variables(names)  # the sum of every worker's updates
+        return original()
+
+    object.__setattr__(metric, _ATTR, weakref.ref(strategy) if strategy is not None else (lambda: None))
+    object.__setattr__(metric, "result", result)

@@ -214,6 +214,10 @@ class WorkerService:
             from phalanx.keras.parameter_server import resolve_optimizer
 
             return resolve_optimizer(self, pid)
+        if kind == "keras_metric":
+            from phalanx.keras.metrics import resolve_metric
+
+            return resolve_metric(self, pid, run)
         raise ProtocolError(f"unknown reference {pid!r} in a scheduled function")
 
     def _adopt(self, spec_json: str, tensor: torch.Tensor) -> None:

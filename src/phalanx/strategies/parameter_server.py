@@ -248,9 +248,9 @@ class ParameterServerExtended(StrategyExtended):
 
             return optimizer_reference(obj)  # the worker's stand-in sends its updates to the servers
         if keras is not None and isinstance(obj, keras.metrics.Metric):
-            from phalanx.keras.metrics import refuse_in_scheduled_function
+            from phalanx.keras.metrics import metric_reference
 
-            refuse_in_scheduled_function(obj)
+            return metric_reference(obj, self)  # its variables live on the servers
         if isinstance(obj, Strategy):
             if obj.extended is self:
                 return ("strategy",)
