@@ -36,8 +36,9 @@ Semantics (tf.keras under tf.distribute):
   weighted by each replica's share of the batch, so replicas stay identical.
 * ``predict`` gathers every replica's outputs in replica order: each input row once, in order.
 * ``save`` / ``save_weights`` / ``export`` write once: the chief writes, and every replica
-  returns when the file is complete (a failed write raises on every replica). Every replica must
-  call them, as every replica runs the program.
+  returns when the file is complete (a failed write raises on every replica). A replica given
+  another path than the chief's (TF's multi-worker tutorial saves non-chief copies to temporary
+  paths) writes its own. Every replica must call them, as every replica runs the program.
 * A final batch smaller than the number of replicas leaves some replicas without rows. They run
   the step on a stand-in row with weight 0 (no gradient, no metric contribution), so every
   replica takes part in every collective and nothing hangs.
@@ -48,7 +49,9 @@ Semantics (tf.keras under tf.distribute):
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -295,13 +298,19 @@ class DistributedModel:
         return call(arguments)
 
     def _write_once(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``model.<method>(...)`` on the chief only; every replica returns once the file is complete."""
+        """``model.<method>(path)`` once per path: the chief writes, and a replica that was given a
+        path of its own (TF's multi-worker pattern: non-chief workers save to temporary paths) writes
+        that one; every replica returns once every file is complete."""
         model = self.model
         original = getattr(type(model), method)
-        if self._writing or self._num_replicas == 1 or self._on_parameter_servers:
+        if self._writing or self._num_replicas == 1 or self._on_parameter_servers or _in_chief_only_callback():
             return original(model, *args, **kwargs)
+        path = str(kwargs.get("filepath", args[0] if args else ""))
+        digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
+        chiefs = torch.tensor([digest if self.is_chief else 0], dtype=torch.int64)
+        self._ext._broadcast_tensors([chiefs])
         result, error = None, None
-        if self.is_chief:
+        if self.is_chief or int(chiefs[0]) != digest:
             self._writing = True
             try:
                 result = original(model, *args, **kwargs)
@@ -309,13 +318,13 @@ class DistributedModel:
                 error = e
             finally:
                 self._writing = False
-        # Also the barrier: nobody returns before the chief has finished writing.
+        # Also the barrier: nobody returns before the files are complete.
         failed = self._ext._all_reduce_tensors([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
         if error is not None:
             raise error
         if float(failed[0]) > 0:
-            raise WriteError(f"model.{method}(...) failed on the chief; nothing was written.",
-                             hint="see the chief's error (replica 0's output)")
+            raise WriteError(f"model.{method}(...) failed on another replica; see its error (the chief's output "
+                             "or its replica log).", hint="the file may be missing or incomplete")
         return result
 
     @staticmethod
@@ -544,6 +553,23 @@ class DistributedModel:
             if v.path.endswith("seed_generator_state") and not _is_float(v):
                 offset = torch.tensor([self._rank * 1_000_003, 0], dtype=v.value.dtype)
                 v.assign(v.value + offset)
+
+
+def _in_chief_only_callback(depth: int = 12) -> bool:
+    """Whether a writer callback that runs on the chief alone (ModelCheckpoint, ...) is calling.
+
+    Such a callback saves on the chief only, so its save must not wait for the other replicas.
+    Keras gives no other way to tell who called ``model.save``; saves are rare, so looking at the
+    callers' frames costs nothing that matters.
+    """
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), px_callbacks.CHIEF_ONLY):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _is_scalar(value: Any) -> bool:
