@@ -35,3 +35,28 @@ def _multi_worker(tmp_path, name, n=2, timeout=240):
 
 def test_keras(tmp_path):
     _mirrored(tmp_path, "keras_tutorial.py")
+
+
+@pytest.mark.xfail(strict=True, reason="needs a Checkpoint of a Keras model made outside scope() under "
+                   "MultiWorkerMirroredStrategy (helper `checkpoint`, not on main yet)")
+def test_multi_worker_with_keras(tmp_path):
+    _multi_worker(tmp_path, "multi_worker_with_keras.py")
+
+
+@pytest.mark.xfail(strict=True, reason="Keras RMSprop(learning_rate=0.1) applied on the parameter servers as "
+                   "torch.optim.RMSprop diverges on the tutorial's model (so does torch's RMSprop in one "
+                   "process without phalanx; Keras' own RMSprop learns): the optimizer mapping needs Keras' "
+                   "update on the servers")
+def test_parameter_server_training(tmp_path):
+    pytest.importorskip("grpc")
+    pytest.importorskip("cloudpickle")
+    res = run_job([sys.executable, str(TUTORIALS / "parameter_server_training.py")], timeout=240, cwd=tmp_path,
+                  env=ENV)
+    assert res.returncode == 0, res.logs()[-8000:]
+    assert OK in res.output
+
+
+@pytest.mark.xfail(strict=True, reason="needs Checkpoint(optimizer=<Keras optimizer>) (helper `checkpoint`, "
+                   "not on main yet)")
+def test_custom_training(tmp_path):
+    _mirrored(tmp_path, "custom_training.py")

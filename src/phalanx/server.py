@@ -80,6 +80,19 @@ class Server:
             self._thread = threading.Thread(target=self._strategy.extended.serve, args=(self._strategy,),
                                             name=f"phalanx-server-{self._job}:{self._index}", daemon=True)
             self._thread.start()
+            # At exit, stop serving before Python shuts down the thread pools gRPC answers from
+            # (concurrent.futures' exit hook); later requests would fail noisily in gRPC's threads.
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(self.stop)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops serving (what the coordinator's shutdown request does) and waits for it."""
+        service = getattr(self._strategy.extended, "_service", None)
+        if service is not None and getattr(service, "_on_shutdown", None) is not None:
+            service._on_shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Blocks until the coordinator shuts the cluster down (or ``timeout`` seconds pass)."""

@@ -68,8 +68,16 @@ class DatasetCreator:
             raise TypeError(f"DatasetCreator needs a callable; received {type(dataset_fn).__name__}")
         self.dataset_fn = dataset_fn
 
-    def __call__(self, *args: Any) -> Any:
-        return self.dataset_fn(*args)
+    def __call__(self, input_context: Any) -> Any:
+        """``dataset_fn(input_context)``, or ``dataset_fn()`` when it takes no argument."""
+        import inspect
+
+        try:
+            takes = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                        for p in inspect.signature(self.dataset_fn).parameters.values())
+        except (TypeError, ValueError):
+            takes = True
+        return self.dataset_fn(input_context) if takes else self.dataset_fn()
 
 
 # ---------------------------------------------------------------------------------- optimizer
