@@ -47,6 +47,15 @@ def test_unseeded_shuffling_loader_gives_the_same_global_batches_everywhere(resu
         "each process's own random state must be given back"
 
 
+def test_lazily_shuffling_generator_gives_the_same_global_batches(results):
+    for got in results:
+        batches = _ok(got["lazy_shuffle"])
+        assert len(batches) == 4
+        for b in batches:  # each global batch is one batch, the same in both processes: 4 distinct rows
+            assert len(set(b)) == 4, b
+    assert results[0]["lazy_shuffle"] == results[1]["lazy_shuffle"]
+
+
 def test_mismatched_global_batches_are_detected(results):
     for got in results:
         assert got["mismatch"]["error"] == "InputMismatchError", got["mismatch"]

@@ -74,17 +74,27 @@ def _():
     return {"epochs": epochs, "own_random": own}
 
 
-@check("mismatch")
+@check("lazy_shuffle")
 def _():
-    # A generator that shuffles lazily with the process's own stream: cannot be aligned, must be detected.
+    # A generator that shuffles lazily with numpy's global stream (the input tutorial's from_generator):
+    # every batch is drawn with the chief's seed, so the global batches agree.
     def batches():
         order = np.arange(16)
-        for _ in range(1):
-            pass
-        yield torch.zeros(4)
-        np.random.shuffle(order)  # drawn after the first batch, outside phalanx's seeding
+        for k in range(4):
+            np.random.shuffle(order)
+            yield torch.as_tensor(order[:4].copy(), dtype=torch.float32)
+
+    return [strategy.gather(strategy.run(lambda t: t, args=(x,)), axis=0).tolist()
+            for x in strategy.experimental_distribute_dataset(batches())]
+
+
+@check("mismatch")
+def _():
+    # A generator with its own unseeded generator (OS entropy): cannot be aligned, must be detected.
+    def batches():
+        rng = np.random.default_rng()
         for k in range(3):
-            yield torch.as_tensor(order[4 * k:4 * k + 4], dtype=torch.float32)
+            yield torch.as_tensor(rng.permutation(16)[:4], dtype=torch.float32)
 
     for x in strategy.experimental_distribute_dataset(batches()):
         strategy.run(lambda t: t, args=(x,))

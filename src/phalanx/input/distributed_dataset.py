@@ -20,11 +20,12 @@ replicas stop at the same step with identical parameters.
 Same global batches everywhere. Every process reads the dataset given to
 ``experimental_distribute_dataset`` and keeps its slice, so every process must read the same
 global batches. An unseeded shuffle (``DataLoader(shuffle=True)``, ``random.shuffle`` or numpy in
-a generator) would shuffle differently in each process; so each pass starts (``iter()`` and the
-first batch, where a ``DataLoader`` draws its shuffling seed) with torch's, numpy's and Python's
-random generators seeded from the chief, and each process's own random state is given back
-afterwards. Randomness drawn later (a generator that shuffles lazily) cannot be aligned this way:
-the first global batches of every pass are compared across processes and a difference raises
+a generator) would shuffle differently in each process; so ``iter()`` and every batch of a pass
+are drawn with torch's, numpy's and Python's global random generators seeded from the chief (one
+seed per pass, sent once; batch ``i`` uses seed + i), and each process's own random state is given
+back afterwards. Randomness from elsewhere (a generator's own ``np.random.default_rng()``, data
+that depends on the process) cannot be aligned this way: the first global batches of every pass
+are compared across processes and a difference raises
 :class:`~phalanx.errors.InputMismatchError` on every replica.
 """
 
@@ -138,16 +139,22 @@ def _local_spec(value: Any) -> Any:
     return spec_of(nest.map_structure(lambda v: local_results(v)[0], value))
 
 
-@contextlib.contextmanager
-def same_randomness(ext: Any) -> Iterator[None]:
-    """Inside, every process draws the chief's random numbers (torch CPU, numpy, ``random``);
-    each process's own random state is given back after. A collective."""
+def shared_seed(ext: Any) -> int | None:
+    """A seed drawn by the chief and sent to every process (a collective); None for one process."""
     if ext._comm.world_size == 1:
-        yield
-        return
+        return None
     seed_t = torch.tensor([secrets.randbits(62) if ext._comm.rank == 0 else 0], dtype=torch.int64)
     ext._broadcast_tensors([seed_t])
-    seed = int(seed_t[0])
+    return int(seed_t[0])
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None) -> Iterator[None]:
+    """Inside, torch's (CPU), numpy's and Python's global generators draw from ``seed``; the
+    process's own random state is given back after. Nothing happens for ``seed=None``."""
+    if seed is None:
+        yield
+        return
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -232,17 +239,24 @@ class DistributedDataset:
     def _passes(self) -> Iterator[Any]:
         """The global batches of one pass, the same in every process (see the module docstring)."""
         ext = self._strategy.extended
-        with same_randomness(ext):
+        seed = shared_seed(ext)
+        with seeded(seed):
             iterator = iter(self._dataset)
-            first = next(iterator, _END)
-        if first is _END:
-            return
         check = ext._comm.world_size > 1 and self._split[0] == self._strategy.num_replicas_in_sync
-        for i, element in enumerate(_chain(first, iterator)):
+        i = 0
+        while True:
+            # Each batch is drawn with the same seed in every process (seed + batch index), so
+            # random numbers a pipeline draws as it goes (a DataLoader's shuffle order, a
+            # generator's np.random) are the same everywhere.
+            with seeded(None if seed is None else seed + i + 1):
+                element = next(iterator, _END)
+            if element is _END:
+                return
             element = nest.map_structure(_to_tensor, element)
             if check and i < CHECKED_BATCHES:
                 check_same_batch(ext, element, i)
             yield element
+            i += 1
 
     def _slices(self) -> Iterator[tuple[Any, int]]:
         num, index = self._split
@@ -261,11 +275,6 @@ class DistributedDataset:
         place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
         source = _agreed(ext, (e for e, _ in self._slices())) if ext._agree_on_input_end else self._slices()
         yield from _emit(self._strategy, source, place)
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
 
 
 class DatasetFromFunction:
