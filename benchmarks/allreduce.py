@@ -8,6 +8,7 @@ busbw follows nccl-tests: ``bytes / time * 2 (n - 1) / n``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import time
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
+from phalanx._compat.torch import gloo_options
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
@@ -35,10 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = px.MultiWorkerMirroredStrategy()
-    comm = strategy.extended._comm
+    comm = strategy.extended.communicator
     n = comm.world_size
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts = gloo_options(datetime.timedelta(seconds=300), "127.0.0.1")
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("bench-raw-gloo", comm.store), comm.rank, n, opts)
     impls = {
         "phalanx": lambda t: comm.all_reduce(t, "sum").wait(),

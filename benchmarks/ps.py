@@ -60,7 +60,7 @@ def sync_job(out: str, seconds: float, with_slow: bool) -> None:
     import phalanx as px
 
     strategy = px.MultiWorkerMirroredStrategy()
-    k, rank = strategy.num_replicas_in_sync, strategy.extended._comm.rank
+    k, rank = strategy.num_replicas_in_sync, strategy.extended.process_index
     with strategy.scope():
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

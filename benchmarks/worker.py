@@ -66,10 +66,10 @@ def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
 
     def sync():
         if strategy.num_replicas_in_sync > 1:
-            strategy.extended._comm.barrier()
+            strategy.extended.barrier()
 
     steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync)
-    return {"rank": strategy.extended._comm.rank, "steps": steps, "seconds": elapsed}
+    return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
 
 
 def run_torch(kind: str, model_name: str, seconds: float) -> dict:

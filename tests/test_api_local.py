@@ -179,7 +179,7 @@ def test_scope_places_parameters_and_records_them():
         model = torch.nn.Linear(3, 2)
         bn = torch.nn.BatchNorm1d(2)
     assert all(p.device.type == "cpu" for p in model.parameters())
-    assert len(strategy.extended._buffers) == 2  # bn running mean/var (num_batches_tracked is int)
+    assert len(strategy.extended.mirrored_buffers) == 2  # bn running mean/var (num_batches_tracked is int)
     assert bn.running_mean.device.type == "cpu"
 
 

@@ -55,7 +55,7 @@ def test_replica_dying_mid_step_leaves_last_completed_step(tmp_path, script):
     job = script("""
         import json, os, sys, torch, phalanx as px
         strategy = px.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
-        rank = strategy.extended._comm.rank
+        rank = strategy.extended.process_index
         torch.manual_seed(0)
         with strategy.scope():
             model = torch.nn.Linear(8, 1)
@@ -139,7 +139,7 @@ def test_copy_mode_single_replica_in_process(monkeypatch):
     """One replica in copy mode (a GPU with parameter_device='cpu'): the same hand-over, no peers."""
     monkeypatch.setenv("PHALANX_CENTRAL_COPY", "1")
     strategy = px.CentralStorageStrategy(["cpu:0"], parameter_device="cpu")
-    assert strategy.extended._copy_mode
+    assert strategy.extended.copy_mode
     torch.manual_seed(0)
     with strategy.scope():
         model = torch.nn.Linear(4, 2)
@@ -147,7 +147,7 @@ def test_copy_mode_single_replica_in_process(monkeypatch):
     torch.manual_seed(0)
     ref = torch.nn.Linear(4, 2)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    central = {id(p): strategy.extended._central_of[id(p)].data_ptr() for p in model.parameters()}
+    central = {id(p): strategy.extended.central_copy_of(p).data_ptr() for p in model.parameters()}
     in_run = []
 
     def step(x):

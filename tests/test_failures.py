@@ -112,7 +112,7 @@ def test_phalanx_run_reports_root_cause_and_stops_the_rest(tmp_path, script):
     job = script("""
         import os, sys, time, phalanx as px, torch
         s = px.MirroredStrategy()
-        if s.extended._comm.rank == 1:
+        if s.extended.process_index == 1:
             raise RuntimeError("boom in replica one")
         s.gather(s.run(lambda: torch.ones(1)), axis=0)
     """)
@@ -129,7 +129,7 @@ def test_phalanx_run_restarts_the_group(tmp_path, script):
         import os, sys, phalanx as px, torch
         s = px.MirroredStrategy()
         attempt = int(os.environ["PHALANX_RESTART_COUNT"])
-        if attempt == 0 and s.extended._comm.rank == 1:
+        if attempt == 0 and s.extended.process_index == 1:
             sys.exit(3)
         total = s.reduce("SUM", s.run(lambda: torch.ones(())), axis=None)
         if s.extended.should_checkpoint:
@@ -145,7 +145,7 @@ def test_self_launched_replica_failure_fails_the_job(tmp_path, script):
     job = script("""
         import os, phalanx as px, torch
         s = px.MirroredStrategy(["cpu:0", "cpu:1"])
-        if s.extended._comm.rank == 1:
+        if s.extended.process_index == 1:
             os._exit(7)
         for _ in range(3):
             s.gather(s.run(lambda: torch.ones(1)), axis=0)
@@ -164,7 +164,7 @@ def test_phalanx_run_forwards_sigterm_and_preemption_restarts_are_free(tmp_path,
         import os, signal, sys, time, phalanx as px, torch
         s = px.MirroredStrategy()
         attempt = int(os.environ["PHALANX_RESTART_COUNT"])
-        rank = s.extended._comm.rank
+        rank = s.extended.process_index
         if attempt == 0:
             sys.exit(42)  # every replica asks for a restart (as after a preemption save)
         def on_term(*_):

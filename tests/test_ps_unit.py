@@ -313,7 +313,7 @@ def test_chief_writes_reach_the_servers_and_a_restarted_coordinator_reuses_varia
             model2 = _Net()
         assert [len(ps.keys) for ps in cluster.ps] == counts
         assert torch.equal(model2.linear.weight.detach(), torch.full((2, 4), 3.0))
-        chief2.extended._stopped = True  # leave the cluster running for the first chief to stop
+        chief2.extended.leave_cluster_running()  # for the first chief to stop
 
 
 def test_per_worker_dataset_is_built_on_each_worker():

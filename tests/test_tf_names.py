@@ -21,7 +21,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 try:
     import keras
 
-    import phalanx.keras  # noqa: F401
+    import phalanx.keras
 except ImportError:  # pragma: no cover - the keras extra is not installed
     keras = None
 # Before the per-test environment check: Keras' first random seed and torch's first optimizer
@@ -84,9 +84,8 @@ def test_experimental_set_strategy_is_a_program_wide_scope():
         assert px.get_strategy() is strategy and px.has_strategy() and px.in_cross_replica_context()
         layer = torch.nn.Linear(2, 2)  # created "in scope": distributed by the strategy
         assert strategy.extended.variable_created_in_scope(layer.weight)
-        with pytest.raises(StrategyScopeError):
-            with strategy.scope():
-                px.experimental_set_strategy(None)
+        with pytest.raises(StrategyScopeError), strategy.scope():
+            px.experimental_set_strategy(None)
     finally:
         px.experimental_set_strategy(None)
     assert not px.has_strategy()

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "tf_semantics.py"

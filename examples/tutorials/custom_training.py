@@ -2,6 +2,7 @@
 # ("Custom training with tf.distribute.Strategy").
 # Run: phalanx run -n 2 examples/tutorials/custom_training.py   (MirroredStrategy, 2 CPU replicas)
 #
+# About 30 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx. Lines changed beyond the rename:
 #   1. data: fashion_mnist -> scikit-learn's digits (8x8x1); tf.data from_tensor_slices / shuffle /
 #      batch -> TensorDataset + DataLoader(shuffle=True); the model's second Conv2D/MaxPooling2D pair

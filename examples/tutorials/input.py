@@ -1,6 +1,7 @@
 # Port of tensorflow/docs site/en/tutorials/distribute/input.ipynb ("Distributed input").
 # Run: phalanx run -n 2 examples/tutorials/input.py   (MirroredStrategy, 2 CPU replicas)
 #
+# About 25 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx (the tutorial creates a MirroredStrategy in
 # each section). Lines changed beyond the rename:
 #   1. tf.data -> lists of batches and generators: from_tensors(([1.], [1.])).repeat(n).batch(b) ->

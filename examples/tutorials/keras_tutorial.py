@@ -1,6 +1,7 @@
 # Port of tensorflow/docs site/en/tutorials/distribute/keras.ipynb ("Distributed training with Keras").
 # Run: phalanx run -n 2 examples/tutorials/keras_tutorial.py   (MirroredStrategy over 2 CPU replicas)
 #
+# About 20 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx. Lines changed beyond the rename (forced by
 # TF -> torch / Keras 3, or by no downloads):
 #   1. data: tfds.load('mnist') -> scikit-learn's digits (8x8 images), DataLoader instead of tf.data

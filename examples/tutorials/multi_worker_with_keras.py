@@ -2,6 +2,7 @@
 # ("Multi-worker training with Keras": mnist_setup.py + main.py, then saving and checkpointing).
 # Run: one process per TF_CONFIG worker, e.g. 2 workers on this host (see tests/test_tutorials.py).
 #
+# About 25 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx. Lines changed beyond the rename:
 #   1. data: tf.keras.datasets.mnist -> scikit-learn's digits (8x8); the tf.data pipeline
 #      shuffle(60000).repeat().batch(b) -> a generator doing the same; shapes 28 -> 8.

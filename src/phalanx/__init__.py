@@ -49,12 +49,9 @@ from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
+from phalanx.process import barrier, is_chief, num_processes, process_index
+
 __version__ = "0.1.0"
-
-
-def is_chief() -> bool:
-    """Whether this process is the one that writes checkpoints, logs and summaries."""
-    return get_strategy().extended.should_checkpoint
 
 
 __all__ = [
@@ -63,6 +60,6 @@ __all__ = [
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
     "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", "is_chief", "nn",
+    "has_strategy", "in_cross_replica_context", "is_chief", "nn", "barrier", "num_processes", "process_index",
     "DistributedDataset", "DistributedIterator", "RunOptions", "Server", "experimental_set_strategy",
 ]

@@ -29,9 +29,11 @@ import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from phalanx import nest
 from phalanx.errors import NotCallableError, StrategyScopeError
-from phalanx.values import DistributedValues, ReduceOp
+from phalanx.values import DistributedValues, ReduceOp, local_results
 
 if TYPE_CHECKING:
     from phalanx.strategy import Strategy
@@ -73,7 +75,7 @@ class _push:  # lower case: used like the function it replaces
 def enter_scope(strategy: "Strategy") -> contextlib.AbstractContextManager[None]:
     """Pushes ``strategy``'s cross-replica context; refuses to nest another strategy's scope."""
     top = _top()
-    if top is not None and top.strategy is not strategy and not top.strategy._is_default:
+    if top is not None and top.strategy is not strategy and not top.strategy._is_default:  # friend: core pair
         raise StrategyScopeError(
             f"Mixing different strategies: cannot enter the scope of {strategy!r} inside the scope of "
             f"{top.strategy!r}.",
@@ -98,7 +100,7 @@ def get_strategy() -> "Strategy":
 def has_strategy() -> bool:
     """Whether a strategy other than the default is current."""
     top = _top()
-    return top is not None and not top.strategy._is_default
+    return top is not None and not top.strategy._is_default  # friend: core pair
 
 
 def in_cross_replica_context() -> bool:
@@ -124,10 +126,22 @@ def get_cross_replica_context() -> "Strategy | None":
     return top.strategy if top is not None and top.replica_context is None else None
 
 
-def _default_strategy() -> "Strategy":
-    from phalanx.strategies.default import default_strategy
+# The default strategy is defined beside Strategy (phalanx.strategy, as TF's distribute_lib does),
+# which imports this module: it hands its factory down here when it is imported, so this module,
+# the bottom of the core, never imports a strategy.
+_default_factory: "Callable[[], Strategy] | None" = None
 
-    return default_strategy()
+
+def set_default_strategy_factory(factory: "Callable[[], Strategy]") -> None:
+    """Names the function that returns the default strategy (called by :mod:`phalanx.strategy`)."""
+    global _default_factory
+    _default_factory = factory
+
+
+def _default_strategy() -> "Strategy":
+    if _default_factory is None:  # pragma: no cover - phalanx/__init__ imports phalanx.strategy first
+        raise RuntimeError("phalanx.strategy was not imported; import phalanx first")
+    return _default_factory()
 
 
 class ReplicaContext:
@@ -163,16 +177,18 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return (str(self._strategy.extended._local_device),)
+        return (str(self._strategy.extended.local_device),)
 
     def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
         """Reduces ``value`` (a nested structure of tensors) across all replicas; same on each."""
         op = ReduceOp.from_any(reduce_op)
-        return self._strategy.extended._all_reduce_structure(op, value)
+        leaves, spec = nest.flatten_with_spec(value)
+        tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
+        return nest.unflatten(self._strategy.extended.all_reduce(tensors, op), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis``, in replica order."""
-        return nest.map_structure(lambda t: self._strategy.extended._all_gather(t, axis), value)
+        return nest.map_structure(lambda t: self._strategy.extended.all_gather(t, axis), value)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in cross-replica context.
@@ -183,8 +199,8 @@ class ReplicaContext:
         if not callable(merge_fn):
             raise NotCallableError(merge_fn, what="merge_fn")
         strategy = self._strategy
-        wrapped_args = strategy._wrap_local(args)
-        wrapped_kwargs = strategy._wrap_local(kwargs or {})
+        wrapped_args = strategy._wrap_local(args)  # friend: core pair (context and strategy)
+        wrapped_kwargs = strategy._wrap_local(kwargs or {})  # friend
         with _push(_Frame(strategy, None)):
             result = merge_fn(strategy, *wrapped_args, **wrapped_kwargs)
         return nest.map_structure(

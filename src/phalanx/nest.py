@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torch.utils import _pytree as pytree
+from phalanx._compat.torch import pytree
 
 # torch's pytree is the one structure walker that torch itself, torch.compile and Keras' torch
 # backend agree on; reusing it keeps dicts, namedtuples and OrderedDicts handled identically.

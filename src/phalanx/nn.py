@@ -36,7 +36,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Te
         loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
     if global_batch_size is None:
         strategy = context.get_strategy()
-        global_batch_size = strategy.extended._global_batch_size
+        global_batch_size = strategy.extended._global_batch_size  # friend: the global-batch channel (input)
         if global_batch_size is None:
             local = loss.shape[0] if loss.dim() > 0 else 1
             global_batch_size = local * strategy.num_replicas_in_sync

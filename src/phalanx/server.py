@@ -57,10 +57,11 @@ class Server:
         spec = server_or_cluster_def
         spec = spec.as_dict() if isinstance(spec, ClusterSpec) else dict(spec)
         self._job, self._index = job_name, int(task_index or 0)
-        self._strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
-        self._strategy._build(SimpleClusterResolver(spec, task_type=job_name, task_id=self._index),
-                              None, None, cluster_secret, None)
-        self._target = "grpc://" + self._strategy.extended._cluster.task_address(job_name, self._index)
+        self._strategy = ParameterServerStrategy(SimpleClusterResolver(spec, task_type=job_name, task_id=self._index),
+                                                 cluster_secret=cluster_secret, serve_and_exit=False)
+        tasks = spec[job_name]
+        address = tasks[self._index]  # a list, or a dict {index: address}
+        self._target = f"grpc://{address}"
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -77,7 +78,7 @@ class Server:
     def start(self) -> None:
         """Starts serving in a background thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._strategy.extended.serve, args=(self._strategy,),
+            self._thread = threading.Thread(target=self._strategy.serve,
                                             name=f"phalanx-server-{self._job}:{self._index}", daemon=True)
             self._thread.start()
             # At exit, stop serving before Python shuts down the thread pools gRPC answers from
@@ -88,9 +89,10 @@ class Server:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops serving (what the coordinator's shutdown request does) and waits for it."""
-        service = getattr(self._strategy.extended, "_service", None)
-        if service is not None and getattr(service, "_on_shutdown", None) is not None:
-            service._on_shutdown()
+        # friend: the service's shutdown callback is what the coordinator's shutdown request runs
+        service = getattr(self._strategy.extended, "_service", None)  # friend: no public handle yet
+        if service is not None and getattr(service, "_on_shutdown", None) is not None:  # friend
+            service._on_shutdown()  # friend: as the coordinator's shutdown request does
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -101,7 +103,7 @@ class Server:
         self._thread.join(timeout)
 
     @staticmethod
-    def create_local_server(config: Any = None, start: bool = True) -> "Server":
+    def create_local_server(config: Any = None, start: bool = True) -> Server:
         """TF's single-task local server; phalanx has no use for one."""
         raise ClusterSpecError("cluster", None, "a local in-process TF server has no phalanx equivalent",
                                hint="use OneDeviceStrategy for one process, or Server(cluster, 'ps'|'worker', i)")

@@ -4,7 +4,7 @@ A strategy is a thin object over a :class:`StrategyExtended`, which owns the mac
 communicator, the replica's device, the captured variables and their gradient synchronisation.
 Concrete strategies (``phalanx/strategies/``) only choose how these are put together.
 
-In phalanx each replica is a process (see DESIGN.md): ``run`` calls the function once, on this
+In phalanx each replica is a process (see docs/ARCHITECTURE.md): ``run`` calls the function once, on this
 process's replica; ``reduce`` and ``gather`` are collectives whose result every process gets.
 
 Example:
@@ -19,35 +19,77 @@ Example:
 
 from __future__ import annotations
 
-import weakref
-
 import contextlib
-import importlib
-import sys
-from typing import Any, Callable, Iterable, Iterator
+import functools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
-from phalanx import context, nest
+from phalanx import context, nest, variables
+from phalanx._sidetable import IdentityTable
+from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ContextError, NotCallableError
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
-from phalanx import variables
 
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
 RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
 
 
-def _tf_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
+def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
+    """TF's full name of ``device`` on ``task``, e.g. ``/job:localhost/replica:0/task:0/device:CPU:1``."""
     kind = "GPU" if device.type == "cuda" else device.type.upper()
     return f"{task}/device:{kind}:{device.index}"
 
 
+_tf_name = tf_device_name  # the former private name
+
+
+@dataclass(frozen=True)
+class InputSharding:
+    """How this process's input relates to the other workers' (read by :mod:`phalanx.input`).
+
+    Attributes:
+        num_workers: the hosts (workers) that read input; each auto-shards its dataset by this.
+        worker_index: this process's worker among them.
+        agree_on_end: processes may hold inputs of different lengths, so every step they agree
+            on who still has data (multi-worker), and all stop at the same step.
+    """
+
+    num_workers: int = 1
+    worker_index: int = 0
+    agree_on_end: bool = False
+
+
+@runtime_checkable
+class CheckpointParticipant(Protocol):
+    """A strategy whose state lives away from the user's objects takes part in saves and restores.
+
+    :class:`phalanx.checkpoint.Checkpoint` asks the ``extended`` of the strategy that owns an
+    object: the parameter servers' strategy gathers their optimizer state for a save and sends
+    it back after a restore. The base :class:`StrategyExtended` implements both as no-ops.
+    """
+
+    def state_to_save(self, obj: Any) -> Any:
+        """The state of ``obj`` to store, or None for ``obj.state_dict()``."""
+
+    def after_restore(self, obj: Any) -> None:
+        """Called after a checkpoint restored ``obj`` in place."""
+
+
 class StrategyExtended:
     """The machinery behind a strategy (``tf.distribute.StrategyExtended``).
+
+    The public members below are the contract the rest of phalanx (input, checkpoints, Keras,
+    the coordinator) and user code rely on; the ``_`` members are this class's and its
+    subclasses' own. Collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``)
+    must be called by every process of the job at the same point.
 
     Args:
         comm: the communicator among all replicas of the job.
@@ -56,11 +98,12 @@ class StrategyExtended:
         parameter_devices: where variables live (TF names).
         cross_device_ops: how gradients are summed.
         bucket_bytes: gradient bucket size (``bytes_per_pack``).
+        input_sharding: how this process's input relates to the other workers'.
     """
 
     def __init__(self, comm: Any, local_device: LogicalDevice, worker_devices: tuple[str, ...],
                  parameter_devices: tuple[str, ...], cross_device_ops: CrossDeviceOps | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, input_sharding: InputSharding | None = None) -> None:
         self._comm = comm
         self._local_device = local_device
         self._worker_devices = worker_devices
@@ -76,8 +119,8 @@ class StrategyExtended:
         self._reducer: GradientReducer | None = None
         self._step = 0
         self._global_batch_size: int | None = None  # of the batch being consumed, set by input
-        self._agree_on_input_end = False  # strategies whose processes may hold different data set it
-        self._num_workers, self._worker_index = 1, 0  # hosts, for auto-sharding across workers
+        self._input_sharding = input_sharding or InputSharding()
+        self._container_strategy_ref: Any = None
 
     # ---------------------------------------------------------------- TF's public properties
     @property
@@ -110,6 +153,105 @@ class StrategyExtended:
     @property
     def experimental_require_static_shapes(self) -> bool:
         return False
+
+    # ---------------------------------------------------------------- the contract: identity
+    @property
+    def process_index(self) -> int:
+        """This process's index among the job's synchronous processes (0 is the chief)."""
+        return self._comm.rank
+
+    replica_id = process_index  # one replica per process: the replica's id in the sync group
+
+    @property
+    def num_processes(self) -> int:
+        """The number of processes taking part in this strategy's collectives."""
+        return self._comm.world_size
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas of the whole job (one per process)."""
+        return self._comm.world_size
+
+    def process_name(self, index: int | None = None) -> str:
+        """A readable name of process ``index`` (default: this one), for messages."""
+        return self._comm.name(self._comm.rank if index is None else index)
+
+    @property
+    def device(self) -> torch.device:
+        """This replica's torch device (``cpu`` for every logical CPU replica)."""
+        return self._local_device.torch_device
+
+    @property
+    def local_device(self) -> LogicalDevice:
+        """This replica's logical device (``cpu:1`` for the second CPU replica of a host)."""
+        return self._local_device
+
+    @property
+    def step(self) -> int:
+        """How many times ``strategy.run`` was called (the step the job is at)."""
+        return self._step
+
+    @property
+    def communicator(self) -> Any:
+        """The communicator behind the collectives (:mod:`phalanx.comm`), for tools and benchmarks."""
+        return self._comm
+
+    @property
+    def mirrored_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The floating-point buffers (BatchNorm statistics) re-broadcast from replica 0 before each step."""
+        return tuple(self._buffers)
+
+    @property
+    def input_sharding(self) -> InputSharding:
+        return self._input_sharding
+
+    @property
+    def container_strategy(self) -> Any:
+        """The Strategy this belongs to, or None once it is gone."""
+        ref = self._container_strategy_ref
+        return ref() if ref is not None else None
+
+    # ---------------------------------------------------------------- the contract: collectives
+    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp | str = ReduceOp.SUM) -> list[torch.Tensor]:
+        """Reduces each tensor across all processes, one message per dtype; same result everywhere.
+
+        Integer tensors are averaged in floating point (as TF does). Returns new tensors.
+        """
+        return self._all_reduce_tensors(list(tensors), ReduceOp.from_any(op))
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Overwrites ``tensors`` in place with process ``src``'s values (one message per dtype)."""
+        self._broadcast_tensors(list(tensors), src)
+
+    def all_gather(self, tensor: Any, axis: int = 0) -> torch.Tensor:
+        """Concatenates every process's ``tensor`` along ``axis`` in process order (lengths may differ)."""
+        return self._all_gather(tensor, axis)
+
+    def barrier(self) -> None:
+        """Returns once every process of the job has called it."""
+        if self._comm.world_size > 1:
+            self._comm.barrier()
+
+    def adopt_variables(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Treats ``params`` as created in scope: broadcast from the chief, gradients synchronised.
+
+        For variables built lazily, outside ``scope()`` (a Keras model built by its first step).
+        Collective: every process calls it at the same point.
+        """
+        for p in params:
+            if self._created.get(id(p)) is not p:  # not captured already (in scope or inside run)
+                self._created[id(p)] = p
+                self._new_params.append(p)
+        self._sync_new_variables()
+
+    # ---------------------------------------------------------------- the contract: checkpoints
+    def state_to_save(self, obj: Any) -> Any:
+        """The state of ``obj`` to store in a checkpoint, or None for ``obj.state_dict()``."""
+        return self._state_to_save(obj)
+
+    def after_restore(self, obj: Any) -> None:
+        """Called after a checkpoint restored ``obj`` in place."""
+        self._after_restore(obj)
 
     @property
     def _torch_device(self) -> torch.device:
@@ -162,7 +304,7 @@ class StrategyExtended:
         """Broadcasts many tensors from ``src`` in one message per dtype."""
         if self._comm.world_size == 1 or not tensors:
             return
-        for group in _by_dtype(tensors).values():
+        for group in by_dtype(tensors).values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             self._comm.broadcast(flat, src=src)
             offset = 0
@@ -264,7 +406,8 @@ class StrategyExtended:
 
     def _worker_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of ``value`` on this worker's replicas (gathered from their processes)."""
-        per_worker = self._comm.world_size // max(self._num_workers, 1)
+        sharding = self.input_sharding
+        per_worker = self._comm.world_size // max(sharding.num_workers, 1)
         if per_worker <= 1 or not isinstance(value, DistributedValues):
             return local_results(value)
         if not isinstance(value, PerReplica):
@@ -272,7 +415,7 @@ class StrategyExtended:
         mine = torch.as_tensor(value.values[0])
         scalar = mine.dim() == 0
         everyone = self._all_gather_list(mine.reshape(1) if scalar else mine)
-        first = self._worker_index * per_worker
+        first = sharding.worker_index * per_worker
         parts = everyone[first:first + per_worker]
         return tuple(p.reshape(()) if scalar else p for p in parts)
 
@@ -313,13 +456,12 @@ class StrategyExtended:
         """Called after a checkpoint restored ``obj`` in place."""
 
     def _container_strategy(self) -> Any:
-        """The Strategy this belongs to (TF's name), or None once it is gone."""
-        ref = getattr(self, "_container_strategy_ref", None)
-        return ref() if ref is not None else None
+        """TF's name for :attr:`container_strategy`."""
+        return self.container_strategy
 
     def _mark_owned(self, tensor: torch.Tensor) -> None:
         """Marks ``tensor`` as this strategy's variable, for a Checkpoint made outside ``scope()``."""
-        tensor._phalanx_owner = _OwnerRef(self)
+        _OWNERS[tensor] = weakref.ref(self)
 
     def _close(self) -> None:
         if self._reducer is not None:
@@ -327,29 +469,63 @@ class StrategyExtended:
         self._comm.close()
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+def by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """Groups ``tensors`` by (dtype, device), keeping their order within each group."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return groups
 
 
-class _OwnerRef:
-    """A weak reference to a tensor's strategy that pickles (``torch.save(module)``) as a dead one."""
+_by_dtype = by_dtype  # the former private name
 
-    __slots__ = ("_ref",)
 
-    def __init__(self, owner: Any = None) -> None:
-        self._ref = weakref.ref(owner) if owner is not None else None
+# tensor -> weak reference to the StrategyExtended whose variable it is (a side table: nothing is
+# attached to the tensor, so nothing of phalanx's travels with torch.save(module) or a deep copy).
+_OWNERS: IdentityTable[weakref.ref] = IdentityTable()
 
-    def __call__(self) -> Any:
-        return self._ref() if self._ref is not None else None
 
-    def __reduce__(self) -> tuple:
-        return (_OwnerRef, ())
+def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
+    """The live strategy machinery whose variable ``tensor`` is, if a strategy marked it as one."""
+    ref = _OWNERS.get(tensor)
+    return ref() if ref is not None else None
 
-    def __deepcopy__(self, memo: dict) -> "_OwnerRef":
-        return self
+
+# The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
+_LIVE: list[weakref.ref] = []
+_LIVE_LOCK = threading.Lock()
+
+
+def live_strategy() -> "Strategy | None":
+    """The strategy this process built last and has not closed, if any (for process identity)."""
+    with _LIVE_LOCK:
+        for ref in reversed(_LIVE):
+            strategy = ref()
+            if strategy is not None and not strategy._closed:
+                return strategy
+    return None
+
+
+ScopeEnterHook = Callable[["Strategy"], None]
+_SCOPE_ENTER_HOOKS: list[ScopeEnterHook] = []
+_SCOPE_HOOKS_LOCK = threading.Lock()
+
+
+def register_scope_enter_hook(hook: ScopeEnterHook) -> None:
+    """Calls ``hook(strategy)`` whenever a (non-default) strategy's ``scope()`` is entered.
+
+    The extension point for integrations above the core: ``phalanx.keras`` joins it when it is
+    imported, so the core itself never imports, or validates, Keras. Registering a hook twice
+    has no effect.
+    """
+    with _SCOPE_HOOKS_LOCK:
+        if hook not in _SCOPE_ENTER_HOOKS:
+            _SCOPE_ENTER_HOOKS.append(hook)
+
+
+def scope_enter_hooks() -> tuple[ScopeEnterHook, ...]:
+    """The registered scope-enter hooks, in order."""
+    return tuple(_SCOPE_ENTER_HOOKS)
 
 
 class Strategy:
@@ -360,7 +536,11 @@ class Strategy:
     def __init__(self, extended: StrategyExtended, cluster_resolver: Any = None) -> None:
         self._extended = extended
         self._cluster_resolver = cluster_resolver
+        self._closed = False
         extended._container_strategy_ref = weakref.ref(self)
+        if not self._is_default:
+            with _LIVE_LOCK:
+                _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
 
     # ---------------------------------------------------------------- properties
     @property
@@ -370,7 +550,7 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas of the whole job (all processes, all hosts)."""
-        return self._extended._comm.world_size
+        return self._extended.num_replicas_in_sync
 
     @property
     def cluster_resolver(self) -> Any:
@@ -384,9 +564,8 @@ class Strategy:
         Raises:
             StrategyScopeError: another strategy's scope is already open.
         """
-        if "keras" in sys.modules and "phalanx.keras" not in sys.modules:
-            # The user works with Keras: load the integration (it never imports Keras itself first).
-            importlib.import_module("phalanx.keras")
+        for hook in _SCOPE_ENTER_HOOKS:
+            hook(self)
         with context.enter_scope(self):
             with self._extended._variable_scope(self):
                 yield self
@@ -415,13 +594,13 @@ class Strategy:
         for observe in RUN_OBSERVERS:
             observe(self, fn)
         ext = self._extended
-        ext._step += 1
-        ext._comm.step = ext._step
+        ext._step += 1  # friend: Strategy and its StrategyExtended are one object in two parts (TF's pairing)
+        ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
-            ext._before_run()
-            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self):
+            ext._before_run()  # friend
+            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self):  # friend
                 result = fn(*args, **kwargs)
-            ext._after_run()
+            ext._after_run()  # friend
         return self._wrap_local(result)
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
@@ -510,7 +689,7 @@ class Strategy:
 
         if not callable(value_fn):
             raise NotCallableError(value_fn, what="value_fn")
-        rank = self._extended._comm.rank
+        rank = self._extended.process_index
         return self._wrap_local(value_fn(ValueContext(rank, self.num_replicas_in_sync)))
 
     # ---------------------------------------------------------------- input
@@ -533,7 +712,39 @@ class Strategy:
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Releases the communicator (also done at interpreter exit)."""
+        self._closed = True
         self._extended._close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+class DefaultStrategy(Strategy):
+    """One replica on the current device; ``scope()`` does not capture variables (as in TF).
+
+    Defined here, beside :class:`Strategy`, as TF defines its default strategy in
+    ``distribute_lib``: the context stack (:mod:`phalanx.context`) needs it and must not import
+    a module of concrete strategies.
+    """
+
+    _is_default = True
+
+    def __init__(self) -> None:
+        device = (LogicalDevice("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else LogicalDevice("cpu", 0))
+        name = (tf_device_name(device),)
+        super().__init__(StrategyExtended(LocalCommunicator(), device, name, name))
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        with context.enter_scope(self):
+            yield self
+
+
+@functools.lru_cache(maxsize=1)
+def default_strategy() -> DefaultStrategy:
+    """The default strategy of this process (stateless apart from its device, so one is enough)."""
+    return DefaultStrategy()
+
+
+context.set_default_strategy_factory(default_strategy)

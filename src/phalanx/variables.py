@@ -2,7 +2,7 @@
 
 torch calls a global *registration hook* whenever a module registers a parameter or buffer;
 plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs
-one pair of such hooks, once, and they act only while a capture is active in the current thread
+one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only while a capture is active in the current thread
 (a context variable says which), and only for modules created under that capture's strategy.
 Nothing is monkey-patched and nothing outside a scope is touched.
 """
@@ -10,17 +10,12 @@ Nothing is monkey-patched and nothing outside a scope is touched.
 from __future__ import annotations
 
 import contextvars
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_parameter_registration_hook,
-)
 
-from phalanx import context
+from phalanx import context, hooks
 
 
 @dataclass(frozen=True)
@@ -34,8 +29,6 @@ class Capture:
 
 
 _ACTIVE: contextvars.ContextVar[Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
-_INSTALLED = threading.Lock()
-_installed = False
 
 
 def _current() -> Capture | None:
@@ -65,12 +58,8 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
 
 
 def _install() -> None:
-    global _installed
-    with _INSTALLED:
-        if not _installed:
-            register_module_parameter_registration_hook(_on_param)
-            register_module_buffer_registration_hook(_on_buffer)
-            _installed = True
+    hooks.install("phalanx.variables.parameter", "module_parameter_registration", _on_param)
+    hooks.install("phalanx.variables.buffer", "module_buffer_registration", _on_buffer)
 
 
 class capture:  # lower case: used like a function, ``with capture(spec):``

@@ -6,16 +6,24 @@ Usage: python api_mirrored.py OUT_DIR N   (or under `phalanx run -n N api_mirror
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-import phalanx as px
-from phalanx.errors import BatchSizeError, ContextError
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the strategy matrix
+
+import strategies  # noqa: E402
+
+import phalanx as px  # noqa: E402
+from phalanx.errors import BatchSizeError, ContextError  # noqa: E402
 
 out_dir, n = sys.argv[1], int(sys.argv[2])
-strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
-rank = strategy.extended._comm.rank
+strategy = strategies.make("mirrored_cpu", n)
+rank = strategy.extended.process_index
 res = {"rank": rank, "num_replicas": strategy.num_replicas_in_sync, "chief": strategy.extended.should_checkpoint}
+# Public process identity, outside any scope: from the live strategy.
+res["identity"] = [px.process_index(), px.num_processes(), px.is_chief()]
+px.barrier()
 
 # run returns per-replica values; replica ids
 ids = strategy.run(lambda: torch.tensor(px.get_replica_context().replica_id_in_sync_group))
@@ -86,7 +94,7 @@ for batch in strategy.distribute_datasets_from_function(dataset_fn):
     steps += 1
     strategy.run(lambda b: b, args=(batch,))
 res["fn_dataset_steps"] = steps
-res["fn_dataset_ctx"] = [strategy.extended._comm.world_size, rank]
+res["fn_dataset_ctx"] = [strategy.extended.num_processes, rank]
 
 # BatchNorm buffers follow replica 0; parameters stay identical through training
 with strategy.scope():
@@ -105,6 +113,15 @@ for b in strategy.distribute_datasets_from_function(
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 res["param_checksum"] = strategy.gather(strategy.run(lambda: flat.sum().reshape(1)), axis=0).tolist()
 res["extended"] = [list(strategy.extended.worker_devices), list(strategy.extended.parameter_devices)]
+res["contract"] = {"process_index": strategy.extended.process_index, "replica_id": strategy.extended.replica_id,
+                   "num_replicas_in_sync": strategy.extended.num_replicas_in_sync,
+                   "device": str(strategy.extended.device), "step": strategy.extended.step,
+                   "broadcast": None, "all_reduce": None, "all_gather": None}
+t = torch.tensor([float(rank)])
+strategy.extended.broadcast([t], src=n - 1)
+res["contract"]["broadcast"] = float(t)
+res["contract"]["all_reduce"] = float(strategy.extended.all_reduce([torch.tensor([float(rank)])], "SUM")[0])
+res["contract"]["all_gather"] = strategy.extended.all_gather(torch.full((rank + 1,), float(rank)), 0).tolist()
 
 with open(os.path.join(out_dir, f"api_{rank}.json"), "w") as f:
     json.dump(res, f)

@@ -20,7 +20,7 @@ import phalanx as px
 out, opt_name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 strategy = px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
 ext = strategy.extended
-rank = ext._comm.rank
+rank = ext.process_index
 ref = reference(opt_name).state_dict() if rank == 0 else None
 
 torch.manual_seed(0 if rank == 0 else 99)  # the initial broadcast must make replicas equal

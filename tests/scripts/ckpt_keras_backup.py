@@ -61,7 +61,7 @@ def main(out, kind):
                 "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
                 "central": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
                 "mwms": px.MultiWorkerMirroredStrategy}[kind]()
-    rank = strategy.extended._comm.rank
+    rank = strategy.extended.process_index
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), Canary(), keras.layers.Dense(1)])

@@ -105,7 +105,7 @@ def main(argv):
     restore = argv[argv.index("--restore") + 1] if "--restore" in argv else None
     k = int(argv[argv.index("--train") + 1]) if "--train" in argv else 0
     strategy = build_strategy(kind)
-    rank = strategy.extended._comm.rank
+    rank = strategy.extended.process_index
     with strategy.scope():
         objects = build_objects(seed=100 + rank)  # different per replica: restore must overwrite all
         ckpt = Checkpoint(**objects)

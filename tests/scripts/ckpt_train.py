@@ -48,7 +48,7 @@ def epoch_batches(epoch):
 def main(out, mode):
     attempt = int(os.environ.get("PHALANX_RESTART_COUNT", "0"))
     strategy = px.MultiWorkerMirroredStrategy()
-    rank, chief = strategy.extended._comm.rank, strategy.extended.should_checkpoint
+    rank, chief = strategy.extended.process_index, strategy.extended.should_checkpoint
     torch.manual_seed(0)
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))

@@ -1,16 +1,22 @@
 """K steps of a small MLP under a strategy; each replica saves its parameters.
 
-Usage: python equivalence.py OUT_DIR OPTIMIZER STRATEGY [N]   (STRATEGY: mirrored | one_device | reference)
+Usage: python equivalence.py OUT_DIR OPTIMIZER STRATEGY [N]
+STRATEGY: reference (plain torch), or a family of tests/strategies.py (one_device, mirrored_cpu,
+central_storage_cpu, multi_worker; the short names mirrored, central, mwms also work).
 """
 
 import faulthandler
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the strategy matrix
+
+import strategies  # noqa: E402
 
 import phalanx as px  # noqa: E402
 
@@ -73,16 +79,8 @@ if __name__ == "__main__":
         model, rank = reference(opt_name), 0
     else:
         n = int(sys.argv[4])
-        if kind == "one_device":
-            strategy = px.OneDeviceStrategy("cpu")
-        elif kind == "central":
-            strategy = px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
-        elif kind == "mwms":
-            strategy = px.MultiWorkerMirroredStrategy()
-        else:
-            ops = {"": None, "nccl": px.NcclAllReduce(), "one": px.ReductionToOneDevice(),
-                   "hier": px.HierarchicalCopyAllReduce(), "packs": px.NcclAllReduce(num_packs=3)}
-            strategy = px.MirroredStrategy([f"cpu:{i}" for i in range(n)],
-                                           cross_device_ops=ops[os.environ.get("EQUIV_CROSS_DEVICE_OPS", "")])
-        model, rank = distributed(strategy, opt_name), strategy.extended._comm.rank
+        family = {"central": "central_storage_cpu", "mwms": "multi_worker", "mirrored": "mirrored_cpu"}.get(kind, kind)
+        options = {"cross_device_ops_name": os.environ.get("EQUIV_CROSS_DEVICE_OPS", "")} if kind == "mirrored" else {}
+        strategy = strategies.make(family, n, **options)
+        model, rank = distributed(strategy, opt_name), strategy.extended.process_index
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))

@@ -82,7 +82,7 @@ class FileTensorBoard(keras.callbacks.TensorBoard):
 
 
 strategy = px.MirroredStrategy(["cpu:0", "cpu:1"]) if MODE == "mirrored" else px.MultiWorkerMirroredStrategy()
-RANK = strategy.extended._comm.rank
+RANK = strategy.extended.process_index
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(200, 8)).astype("float32")

@@ -160,6 +160,6 @@ if __name__ == "__main__":
         strategy = {"mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
                     "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
                     "mwms": px.MultiWorkerMirroredStrategy}[mode]()
-        rank = strategy.extended._comm.rank
+        rank = strategy.extended.process_index
         for name in CASES:
             run_case(name, strategy, rank, out, mode)

@@ -15,7 +15,7 @@ import phalanx as px
 out_dir, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 devices = [f"cpu:{i}" for i in range(n)]
 strategy = px.CentralStorageStrategy(devices) if kind == "central" else px.MirroredStrategy(devices)
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 
 
 def pss_kib(pid: int) -> int:

@@ -228,7 +228,7 @@ elif MODE == "ps_fault":
     write({"error": type(error).__name__ if error else None, "message": str(error), "t_kill": t_kill,
            "t_err": t_err, "detect_s": t_err - t_kill, "schedule_raised": schedule_raised,
            "shutdown_s": shutdown_s, "checkpoint_step": torch.load(ckpt, weights_only=True)["step"],
-           "rpc_timeout": strategy.extended._rpc_timeout})
+           "rpc_timeout": strategy.extended.rpc_timeout})
 
 elif MODE == "resume":
     state = torch.load(OUT / "ckpt.pt", weights_only=True)

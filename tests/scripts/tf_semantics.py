@@ -21,7 +21,7 @@ import phalanx.keras  # noqa: E402,F401
 
 out = sys.argv[1]
 strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
-rank = strategy.extended._comm.rank
+rank = strategy.extended.process_index
 # Each process's own random state differs, as in any unseeded program.
 torch.manual_seed(1000 + rank)
 np.random.seed(1000 + rank)

@@ -46,6 +46,7 @@ from phalanx.checkpoint import codec, sharding, storage
 from phalanx.checkpoint.coordination import Participants
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
+from phalanx.strategy import owner_of
 
 _RESERVED = ("save_counter",)
 
@@ -164,7 +165,7 @@ class Checkpoint:
         for name, obj in objects.items():
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
-            state = (owners[name] or who.strategy.extended)._state_to_save(obj)
+            state = (owners[name] or who.strategy.extended).state_to_save(obj)
             doc, tensors = codec.encode(_state_of(obj) if state is None else state, label=name,
                                         materialize=who.is_writer)
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
@@ -215,7 +216,7 @@ class Checkpoint:
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
             else:
-                (_owner(live[name]) or extended)._after_restore(live[name])
+                (_owner(live[name]) or extended).after_restore(live[name])
             restored.append(name)
         return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
 
@@ -283,7 +284,7 @@ def _owner(obj: Any) -> Any:
     """The strategy's ``extended`` whose variables ``obj`` holds, if one marked them.
 
     A strategy that keeps state away from the user's objects (the parameter servers) marks its
-    tensors with ``_phalanx_owner``, so that a Checkpoint made outside ``scope()`` still finds it.
+    tensors (:func:`phalanx.strategy.owner_of`), so that a Checkpoint made outside ``scope()`` still finds it.
     """
     if isinstance(obj, torch.Tensor):
         tensors: Any = [obj]
@@ -294,8 +295,7 @@ def _owner(obj: Any) -> Any:
     else:
         return None
     for t in tensors:
-        ref = getattr(t, "_phalanx_owner", None)
-        owner = ref() if ref is not None else None
+        owner = owner_of(t)
         if owner is not None:
             return owner
     return None
@@ -303,7 +303,7 @@ def _owner(obj: Any) -> Any:
 
 def _owning_strategy(owners: Any) -> Any:
     for extended in owners:
-        strategy = extended._container_strategy() if extended is not None else None
+        strategy = extended.container_strategy if extended is not None else None
         if strategy is not None:
             return strategy
     return None

@@ -47,11 +47,11 @@ class Participants:
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         ext = strategy.extended
-        self._comm = ext._comm
-        self.rank = int(self._comm.rank)
-        self.world_size = int(self._comm.world_size)
+        self._extended = ext
+        self.rank = int(ext.process_index)
+        self.world_size = int(ext.num_processes)
         self.is_writer = bool(ext.should_checkpoint)
-        self._device = getattr(ext, "_torch_device", torch.device("cpu"))
+        self._device = ext.device
 
     @classmethod
     def resolve(cls, captured: Any) -> "Participants":
@@ -80,7 +80,7 @@ class Participants:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._device)
-        return bool(self._comm.all_reduce(t, "max").wait().item())
+        return bool(self._extended.all_reduce([t], "sum")[0].item() > 0)
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": type(self.strategy).__name__, "num_replicas_in_sync": self.world_size}

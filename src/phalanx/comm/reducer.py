@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from phalanx._compat.torch import queue_backward_callback
 from phalanx.comm.cross_device_ops import CrossDeviceOps
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
@@ -96,7 +97,7 @@ class GradientReducer:
         with self._lock:
             if not self._pending:
                 self._pending = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                queue_backward_callback(self._finish)
             b, pos = self._where[id(param)]
             self._buckets[b].ready.add(pos)
             while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(

@@ -141,10 +141,10 @@ def _local_spec(value: Any) -> Any:
 
 def shared_seed(ext: Any) -> int | None:
     """A seed drawn by the chief and sent to every process (a collective); None for one process."""
-    if ext._comm.world_size == 1:
+    if ext.num_processes == 1:
         return None
-    seed_t = torch.tensor([secrets.randbits(62) if ext._comm.rank == 0 else 0], dtype=torch.int64)
-    ext._broadcast_tensors([seed_t])
+    seed_t = torch.tensor([secrets.randbits(62) if ext.process_index == 0 else 0], dtype=torch.int64)
+    ext.broadcast([seed_t])
     return int(seed_t[0])
 
 
@@ -180,11 +180,11 @@ def _fingerprint(element: Any) -> float:
 def check_same_batch(ext: Any, element: Any, index: int) -> None:
     """Raises :class:`InputMismatchError` on every replica if the processes' global batches differ."""
     f = _fingerprint(element)
-    both = ext._comm.all_reduce(torch.tensor([f, -f], dtype=torch.float64), "max").wait()
+    both = ext.communicator.all_reduce(torch.tensor([f, -f], dtype=torch.float64), "max").wait()
     if float(both[0]) != -float(both[1]):
         raise InputMismatchError(
             f"The processes read different global batches (batch {index} of this pass; on "
-            f"{ext._comm.name(ext._comm.rank)} its fingerprint is {f:.6g}, the largest is {float(both[0]):.6g}).",
+            f"{ext.process_name()} its fingerprint is {f:.6g}, the largest is {float(both[0]):.6g}).",
             hint="every process must produce the same global batches: seed the shuffling (e.g. "
                  "DataLoader(generator=torch.Generator().manual_seed(epoch))), or give each process its own "
                  "data with distribute_datasets_from_function")
@@ -200,7 +200,7 @@ class DistributedDataset:
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
-        workers = ext._num_workers
+        workers = ext.input_sharding.num_workers
         local_world = strategy.num_replicas_in_sync // workers
         policy = self._options.auto_shard_policy
         shardable = callable(getattr(dataset, "shard", None))
@@ -209,12 +209,12 @@ class DistributedDataset:
             raise ValueError(f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
                              f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches.")
         if workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
-            dataset = dataset.shard(workers, ext._worker_index)  # type: ignore[attr-defined]
-            self._split = (local_world, ext._comm.rank % local_world)
+            dataset = dataset.shard(workers, ext.input_sharding.worker_index)  # type: ignore[attr-defined]
+            self._split = (local_world, ext.process_index % local_world)
         elif workers > 1 and policy is AutoShardPolicy.OFF:
-            self._split = (local_world, ext._comm.rank % local_world)
+            self._split = (local_world, ext.process_index % local_world)
         else:
-            self._split = (strategy.num_replicas_in_sync, ext._comm.rank)
+            self._split = (strategy.num_replicas_in_sync, ext.process_index)
         self._dataset = dataset
 
     def __iter__(self) -> DistributedIterator:
@@ -242,7 +242,7 @@ class DistributedDataset:
         seed = shared_seed(ext)
         with seeded(seed):
             iterator = iter(self._dataset)
-        check = ext._comm.world_size > 1 and self._split[0] == self._strategy.num_replicas_in_sync
+        check = ext.num_processes > 1 and self._split[0] == self._strategy.num_replicas_in_sync
         i = 0
         while True:
             # Each batch is drawn with the same seed in every process (seed + batch index), so
@@ -272,8 +272,8 @@ class DistributedDataset:
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
-        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
-        source = _agreed(ext, (e for e, _ in self._slices())) if ext._agree_on_input_end else self._slices()
+        place = _Placer(ext.device, self._options.experimental_fetch_to_device)
+        source = _agreed(ext, (e for e, _ in self._slices())) if ext.input_sharding.agree_on_end else self._slices()
         yield from _emit(self._strategy, source, place)
 
 
@@ -285,7 +285,7 @@ class DatasetFromFunction:
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
-        self._context = InputContext(ext._comm.world_size, ext._comm.rank, strategy.num_replicas_in_sync)
+        self._context = InputContext(ext.num_processes, ext.process_index, strategy.num_replicas_in_sync)
         self._dataset = dataset_fn(self._context)
 
     def __iter__(self) -> DistributedIterator:
@@ -299,7 +299,7 @@ class DatasetFromFunction:
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
-        place = _Placer(ext._torch_device, self._options.experimental_fetch_to_device)
+        place = _Placer(ext.device, self._options.experimental_fetch_to_device)
         elements = (nest.map_structure(_to_tensor, e) for e in self._dataset)
         yield from _emit(self._strategy, _agreed(ext, elements), place)
 
@@ -310,12 +310,12 @@ def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int]], place: _Place
     for local, global_size in source:
         ready = (place(local), global_size)
         if pending is not None:
-            strategy.extended._global_batch_size = pending[1]
-            yield strategy._wrap_local(pending[0])
+            strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
+            yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
         pending = ready
     if pending is not None:
-        strategy.extended._global_batch_size = pending[1]
-        yield strategy._wrap_local(pending[0])
+        strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
+        yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
 
 
 def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
@@ -333,13 +333,13 @@ def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
         local_size = batch_size_of(element) if element is not None else 0
         # One small collective per step: does anyone still have data, and how many examples
         # make up this step's global batch?
-        flags = ext._all_reduce_tensors(
+        flags = ext.all_reduce(
             [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)], ReduceOp.SUM)[0]
         if flags[0] == 0:
             return
         if element is None:
             if last is None:
-                raise ValueError(f"The input of {ext._comm.name(ext._comm.rank)} produced no batch at all while "
+                raise ValueError(f"The input of {ext.process_name()} produced no batch at all while "
                                  "others did; every input pipeline needs at least one batch.")
             element = nest.map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
         else:

@@ -48,17 +48,17 @@ class EmptyOptionalError(PhalanxError, LookupError):
 class Optional:
     """A value that may be absent (``tf.experimental.Optional``), from ``get_next_as_optional``."""
 
-    __slots__ = ("_value", "_has")
+    __slots__ = ("_has", "_value")
 
     def __init__(self, value: Any = None, has_value: bool = True) -> None:
         self._value, self._has = value, has_value
 
     @staticmethod
-    def from_value(value: Any) -> "Optional":
+    def from_value(value: Any) -> Optional:
         return Optional(value, True)
 
     @staticmethod
-    def empty(element_spec: Any = None) -> "Optional":
+    def empty(element_spec: Any = None) -> Optional:
         return Optional(None, False)
 
     def has_value(self) -> bool:

@@ -24,9 +24,10 @@ Example (``train.py``; ``python train.py`` starts the second replica itself)::
     model.fit(np.random.rand(512, 64), np.random.randint(10, size=512), epochs=2, batch_size=64)
 
 Importing this module sets ``KERAS_BACKEND=torch`` when Keras is not imported yet, checks that
-the Keras is a supported one (``>=3.6,<3.16``) on the torch backend, and registers one torch
-module-registration hook that finds Keras models created in a strategy's scope. ``import
-phalanx`` itself never imports Keras.
+the Keras is a supported one (``>=3.6,<3.16``) on the torch backend, and joins the core's
+scope-enter hooks: from the first ``strategy.scope()`` on, one torch module-registration hook
+(:mod:`phalanx.hooks`) finds the Keras models created in a strategy's scope. ``import phalanx``
+and ``strategy.scope()`` never import Keras or this package: import it yourself.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ import keras
 import numpy as np
 import torch
 
+from phalanx._compat import keras as compat_keras
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class Coordinator(keras.callbacks.Callback):
 
     def _sum(self, values: list[float]) -> torch.Tensor:
         ext = self._strategy.extended
-        return ext._all_reduce_tensors([torch.tensor(values, dtype=torch.float64)], ReduceOp.SUM)[0]
+        return ext.all_reduce([torch.tensor(values, dtype=torch.float64)], ReduceOp.SUM)[0]
 
     def _agree_on_stop(self) -> None:
         if self._strategy.num_replicas_in_sync > 1:
@@ -145,11 +146,11 @@ def broadcast_training_state(strategy: "Strategy", model: Any) -> None:
         # same variables are broadcast. Keras would build it at the first step anyway.
         optimizer.build(model.trainable_variables)
     variables = list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
-    initial_epoch = getattr(model, "_initial_epoch", None)
+    initial_epoch = compat_keras.initial_epoch(model)
     epoch = torch.tensor([-1 if initial_epoch is None else int(initial_epoch)], dtype=torch.int64)
     with torch.no_grad():
-        strategy.extended._broadcast_tensors([v.value for v in variables] + [epoch])
-    model._initial_epoch = None if int(epoch[0]) < 0 else int(epoch[0])
+        strategy.extended.broadcast([v.value for v in variables] + [epoch])
+    compat_keras.set_initial_epoch(model, None if int(epoch[0]) < 0 else int(epoch[0]))
 
 
 def sync_random_state(strategy: "Strategy") -> None:
@@ -165,7 +166,7 @@ def sync_random_state(strategy: "Strategy") -> None:
     version, py_keys, py_gauss = random.getstate()
     ints = torch.tensor([pos, has_gauss, version, py_gauss is not None, *keys.tolist(), *py_keys], dtype=torch.int64)
     floats = torch.tensor([cached, py_gauss or 0.0], dtype=torch.float64)
-    strategy.extended._broadcast_tensors([torch_state, ints, floats])
+    strategy.extended.broadcast([torch_state, ints, floats])
     torch.set_rng_state(torch_state)
     values = ints.tolist()
     n_keys = len(keys)

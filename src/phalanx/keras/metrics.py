@@ -36,13 +36,15 @@ from __future__ import annotations
 import json
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import keras
 import torch
 
 from phalanx import context, nest
 from phalanx.errors import PhalanxError
+from phalanx.ps import pickling
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 _ATTR = "_phalanx_metric_strategy"
 _DEPTH = 2
-_FOUND: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_FOUND: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
 
 class UnsupportedMetricError(PhalanxError, TypeError):
@@ -83,13 +85,13 @@ def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # raises for a cell not filled yet
     except ValueError:
         return False
     return True
 
 
-def observe_run(strategy: "Strategy", fn: Callable[..., Any]) -> None:
+def observe_run(strategy: Strategy, fn: Callable[..., Any]) -> None:
     """Adapts the metrics ``fn`` uses (called by ``strategy.run`` before each step; cached per function)."""
     if strategy.num_replicas_in_sync == 1:
         return
@@ -108,7 +110,7 @@ def observe_run(strategy: "Strategy", fn: Callable[..., Any]) -> None:
             adapt(metric, strategy)
 
 
-def adapt(metric: Any, strategy: "Strategy") -> Any:
+def adapt(metric: Any, strategy: Strategy) -> Any:
     """Makes ``metric.result()`` global in cross-replica context (idempotent; see the module docstring)."""
     if metric.__dict__.get(_ATTR) is not None:
         return metric
@@ -130,7 +132,7 @@ def adapt(metric: Any, strategy: "Strategy") -> Any:
 _OPS = {"sum": ReduceOp.SUM, "none": ReduceOp.SUM, None: ReduceOp.SUM, "mean": ReduceOp.MEAN}
 
 
-def global_result(metric: Any, strategy: "Strategy", original: Callable[[], Any]) -> Any:
+def global_result(metric: Any, strategy: Strategy, original: Callable[[], Any]) -> Any:
     """``original()`` computed from every replica's combined state; the local state is kept."""
     ext = strategy.extended
     variables = list(metric.variables)
@@ -141,12 +143,12 @@ def global_result(metric: Any, strategy: "Strategy", original: Callable[[], Any]
         aggregation = getattr(v, "aggregation", "sum")
         if aggregation == "only_first_replica":
             t = local[i].clone()
-            ext._broadcast_tensors([t])
+            ext.broadcast([t])
             combined[i] = t
         else:
             groups.setdefault(_OPS.get(aggregation, ReduceOp.SUM), []).append(i)
     for op, idx in groups.items():
-        for i, t in zip(idx, ext._all_reduce_tensors([local[i] for i in idx], op)):
+        for i, t in zip(idx, ext.all_reduce([local[i] for i in idx], op)):
             combined[i] = t
     try:
         for v, t in zip(variables, combined):
@@ -165,17 +167,17 @@ def metric_reference(metric: Any, extended: Any) -> tuple:
     """What a scheduled function carries instead of the chief's metric (whose pickle copies its state):
     its config and its variables on the parameter servers, where the worker's copy adds its updates."""
     place_on_parameter_servers(metric, extended)
-    specs = [extended._json[extended._spec_of(v.value).name] for v in metric.variables]
+    specs = [extended.variable_json(v.value) for v in metric.variables]
     config = metric.__dict__.get("_phalanx_ps_config")
     if config is None:
         config = metric.__dict__["_phalanx_ps_config"] = json.dumps(keras.metrics.serialize(metric))
-    return (_METRIC_KIND, str(id(metric)), config, specs)
+    return (str(id(metric)), config, specs)
 
 
 def resolve_metric(service: Any, pid: tuple, run: Any) -> Any:
     """On a worker: the metric for ``pid`` (built once), its variables this run's copies of the servers'."""
-    _, key, config, specs = pid
-    metrics = service.__dict__.setdefault("_keras_metrics", {})
+    key, config, specs = pid
+    metrics = service.extension_state(_METRIC_KIND)
     entry = metrics.get(key)
     if entry is None or entry[0] != config:
         metric = keras.metrics.deserialize(json.loads(config))
@@ -184,10 +186,10 @@ def resolve_metric(service: Any, pid: tuple, run: Any) -> Any:
                                          f"variables; the chief's has {len(specs)}",
                                          hint="use a built-in or registered Keras metric")
         for v, spec_json in zip(metric.variables, specs):
-            service._adopt(spec_json, v.value)
+            service.adopt(spec_json, v.value)
         entry = metrics[key] = (config, metric)
     for spec_json in specs:
-        service._resolve(("var", spec_json), run)  # read from the servers now; the change goes back as a delta
+        service.bind(spec_json, run)  # read from the servers now; the change goes back as a delta
     return entry[1]
 
 
@@ -201,16 +203,15 @@ def place_on_parameter_servers(metric: Any, extended: Any) -> None:
     """
     if metric.__dict__.get(_ATTR) is not None:
         return
-    strategy = extended._container_strategy()
+    strategy = extended.container_strategy
     if not getattr(metric, "_phalanx_in_scope", True):
         raise UnsupportedMetricError(f"The Keras metric {metric.name!r} was not created in strategy.scope().",
                                      hint="create it inside `with strategy.scope():`")
-    tensors = [v.value for v in metric.variables if extended._spec_of(v.value) is None]
+    tensors = [v.value for v in metric.variables if extended.variable_json(v.value) is None]
     if tensors:
-        extended._new_buffers.extend(tensors)
-        extended._sync_new_variables()  # creates them on the servers (chief only)
+        extended.adopt_variables(tensors)  # creates them on the servers (chief only)
     original = metric.result
-    names = [extended._spec_of(v.value).name for v in metric.variables]
+    names = [extended._spec_of(v.value).name for v in metric.variables]  # friend: the PS extended's own
 
     def result() -> Any:
         extended.pull_variables(names)  # the sum of every worker's updates
@@ -218,3 +219,8 @@ def place_on_parameter_servers(metric: Any, extended: Any) -> None:
 
     object.__setattr__(metric, _ATTR, weakref.ref(strategy) if strategy is not None else (lambda: None))
     object.__setattr__(metric, "result", result)
+
+
+# Under ParameterServerStrategy a metric used in a scheduled function travels as a reference: its
+# variables are placed on the servers, and each worker's copy adds its updates there.
+pickling.register_reference(_METRIC_KIND, keras.metrics.Metric, metric_reference, resolve_metric)

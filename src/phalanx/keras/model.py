@@ -3,8 +3,9 @@
 Keras 3 has no distribution hook for its torch backend, so phalanx adapts the *model objects*
 created under ``strategy.scope()``, and nothing else: no Keras or torch class is changed.
 
-How a model is found. Keras-on-torch layers are ``torch.nn.Module`` s. While a strategy's scope is
-open, torch's module-registration hook (a public torch extension point) reports every Keras
+How a model is found. Keras-on-torch layers are ``torch.nn.Module`` s. ``phalanx.keras`` joins the
+core's scope-enter hooks (:func:`phalanx.strategy.register_scope_enter_hook`); from the first
+scope on, torch's module-registration hook (a public torch extension point) reports every Keras
 ``Model`` that registers a sub-module: a model built in scope registers its parameter dict, a
 subclassed model its layers. Each such model gets :class:`DistributedModel` attached.
 
@@ -58,18 +59,21 @@ from typing import TYPE_CHECKING, Any, Callable
 import keras
 import numpy as np
 import torch
-from torch.nn.modules.module import register_module_module_registration_hook
 
-from phalanx import context, nest
+from phalanx import context, hooks, nest
+from phalanx._compat.torch import version_counter
+from phalanx._sidetable import IdentityTable
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
+from phalanx.keras import discovery
+from phalanx.keras.discovery import distributed_model
+from phalanx.strategy import register_scope_enter_hook
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
     from phalanx.strategy import Strategy
 
-_ATTR = "_phalanx_distributed"
 _KINDS = ("train", "test", "predict")
 _WRITERS = ("save", "save_weights", "export")
 
@@ -90,11 +94,10 @@ class _GradScale:
 
 
 _GRAD_SCALES: "weakref.WeakKeyDictionary[Any, _GradScale]" = weakref.WeakKeyDictionary()
-
-
-def distributed_model(model: Any) -> "DistributedModel | None":
-    """The adaptation attached to ``model``, or None if it is a plain Keras model."""
-    return model.__dict__.get(_ATTR)
+# Side tables (phalanx._sidetable), instead of attributes on Keras' and torch's objects:
+_RAW_STEP: IdentityTable[Callable[[Any], Any]] = IdentityTable()  # wrapped step function -> Keras' own
+_ORIGINAL_APPLY: IdentityTable[Callable[..., Any]] = IdentityTable()  # optimizer -> its own apply
+_SCALED: IdentityTable[_GradScale] = IdentityTable()  # parameter -> the scale hook registered on it
 
 
 def distribute(model: Any, strategy: "Strategy | None" = None) -> Any:
@@ -153,7 +156,13 @@ def _on_module_registered(module: torch.nn.Module, name: str, submodule: torch.n
         adapted._mark_synced(submodule.parameters())
 
 
-_registration_hook = register_module_module_registration_hook(_on_module_registered)
+def _on_scope_enter(strategy: "Strategy") -> None:
+    """Scope-enter hook: model discovery needs the module-registration hook from the first scope on."""
+    hooks.install("phalanx.keras.model.discovery", "module_module_registration", _on_module_registered)
+
+
+# The core calls this at every scope entry; it never imports this package itself.
+register_scope_enter_hook(_on_scope_enter)
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -205,7 +214,7 @@ class DistributedModel:
         self._checks_left = 0
         self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
         self._writing = False
-        model.__dict__[_ATTR] = self
+        discovery.attach(model, self)
         for method in ("fit", "evaluate", "predict"):
             wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
                                                getattr(type(model), method))
@@ -238,7 +247,7 @@ class DistributedModel:
 
     @property
     def _rank(self) -> int:
-        return self._ext._comm.rank
+        return self._ext.process_index
 
     @property
     def is_chief(self) -> bool:
@@ -308,7 +317,7 @@ class DistributedModel:
         path = str(kwargs.get("filepath", args[0] if args else ""))
         digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
         chiefs = torch.tensor([digest if self.is_chief else 0], dtype=torch.int64)
-        self._ext._broadcast_tensors([chiefs])
+        self._ext.broadcast([chiefs])
         result, error = None, None
         if self.is_chief or int(chiefs[0]) != digest:
             self._writing = True
@@ -319,7 +328,7 @@ class DistributedModel:
             finally:
                 self._writing = False
         # Also the barrier: nobody returns before the files are complete.
-        failed = self._ext._all_reduce_tensors([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
+        failed = self._ext.all_reduce([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
         if error is not None:
             raise error
         if float(failed[0]) > 0:
@@ -354,13 +363,13 @@ class DistributedModel:
         self._adapt_optimizer(getattr(model, "optimizer", None))
         for kind in _KINDS:
             current = getattr(model, f"{kind}_function", None)
-            if current is not None and getattr(current, "_phalanx_raw", None) is not None:
+            if current is not None and current in _RAW_STEP:
                 continue
             getattr(model, f"make_{kind}_function")(force=True)
             raw = getattr(model, f"{kind}_function")
             step = getattr(self, f"_{kind}_step")
             wrapped = functools.partial(step, raw)
-            wrapped._phalanx_raw = raw  # type: ignore[attr-defined]
+            _RAW_STEP[wrapped] = raw
             setattr(model, f"{kind}_function", wrapped)
 
     def _adapt_optimizer(self, optimizer: Any) -> None:
@@ -371,7 +380,7 @@ class DistributedModel:
         without gradients, where Keras' ``optimizer.apply`` would raise. On those replicas the
         update is skipped and only the step is counted, as on the chief.
         """
-        if optimizer is None or optimizer.__dict__.get("_phalanx_apply") is not None:
+        if optimizer is None or optimizer in _ORIGINAL_APPLY:
             return
         original = optimizer.apply
 
@@ -382,7 +391,7 @@ class DistributedModel:
                 return None
             return original(grads, trainable_variables)
 
-        optimizer.__dict__["_phalanx_apply"] = original
+        _ORIGINAL_APPLY[optimizer] = original
         object.__setattr__(optimizer, "apply", functools.update_wrapper(apply, original))
 
     def _run_local(self, raw: Callable[[Any], Any], step: _Step, scale: float) -> Any:
@@ -412,11 +421,11 @@ class DistributedModel:
         versions = None
         if self._stat_vars is None and self._num_replicas > 1:
             candidates = [v for v in model.non_trainable_weights if _is_float(v)]
-            versions = [v.value._version for v in candidates]
+            versions = [version_counter(v.value) for v in candidates]
         logs = self._run_local(raw, step, step.share)
         if versions is not None:
-            changed = torch.tensor([float(v.value._version != before) for v, before in zip(candidates, versions)])
-            changed = self._ext._all_reduce_tensors([changed], ReduceOp.SUM)[0] if len(candidates) else changed
+            changed = torch.tensor([float(version_counter(v.value) != before) for v, before in zip(candidates, versions)])
+            changed = self._ext.all_reduce([changed], ReduceOp.SUM)[0] if len(candidates) else changed
             self._stat_vars = [v for v, c in zip(candidates, changed.tolist()) if c > 0]
         stat_vars = self._stat_vars or []
         # In float64, so that a value every replica updated alike comes back exactly.
@@ -450,7 +459,7 @@ class DistributedModel:
         def gather(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t
-            return self._ext._all_gather(t[:0] if step.empty else t, 0)
+            return self._ext.all_gather(t[:0] if step.empty else t, 0)
 
         return nest.map_structure(gather, outputs)
 
@@ -482,11 +491,11 @@ class DistributedModel:
             return extra
         contributions = [torch.zeros_like(v.value) if step.empty else v.value.detach().clone() for v in metric_vars]
         header = torch.tensor([float(step.global_size)], dtype=torch.float32)
-        reduced = self._ext._all_reduce_tensors([header, *contributions, *extra], ReduceOp.SUM)
+        reduced = self._ext.all_reduce([header, *contributions, *extra], ReduceOp.SUM)
         if round(float(reduced[0][0])) != step.global_size * self._num_replicas:
             raise InputMismatchError(
-                f"Replicas disagree on the size of the global batch at step {self._ext._step}: this replica "
-                f"({self._ext._comm.name(self._rank)}) has {step.global_size}, the sum over "
+                f"Replicas disagree on the size of the global batch at step {self._ext.step}: this replica "
+                f"({self._ext.process_name()}) has {step.global_size}, the sum over "
                 f"{self._num_replicas} replicas is {float(reduced[0][0]):g}.",
                 hint="every worker must call fit/evaluate/predict with the same data and batch_size; "
                      "batch_size is the global batch")
@@ -505,7 +514,7 @@ class DistributedModel:
         custom = sorted(k for k, v in logs.items() if k not in metric_logs and _is_scalar(v))
         if custom:
             values = torch.tensor([float(logs[k]) * step.share for k in custom], dtype=torch.float64)
-            reduced = self._ext._all_reduce_tensors([values], ReduceOp.SUM)[0]
+            reduced = self._ext.all_reduce([values], ReduceOp.SUM)[0]
             result.update({k: float(x) for k, x in zip(custom, reduced.tolist())})
         return result
 
@@ -523,19 +532,17 @@ class DistributedModel:
         weights = model.weights
         new = [v.value for v in weights if id(v.value) not in self._synced]
         if new and self._num_replicas > 1:
-            ext = self._ext
-            # Those the strategy captured (in scope, or inside run) it synchronises itself.
-            ext._new_params.extend(p for p in new if isinstance(p, torch.nn.Parameter)
-                                   and not ext.variable_created_in_scope(p))
-            ext._sync_new_variables()  # a collective: every replica reaches it at the same step
+            # A collective: every replica reaches it at the same step. (Those the strategy
+            # captured, in scope or inside run, it synchronises itself: adopt_variables skips them.)
+            self._ext.adopt_variables(p for p in new if isinstance(p, torch.nn.Parameter))
         for p in new:
             self._synced[id(p)] = p
         if self._num_replicas > 1:
             for v in model.trainable_weights:
                 p = v.value
-                if p.requires_grad and getattr(p, "_phalanx_grad_scale", None) is None:
+                if p.requires_grad and p not in _SCALED:
                     p.register_hook(self._grad_scale)
-                    p._phalanx_grad_scale = self._grad_scale
+                    _SCALED[p] = self._grad_scale
             if not self._decorrelated:
                 self._decorrelated = True
                 self._decorrelate_seeds(model)

@@ -46,9 +46,16 @@ import keras
 import numpy as np
 import torch
 
+from phalanx._compat import keras as compat_keras
+from phalanx._sidetable import IdentityTable
 from phalanx.errors import PhalanxError
+from phalanx.keras.discovery import distributed_model
+from phalanx.ps import pickling
 
 _KIND = "keras_model"
+# Side tables phalanx owns, rather than attributes stuck on Keras objects.
+_MODEL_CONFIG: IdentityTable[tuple[str, str]] = IdentityTable()  # model -> (config, compile config)
+_PS_CONFIG: IdentityTable[dict[str, Any]] = IdentityTable()  # optimizer -> its torch.optim config
 
 
 class UnsupportedOptimizerError(PhalanxError, ValueError):
@@ -82,7 +89,7 @@ class DatasetCreator:
 
 # ---------------------------------------------------------------------------------- optimizer
 def _learning_rate(optimizer: Any) -> float:
-    lr = optimizer._learning_rate
+    lr = compat_keras.learning_rate(optimizer)
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
         return float(lr(optimizer.iterations))
     if callable(lr):
@@ -133,25 +140,30 @@ def torch_optimizer_config(optimizer: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- the worker's model
 def reference(model: Any, extended: Any) -> tuple | None:
-    """The persistent reference a scheduled function carries instead of the pickled chief model."""
+    """The persistent reference a scheduled function carries instead of the pickled chief model.
+
+    None (pickled by value) for a model that was not built in a strategy's scope.
+    """
+    if distributed_model(model) is None:
+        return None
     specs = []
     for v in model.variables:
-        spec = extended._spec_of(v.value)
-        if spec is None and v.trainable:
+        spec_json = extended.variable_json(v.value)
+        if spec_json is None and v.trainable:
             raise PhalanxError(f"the Keras variable {v.path} was not created on the parameter servers",
                                hint="create and compile the model inside `with strategy.scope():`")
-        specs.append(None if spec is None else extended._json[spec.name])
-    cached = model.__dict__.get("_phalanx_ps_config")
+        specs.append(spec_json)
+    cached = _MODEL_CONFIG.get(model)
     if cached is None:
         cached = (json.dumps(keras.saving.serialize_keras_object(model)), json.dumps(model.get_compile_config()))
-        model.__dict__["_phalanx_ps_config"] = cached
-    return (_KIND, str(id(model)), cached[0], cached[1], specs)
+        _MODEL_CONFIG[model] = cached
+    return (str(id(model)), cached[0], cached[1], specs)
 
 
-def resolve(service: Any, pid: tuple, run: Any) -> Any:
-    """The worker's model for ``pid`` (built once), its variables bound to the servers' for this run."""
-    _, key, config, compile_config, specs = pid
-    models = service.__dict__.setdefault("_keras_models", {})
+def resolve(service: Any, payload: tuple, run: Any) -> Any:
+    """The worker's model for ``payload`` (built once), its variables bound to the servers' for this run."""
+    key, config, compile_config, specs = payload
+    models = service.extension_state(_KIND)
     entry = models.get(key)
     if entry is None or entry[0] != (config, compile_config):
         model = keras.saving.deserialize_keras_object(json.loads(config))
@@ -161,13 +173,13 @@ def resolve(service: Any, pid: tuple, run: Any) -> Any:
                                f"chief's has {len(specs)}", hint="the model's config must rebuild the same model")
         for v, spec_json in zip(model.variables, specs):
             if spec_json is not None:
-                service._adopt(spec_json, v.value)  # the Keras variable's own tensor is the worker's copy
+                service.adopt(spec_json, v.value)  # the Keras variable's own tensor is the worker's copy
         _send_updates_to_servers(model.optimizer)
         entry = models[key] = ((config, compile_config), model)
     model = entry[1]
     for spec_json in specs:
         if spec_json is not None:
-            service._resolve(("var", spec_json), run)
+            service.bind(spec_json, run)
     return model
 
 
@@ -179,7 +191,7 @@ def _send_updates_to_servers(optimizer: Any) -> None:
         run = active_run()
         if run is None:
             raise PhalanxError("a parameter-server Keras model applied an update outside a scheduled step")
-        run.service._push_tensors(list(grads), [v.value for v in trainable_variables], optimizer._phalanx_ps_config)
+        run.service.push_gradients(list(grads), [v.value for v in trainable_variables], _PS_CONFIG[optimizer])
 
     object.__setattr__(optimizer, "apply", apply)
 
@@ -187,7 +199,7 @@ def _send_updates_to_servers(optimizer: Any) -> None:
 _OPTIMIZER_KIND = "keras_optimizer"
 
 
-def optimizer_reference(optimizer: Any) -> tuple:
+def optimizer_reference(optimizer: Any, extended: Any = None) -> tuple:
     """What a scheduled function carries instead of a Keras optimizer of the chief.
 
     On the worker it becomes an optimizer whose ``apply`` / ``apply_gradients`` send the gradients
@@ -198,17 +210,17 @@ def optimizer_reference(optimizer: Any) -> tuple:
         UnsupportedOptimizerError: the optimizer has no equivalent on the servers (at ``schedule``).
     """
     config = torch_optimizer_config(optimizer)
-    return (_OPTIMIZER_KIND, json.dumps(keras.optimizers.serialize(optimizer)), json.dumps(config))
+    return (json.dumps(keras.optimizers.serialize(optimizer)), json.dumps(config))
 
 
-def resolve_optimizer(service: Any, pid: tuple) -> Any:
-    """The worker's stand-in for the chief's Keras optimizer ``pid`` (built once per configuration)."""
-    _, config, server_config = pid
-    cache = service.__dict__.setdefault("_keras_optimizers", {})
+def resolve_optimizer(service: Any, payload: tuple, run: Any) -> Any:
+    """The worker's stand-in for the chief's Keras optimizer (built once per configuration)."""
+    config, server_config = payload
+    cache = service.extension_state(_OPTIMIZER_KIND)
     optimizer = cache.get((config, server_config))
     if optimizer is None:
         optimizer = keras.optimizers.deserialize(json.loads(config))
-        optimizer._phalanx_ps_config = json.loads(server_config)
+        _PS_CONFIG[optimizer] = json.loads(server_config)
         _send_updates_to_servers(optimizer)
         cache[(config, server_config)] = optimizer
     return optimizer
@@ -220,7 +232,7 @@ def train_step(model: Any, iterator: Any, optimizer_config: dict[str, Any]) -> t
     batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
     data = keras.tree.map_structure(lambda t: torch.as_tensor(np.asarray(t)) if not isinstance(t, torch.Tensor)
                                     else t, batch)
-    model.optimizer._phalanx_ps_config = optimizer_config
+    _PS_CONFIG[model.optimizer] = optimizer_config
     model.reset_metrics()
     logs = model.train_step(data)
     size = int(keras.tree.flatten(data[0])[0].shape[0])
@@ -360,3 +372,12 @@ def _evaluate(model: Any, data: Any, batch_size: Any) -> dict[str, float]:
     else:
         args = {"x": data}
     return type(model).evaluate(model, **args, batch_size=batch_size, verbose=0, return_dict=True)
+
+
+# A Keras model built in scope travels to the workers as a reference: each worker rebuilds it once
+# from its config and binds its variables to the servers', instead of unpickling a copy with its
+# weights every step.
+pickling.register_reference(_KIND, keras.Model, reference, resolve)
+# A Keras optimizer used in a scheduled function (a custom loop's apply_gradients) becomes, on the
+# worker, one that sends its gradients to the servers.
+pickling.register_reference(_OPTIMIZER_KIND, keras.optimizers.Optimizer, optimizer_reference, resolve_optimizer)

@@ -38,9 +38,23 @@ from phalanx.ps.errors import (
 from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 from phalanx.ps.variables import RemoteVariable, ShardedVariable
 
+
+def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - ParameterServerStrategy's arguments
+    """Serves this ``ps`` or ``worker`` task until the coordinator shuts the cluster down, then returns.
+
+    The explicit entry point of a server task (TF's ``tf.distribute.Server(...).join()``):
+    ``ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()``.
+
+    Raises:
+        ContextError: this task is the chief.
+    """
+    from phalanx.strategies.parameter_server import ParameterServerStrategy
+
+    ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
+
 __all__ = [
     "AuthenticationError", "CancelledError", "ClusterCoordinator", "ClusterSecretError", "CoordinatorClosedError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "ParameterServerUnavailableError",
     "Partitioner", "PerWorkerDataset", "PerWorkerIterator", "RemoteError", "RemoteValue", "RemoteVariable",
-    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError",
+    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError", "serve",
 ]

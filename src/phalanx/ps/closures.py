@@ -56,7 +56,7 @@ class RemoteValue:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._event.wait(0.05):
-            self._coordinator._check_progress()  # a failed parameter server; no worker for too long
+            self._coordinator._check_progress()  # friend: ps.coordinator. A failed parameter server; no worker for too long
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{self._name} did not finish within {timeout}s")
         if self._error is not None:
@@ -100,7 +100,7 @@ class PerWorkerDataset(_Resource):
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any]) -> None:
         super().__init__()
         self._coordinator = coordinator
-        self.blob = coordinator._dumps(dataset_fn, [])
+        self.blob = coordinator._dumps(dataset_fn, [])  # friend: ps.coordinator
 
     def __iter__(self) -> PerWorkerIterator:
         return PerWorkerIterator(self)

@@ -277,8 +277,8 @@ class ClusterCoordinator:
         ext = getattr(strategy, "extended", None)
         if not isinstance(ext, ParameterServerExtended):
             raise TypeError(f"ClusterCoordinator needs a ParameterServerStrategy; received {type(strategy).__name__}")
-        if ext._role != "chief":
-            raise TypeError(f"ClusterCoordinator runs on the chief; this process is {ext._task_name}")
+        if ext.role != "chief":
+            raise TypeError(f"ClusterCoordinator runs on the chief; this process is {ext.task_name}")
         self._initialized = True
         self._strategy = strategy
         self._ext = ext
@@ -288,8 +288,8 @@ class ClusterCoordinator:
         self._fatal: BaseException | None = None
         self._numbers = itertools.count()
         self._last_worker_seen = time.monotonic()
-        ext._coordinator = self
-        self._workers = [_WorkerDispatcher(self, task, ext._heartbeat) for task in ext._connect_workers()]
+        ext.coordinator = self
+        self._workers = [_WorkerDispatcher(self, task, ext.heartbeat_interval) for task in ext.connect_workers()]
         self._monitor = threading.Thread(target=self._watch_parameter_servers, name="phalanx-ps-monitor", daemon=True)
         self._monitor.start()
         ref = weakref.ref(self)
@@ -379,10 +379,10 @@ class ClusterCoordinator:
         for w in self._workers:
             w.join(deadline - time.monotonic() - 0.5 * stop_cluster)
         self._monitor.join(max(0.0, min(1.0, deadline - time.monotonic())))
-        if self._ext._coordinator is self:
-            self._ext._coordinator = None
+        if self._ext.coordinator is self:
+            self._ext.coordinator = None
         if stop_cluster:
-            self._ext._stop_cluster(max(0.1, deadline - time.monotonic()))
+            self._ext.stop_cluster(max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -398,13 +398,13 @@ class ClusterCoordinator:
             if type(o) in _PLAIN:  # most of what is pickled; keeps scheduling cheap
                 return None
             if isinstance(o, _Resource):
-                for r in o._requirements():
+                for r in o._requirements():  # friend: ps.closures is the coordinator's own
                     if r not in resources:
                         resources.append(r)
                 return ("resource", o.id)
             if isinstance(o, ClusterCoordinator):
                 return ("none",)
-            return ext._persistent_id(o)
+            return ext.persistent_id(o)
 
         return pickling.dumps(obj, persistent_id)
 
@@ -428,10 +428,10 @@ class ClusterCoordinator:
         self._raise_if_fatal()
         if any(w.connected for w in self._workers):
             self._last_worker_seen = time.monotonic()
-        elif time.monotonic() - self._last_worker_seen > self._ext._worker_recovery_timeout:
+        elif time.monotonic() - self._last_worker_seen > self._ext.worker_recovery_timeout:
             w = self._workers[0].task
             raise WorkerUnavailableError(w.index, w.address, f"no worker has answered for "
-                                         f"{self._ext._worker_recovery_timeout:.0f}s (PHALANX_WORKER_RECOVERY_TIMEOUT)")
+                                         f"{self._ext.worker_recovery_timeout:.0f}s (PHALANX_WORKER_RECOVERY_TIMEOUT)")
 
     def _complete(self, closure: _Closure, reply: Any, dispatcher: _WorkerDispatcher) -> None:
         header = reply.header
@@ -442,14 +442,14 @@ class ClusterCoordinator:
                 self._closure_failed(closure, ProtocolError(f"the return value of {closure.id} cannot be "
                                                             f"unpickled on the chief: {e}"))
                 return
-            closure.remote_value._set_value(value)
+            closure.remote_value._set_value(value)  # friend: ps.closures
             self._queue.finished()
             return
         if header.get("kind") == "ps_unavailable":
             error = ParameterServerUnavailableError(int(header["ps"]), str(header["address"]),
                                                     f"{header['cause']} (seen by {dispatcher.task.name})")
             self._set_fatal(error)
-            closure.remote_value._set_error(error)
+            closure.remote_value._set_error(error)  # friend: ps.closures
             self._queue.finished()
             return
         error: BaseException | None = None
@@ -468,13 +468,13 @@ class ClusterCoordinator:
 
     def _closure_failed(self, closure: _Closure, error: BaseException) -> None:
         log.info("phalanx coordinator: %s failed: %s: %s", closure.id, type(error).__name__, error)
-        closure.remote_value._set_error(error)
+        closure.remote_value._set_error(error)  # friend: ps.closures
         self._queue.failed(error)
 
     def _watch_parameter_servers(self) -> None:
         ext = self._ext
-        while not self._stop.wait(ext._heartbeat):
-            for task, incarnation in zip(ext._ps_tasks, ext._ps_incarnations):
+        while not self._stop.wait(ext.heartbeat_interval):
+            for task, incarnation in ext.parameter_servers():
                 if self._stop.is_set():
                     return
                 try:

@@ -54,10 +54,10 @@ class InProcessCluster:
     def _start_worker(self, i: int) -> WorkerService:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
-        strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
-        strategy._build(SimpleClusterResolver(self.spec, task_type="worker", task_id=i), None, self._timeout,
-                        _SECRET, self.transport)
-        service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended._io, _SECRET.encode())
+        strategy = ParameterServerStrategy(SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
+                                           rpc_timeout=self._timeout, cluster_secret=_SECRET,
+                                           transport=self.transport, serve_and_exit=False)
+        service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended.shard_io, _SECRET.encode())
         self.transport.serve(self.spec["worker"][i], service)
         return service
 

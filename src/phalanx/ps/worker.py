@@ -37,10 +37,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from phalanx import nest
+from phalanx import hooks, nest
+from phalanx._compat.torch import version_counter
 from phalanx.ps import pickling, wire
 from phalanx.ps.client import WORKER_SERVICE
 from phalanx.ps.errors import AuthenticationError, ParameterServerUnavailableError, ProtocolError
@@ -50,8 +49,6 @@ from phalanx.ps.variables import ShardIO, VariableSpec
 log = logging.getLogger("phalanx.ps")
 
 _ACTIVE_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("phalanx_ps_run", default=None)
-_HOOK_LOCK = threading.Lock()
-_hook_installed = False
 
 
 class MissingResourceError(LookupError):
@@ -107,12 +104,8 @@ def _pre_forward(module: torch.nn.Module, args: Any) -> None:
 
 
 def _install_step_hook() -> None:
-    global _hook_installed
-    with _HOOK_LOCK:
-        if not _hook_installed:
-            register_optimizer_step_pre_hook(_pre_step)
-            register_module_forward_pre_hook(_pre_forward)
-            _hook_installed = True
+    hooks.install("phalanx.ps.worker.step", "optimizer_step_pre", _pre_step)
+    hooks.install("phalanx.ps.worker.forward", "module_forward_pre", _pre_forward)
 
 
 class _Run:
@@ -153,6 +146,7 @@ class WorkerService:
         self._resources: dict[str, Any] = {}
         self._run_lock = threading.Lock()
         self._warned: set[str] = set()
+        self._extension_state: dict[str, dict[str, Any]] = {}
         self.running = 0
         self.refused = 0
         self.last_contact = 0.0
@@ -206,19 +200,27 @@ class WorkerService:
                 raise MissingResourceError(pid[1]) from None
         if kind == "none":
             return None
-        if kind == "keras_model":
-            from phalanx.keras.parameter_server import resolve
-
-            return resolve(self, pid, run)
-        if kind == "keras_optimizer":
-            from phalanx.keras.parameter_server import resolve_optimizer
-
-            return resolve_optimizer(self, pid)
-        if kind == "keras_metric":
-            from phalanx.keras.metrics import resolve_metric
-
-            return resolve_metric(self, pid, run)
+        if kind == pickling.EXTENSION:
+            return pickling.resolve_reference(pid, self, run)
         raise ProtocolError(f"unknown reference {pid!r} in a scheduled function")
+
+    # ------------------------------------------------------------------------------ for integrations
+    # The operations an integration's references (phalanx.ps.pickling.register_reference) use.
+    def adopt(self, spec_json: str, tensor: torch.Tensor) -> None:
+        """Makes ``tensor`` (e.g. a Keras variable's own) this worker's copy of the variable ``spec_json``."""
+        self._adopt(spec_json, tensor)
+
+    def bind(self, spec_json: str, run: _Run | None) -> torch.Tensor:
+        """This worker's copy of the variable ``spec_json``, refreshed from the servers before ``run``."""
+        return self._resolve(("var", spec_json), run)
+
+    def push_gradients(self, grads: list[Any], variables: list[torch.Tensor], config: dict[str, Any]) -> None:
+        """Sends the gradients of ``variables`` (this worker's copies) to be applied with ``config``'s optimizer."""
+        self._push_tensors(grads, variables, config)
+
+    def extension_state(self, key: str) -> dict[str, Any]:
+        """A dict an integration keeps on this worker across scheduled functions (e.g. its rebuilt models)."""
+        return self._extension_state.setdefault(key, {})
 
     def _adopt(self, spec_json: str, tensor: torch.Tensor) -> None:
         """Makes ``tensor`` (e.g. a Keras variable's own) this worker's copy of the variable ``spec_json``."""
@@ -323,14 +325,14 @@ class WorkerService:
         for name in names:
             spec, tensor = run.vars[name]
             tensor.grad = None
-            run.versions[name] = tensor._version
+            run.versions[name] = version_counter(tensor)
             if not spec.trainable and tensor.dtype != torch.bool:
                 run.snapshots[name] = tensor.detach().clone()
 
     def _push_deltas(self, run: _Run) -> None:
         specs, deltas = [], []
         for name, (spec, tensor) in run.vars.items():
-            if tensor._version == run.versions.get(name):
+            if version_counter(tensor) == run.versions.get(name):
                 continue
             if name in run.snapshots:
                 delta = tensor.detach() - run.snapshots[name]
@@ -390,4 +392,4 @@ class WorkerService:
         stale, run.stale = list(run.stale.values()), {}
         self._io.read_into([spec for spec, _ in stale], [t for _, t in stale])
         for spec, tensor in stale:
-            run.versions[spec.name] = tensor._version
+            run.versions[spec.name] = version_counter(tensor)

@@ -64,31 +64,20 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm.communicator import Handle
+from phalanx.config import settings
 from phalanx.comm.reducer import GradientReducer
 from phalanx.devices import LogicalDevice, canonicalize
-from phalanx.errors import ClusterSpecError, InvalidDeviceError
+from phalanx.errors import InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import (
-    build_communicator,
-    close_at_exit,
-    configure_cpu_threads,
-    select_device,
-    local_devices,
-    replica_env_for,
-)
-from phalanx.strategy import Strategy, StrategyExtended, _by_dtype, _tf_name
+from phalanx.strategies.common import SyncExtended, local_devices
+from phalanx.strategy import Strategy, by_dtype, tf_device_name
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping
-_COPY_ENV = "PHALANX_CENTRAL_COPY"  # "1": copy mode on CPU replicas too (testing aid)
 _CENTRAL_DEVICE = torch.device("cpu")  # the central copy is CPU memory (a shared mapping)
 
 
 def _forced_copy_mode() -> bool:
-    raw = os.environ.get(_COPY_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ClusterSpecError(_COPY_ENV, raw, "must be 0 or 1",
-                               hint="1 forces CentralStorageStrategy's copy mode on CPU replicas (for tests)")
-    return raw == "1"
+    return settings().central_copy  # PHALANX_CENTRAL_COPY, checked to be 0 or 1
 
 
 def _point(param: torch.nn.Parameter, data: torch.Tensor) -> None:
@@ -134,23 +123,58 @@ class _CopyModeReducer(GradientReducer):
             self._launched = []
 
 
-class CentralStorageExtended(StrategyExtended):
+class CentralStorageExtended(SyncExtended):
     """Variables in one shared copy; gradients reduced to replica 0, which updates them.
 
     Args:
-        *args, **kwargs: as :class:`StrategyExtended`.
-        copy_mode: compute on per-replica copies of the central variables (GPU replicas) rather
-            than on the central copy itself; see the module docstring.
+        compute_devices, parameter_device: as :class:`CentralStorageStrategy`'s. Copy mode
+            (computing on per-replica copies of the central variables) follows from them; see
+            the module docstring.
     """
 
-    def __init__(self, *args: Any, copy_mode: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
+        compute = local_devices(compute_devices, ReplicaEnv.from_environ(), "compute_devices")
+        if parameter_device is None:
+            only_gpu = len(compute) == 1 and compute[0].type == "cuda"
+            parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)
+        else:
+            parameter = canonicalize(parameter_device)
+        if len({d.type for d in compute}) > 1:
+            raise InvalidDeviceError([str(d) for d in compute], hint="CentralStorageStrategy's compute devices "
+                                     "must all be CPUs or all be GPUs")
+        if parameter.type != "cpu" and [parameter] != compute:
+            raise InvalidDeviceError(str(parameter), hint="CentralStorageStrategy keeps the variables on the CPU, "
+                                     "or on the GPU of its only replica; use parameter_device='cpu'")
+        # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
+        copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
+        env = self._replica_env(compute, "compute_devices")
+        local_rank = env.local_rank if env is not None else 0
+        self._select_device(compute[local_rank])
+        comm = self._build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
+                                        fingerprint=(("central_storage_copy_mode", copy_mode),))
+        self._configure_cpu_threads(comm, compute[local_rank].type)
+        super().__init__(comm, compute[local_rank], tuple(tf_device_name(d) for d in compute),
+                         (tf_device_name(parameter),))
         self._mappings: list[mmap.mmap] = []  # keep the shared memory mapped while parameters use it
         self._reduced_in_run = 0
         self._copy_mode = copy_mode
         # Copy mode: (parameter, central CPU view, compute copy on the replica's device).
         self._copies: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
         self._central_of: dict[int, torch.Tensor] = {}  # id(parameter) -> its central view
+        self._close_at_exit()
+
+    @property
+    def copy_mode(self) -> bool:
+        """Whether replicas compute on copies of the central variables (see the module docstring)."""
+        return self._copy_mode
+
+    def central_copy_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Copy mode: the central (shared CPU) view of ``param``.
+
+        Raises:
+            KeyError: ``param`` is not a central variable of this strategy in copy mode.
+        """
+        return self._central_of[id(param)]
 
     def _sync_new_variables(self) -> None:
         # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
@@ -173,7 +197,7 @@ class CentralStorageExtended(StrategyExtended):
         In copy mode each parameter's former data is kept as its compute copy.
         """
         comm = self._comm
-        for (dtype, _), group in _by_dtype(params).items():
+        for (dtype, _), group in by_dtype(params).items():
             offsets, size = [], 0
             for p in group:
                 offsets.append(size)
@@ -284,27 +308,4 @@ class CentralStorageStrategy(Strategy):
     """
 
     def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
-        compute = local_devices(compute_devices, ReplicaEnv.from_environ(), "compute_devices")
-        if parameter_device is None:
-            only_gpu = len(compute) == 1 and compute[0].type == "cuda"
-            parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)
-        else:
-            parameter = canonicalize(parameter_device)
-        if len({d.type for d in compute}) > 1:
-            raise InvalidDeviceError([str(d) for d in compute], hint="CentralStorageStrategy's compute devices "
-                                     "must all be CPUs or all be GPUs")
-        if parameter.type != "cpu" and [parameter] != compute:
-            raise InvalidDeviceError(str(parameter), hint="CentralStorageStrategy keeps the variables on the CPU, "
-                                     "or on the GPU of its only replica; use parameter_device='cpu'")
-        # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
-        copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
-        env = replica_env_for(self, compute, "compute_devices")
-        local_rank = env.local_rank if env is not None else 0
-        select_device(compute[local_rank])
-        comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
-                                  fingerprint=(("central_storage_copy_mode", copy_mode),))
-        configure_cpu_threads(comm, compute[local_rank].type)
-        extended = CentralStorageExtended(comm, compute[local_rank], tuple(_tf_name(d) for d in compute),
-                                          (_tf_name(parameter),), copy_mode=copy_mode)
-        super().__init__(extended)
-        close_at_exit(self)
+        super().__init__(CentralStorageExtended(compute_devices, parameter_device))

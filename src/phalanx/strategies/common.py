@@ -1,4 +1,11 @@
-"""Pieces the synchronous strategies share: timeouts, CPU threads, building the communicator."""
+"""The machinery the synchronous strategies share: :class:`SyncExtended`.
+
+Each synchronous strategy pairs a thin ``XStrategy`` with an ``XExtended`` that builds its own
+machinery, as TF's ``MirroredExtended`` does: the replicas' devices, this process's identity (from
+the launcher, or by starting the other replicas now), the CUDA device, the communicator, the CPU
+threads and closing at exit. The steps live here, as methods of the base class, so that each
+strategy only says what differs.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,25 @@ from typing import Any
 
 import torch
 
+from phalanx import config
 from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv, install_error_recorder
+from phalanx.strategy import StrategyExtended
 
-DEFAULT_TIMEOUT = 300.0  # seconds for one collective; CommunicationOptions(timeout_seconds=...) overrides
-DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
+# Kept for code that imported them from here; the values live in phalanx.config.
+DEFAULT_TIMEOUT = config.COLLECTIVE_TIMEOUT
+DEFAULT_RENDEZVOUS_TIMEOUT = config.RENDEZVOUS_TIMEOUT
 
 
 def env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment variable ``name``, else ``default``.
+
+    Raises:
+        ClusterSpecError: the variable is not a positive number.
+    """
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -32,59 +47,13 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
-def configure_cpu_threads(comm: Any, device_type: str) -> None:
-    """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS).
-
-    Counts every process of the job on this host (after rendezvous), so two TF_CONFIG workers
-    started separately on one machine do not each claim all of its cores.
-    """
-    if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ or comm.world_size == 1:
-        return
-    here = comm.host_of(comm.rank)
-    on_this_host = sum(1 for r in range(comm.world_size) if comm.host_of(r) == here)
-    if on_this_host > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_host))
-
-
-def select_device(device: LogicalDevice) -> None:
-    """Makes the replica's GPU the current CUDA device (Keras and torch create tensors there)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index)
-
-
-def build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
-                       names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
-                       backend: str = "gloo") -> Any:
-    """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
-    install_error_recorder()
-    if env is None or env.world_size == 1:
-        return LocalCommunicator()
-    spec = GroupSpec(
-        rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
-        # With no address from a cluster spec, listen on the local address that routes to the master
-        # (loopback for a single host): never on all interfaces, never on an address peers cannot reach.
-        bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
-        timeout=timeout or env_seconds("PHALANX_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT),
-        rendezvous_timeout=env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT),
-        fingerprint=fingerprint)
-    return GlooCommunicator(spec, backend=backend)
-
-
-def close_at_exit(strategy: Any) -> None:
-    """Closes the strategy's communicator when the interpreter exits, if nobody did before."""
-    ref = weakref.ref(strategy)
-
-    def _close() -> None:
-        s = ref()
-        if s is not None:
-            s.close()
-
-    atexit.register(_close)
-
-
 def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -> list[LogicalDevice]:
     """The replicas' devices on this host: as given, else one per process the launcher started,
-    else every visible GPU or the CPU."""
+    else every visible GPU or the CPU.
+
+    Raises:
+        InvalidDeviceError: a device is malformed, absent or repeated, or none is given.
+    """
     if devices is None:
         if env is None:
             return default_devices()
@@ -100,16 +69,94 @@ def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -
     return parsed
 
 
-def replica_env_for(strategy: Any, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
-    """This process's identity: from the launcher, or by starting the other replicas now."""
-    env = ReplicaEnv.from_environ()
-    if env is None and len(devices) > 1:
-        from phalanx.launch.self_launch import ReplicaLauncher
+class SyncExtended(StrategyExtended):
+    """Base of the synchronous strategies' machinery; subclasses call its steps in ``__init__``.
 
-        strategy._launcher = ReplicaLauncher(len(devices))
-        env = strategy._launcher.env
-    if env is not None and env.local_world_size != len(devices):
-        raise ClusterSpecError(what, [str(d) for d in devices],
-                               f"the launcher started {env.local_world_size} replica processes on this host",
-                               hint="pass as many devices as `phalanx run -n` starts, or none")
-    return env
+    The order a subclass follows: :meth:`_replica_env` (who this process is, starting the other
+    replicas if needed), :meth:`_select_device`, :meth:`_build_communicator`,
+    :meth:`_configure_cpu_threads`, ``StrategyExtended.__init__``, :meth:`_close_at_exit`.
+    """
+
+    _launcher: Any = None  # the self-launcher of the other replicas, kept alive with the strategy
+
+    def _replica_env(self, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
+        """This process's identity: from the launcher, or by starting the other replicas now.
+
+        Raises:
+            ClusterSpecError: the launcher started a different number of replicas than ``devices``.
+        """
+        env = ReplicaEnv.from_environ()
+        if env is None and len(devices) > 1:
+            from phalanx.launch.self_launch import ReplicaLauncher
+
+            self._launcher = ReplicaLauncher(len(devices))
+            env = self._launcher.env
+        if env is not None and env.local_world_size != len(devices):
+            raise ClusterSpecError(what, [str(d) for d in devices],
+                                   f"the launcher started {env.local_world_size} replica processes on this host",
+                                   hint="pass as many devices as `phalanx run -n` starts, or none")
+        return env
+
+    @staticmethod
+    def _select_device(device: LogicalDevice) -> None:
+        """Makes the replica's GPU the current CUDA device (Keras and torch create tensors there)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index)
+
+    @staticmethod
+    def _build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
+                            names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
+                            backend: str = "gloo") -> Any:
+        """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
+        install_error_recorder()
+        if env is None or env.world_size == 1:
+            return LocalCommunicator()
+        settings = config.settings()
+        spec = GroupSpec(
+            rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
+            # With no address from a cluster spec, listen on the local address that routes to the master
+            # (loopback for a single host): never on all interfaces, never on an address peers cannot reach.
+            bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
+            timeout=timeout or settings.collective_timeout,
+            rendezvous_timeout=settings.rendezvous_timeout,
+            fingerprint=fingerprint)
+        return GlooCommunicator(spec, backend=backend)
+
+    @staticmethod
+    def _configure_cpu_threads(comm: Any, device_type: str) -> None:
+        """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS).
+
+        Counts every process of the job on this host (after rendezvous), so two TF_CONFIG workers
+        started separately on one machine do not each claim all of its cores.
+        """
+        if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ or comm.world_size == 1:
+            return
+        here = comm.host_of(comm.rank)
+        on_this_host = sum(1 for r in range(comm.world_size) if comm.host_of(r) == here)
+        if on_this_host > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_host))
+
+    def _close_at_exit(self) -> None:
+        """Closes the strategy (else this machinery) when the interpreter exits, if nobody did before."""
+        close_at_exit(self)
+
+
+def close_at_exit(owner: Any) -> None:
+    """Calls ``owner``'s close when the interpreter exits, unless ``owner`` is gone by then.
+
+    ``owner`` is a Strategy, or a StrategyExtended (whose strategy's ``close`` is called if it
+    still exists, so that the strategy counts as closed).
+    """
+    ref = weakref.ref(owner)
+
+    def _close() -> None:
+        o = ref()
+        if o is None:
+            return
+        strategy = o.container_strategy if isinstance(o, StrategyExtended) else o
+        if strategy is not None:
+            strategy.close()
+        else:
+            o._close()
+
+    atexit.register(_close)

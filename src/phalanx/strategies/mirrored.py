@@ -1,6 +1,6 @@
 """MirroredStrategy: synchronous training with one replica per local device.
 
-Every replica is a process (see DESIGN.md). ``python train.py`` starts the other N-1 replica
+Every replica is a process (see docs/ARCHITECTURE.md). ``python train.py`` starts the other N-1 replica
 processes itself; ``phalanx run -n N train.py`` starts all N explicitly. Parameters created in
 ``scope()`` are broadcast from replica 0, so they start identical; their gradients are summed
 across replicas during backward, so every replica applies the same update and they stay
@@ -22,15 +22,28 @@ from typing import Any, Sequence
 
 from phalanx.comm.cross_device_ops import CrossDeviceOps
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import (
-    build_communicator,
-    close_at_exit,
-    configure_cpu_threads,
-    select_device,
-    local_devices,
-    replica_env_for,
-)
-from phalanx.strategy import Strategy, StrategyExtended, _tf_name
+from phalanx.strategies.common import SyncExtended, local_devices
+from phalanx.strategy import Strategy, tf_device_name
+
+
+class MirroredExtended(SyncExtended):
+    """The machinery of :class:`MirroredStrategy`: one replica process per local device.
+
+    Args:
+        devices: as :class:`MirroredStrategy`'s.
+        cross_device_ops: as :class:`MirroredStrategy`'s.
+    """
+
+    def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
+        local = local_devices(devices, ReplicaEnv.from_environ())
+        env = self._replica_env(local)
+        local_rank = env.local_rank if env is not None else 0
+        self._select_device(local[local_rank])
+        names = tuple(tf_device_name(d) for d in local)
+        comm = self._build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
+        self._configure_cpu_threads(comm, local[local_rank].type)
+        super().__init__(comm, local[local_rank], names, names, cross_device_ops)
+        self._close_at_exit()
 
 
 class MirroredStrategy(Strategy):
@@ -48,12 +61,4 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
-        local = local_devices(devices, ReplicaEnv.from_environ())
-        env = replica_env_for(self, local)
-        local_rank = env.local_rank if env is not None else 0
-        select_device(local[local_rank])
-        names = tuple(_tf_name(d) for d in local)
-        comm = build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
-        configure_cpu_threads(comm, local[local_rank].type)
-        super().__init__(StrategyExtended(comm, local[local_rank], names, names, cross_device_ops))
-        close_at_exit(self)
+        super().__init__(MirroredExtended(devices, cross_device_ops))

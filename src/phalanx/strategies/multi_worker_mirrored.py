@@ -32,15 +32,15 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import build_communicator, close_at_exit, configure_cpu_threads, select_device
-from phalanx.strategy import Strategy, StrategyExtended, _tf_name
+from phalanx.strategies.common import SyncExtended
+from phalanx.strategy import InputSharding, Strategy, tf_device_name
 
 
 class CommunicationImplementation(enum.Enum):
     """Which collective implementation to use (TF 2.0 called it ``CollectiveCommunication``)."""
 
     AUTO = "AUTO"
-    RING = "RING"  # gloo's ring all-reduce over TCP
+    RING = "RING"  # gloo on CPUs (shared memory within a host, gloo between hosts): no NCCL
     NCCL = "NCCL"
 
 
@@ -82,18 +82,16 @@ def _placement(resolver: ClusterResolver | None, env: ReplicaEnv | None) -> Task
     return TaskPlacement("worker", 0, 0, 1, 0, 1, 0, 1, "127.0.0.1", 0, "127.0.0.1")
 
 
-class MultiWorkerMirroredStrategy(Strategy):
-    """Synchronous data parallelism over every device of every worker.
+class MultiWorkerMirroredExtended(SyncExtended):
+    """The machinery of :class:`MultiWorkerMirroredStrategy`: every device of every worker.
 
     Args:
-        cluster_resolver: who is who; default: detected from the environment (TF_CONFIG, torchrun,
-            Slurm, ``phalanx run``), else a single worker.
-        communication_options: :class:`CommunicationOptions`.
+        cluster_resolver, communication_options: as :class:`MultiWorkerMirroredStrategy`'s.
 
-    Raises:
-        ClusterSpecError: the cluster description is malformed (checked before any network I/O),
-            or it gives this strategy a ``ps`` job.
-        ClusterSpecMismatchError, RendezvousTimeoutError: at rendezvous.
+    Attributes:
+        placement: this process's place in the cluster.
+        communication_options: the options in effect.
+        cluster_resolver: the resolver the strategy reports (a single-worker one when none was found).
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
@@ -114,7 +112,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                                                   "CommunicationImplementation.RING (gloo) on CPUs")
         backend = "nccl" if use_gpu and options.implementation is not CommunicationImplementation.RING else "gloo"
         device = LogicalDevice("cuda" if use_gpu else "cpu", placement.local_rank)
-        select_device(device)
+        self._select_device(device)
         if placement.world_size > 1 and placement.master_port == 0:
             raise ClusterSpecError("master_port", 0, "a multi-process job needs the chief's port",
                                    hint="set TF_CONFIG, MASTER_ADDR/MASTER_PORT, or use phalanx run")
@@ -124,22 +122,44 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  if job in spec.jobs)
         run_env = ReplicaEnv(placement.rank, placement.world_size, placement.local_rank, placement.local_world_size,
                              placement.master_addr, placement.master_port, placement.node_rank, placement.num_nodes)
-        comm = build_communicator(
+        comm = self._build_communicator(
             run_env, timeout=options.timeout_seconds, bind_addr=placement.bind_addr,
             names=tuple(placement.describe_rank(r) for r in range(placement.world_size)),
             fingerprint=fingerprint, backend=backend)
-        configure_cpu_threads(comm, device.type)
+        self._configure_cpu_threads(comm, device.type)
         task = f"/job:{placement.task_type}/replica:0/task:{placement.task_id}"
-        local = tuple(_tf_name(LogicalDevice(device.type, i), task) for i in range(placement.local_world_size))
-        extended = StrategyExtended(comm, device, local, local, NcclAllReduce(),
-                                    options.bytes_per_pack or DEFAULT_BUCKET_BYTES)
+        local = tuple(tf_device_name(LogicalDevice(device.type, i), task) for i in range(placement.local_world_size))
         # Workers may hold inputs of different lengths: agree each step on who still has data.
-        extended._agree_on_input_end = placement.world_size > 1
-        extended._num_workers, extended._worker_index = placement.num_nodes, max(placement.node_rank, 0)
-        self._placement = placement
-        self._communication_options = options
+        sharding = InputSharding(num_workers=placement.num_nodes, worker_index=max(placement.node_rank, 0),
+                                 agree_on_end=placement.world_size > 1)
+        super().__init__(comm, device, local, local, NcclAllReduce(), options.bytes_per_pack or DEFAULT_BUCKET_BYTES,
+                         input_sharding=sharding)
+        self.placement = placement
+        self.communication_options = options
         if resolver is None:
             resolver = SimpleClusterResolver({"worker": [f"{placement.master_addr}:{placement.master_port}"]},
                                              task_type="worker", task_id=0) if placement.num_nodes == 1 else None
-        super().__init__(extended, cluster_resolver=resolver)
-        close_at_exit(self)
+        self.cluster_resolver = resolver
+        self._close_at_exit()
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over every device of every worker.
+
+    Args:
+        cluster_resolver: who is who; default: detected from the environment (TF_CONFIG, torchrun,
+            Slurm, ``phalanx run``), else a single worker.
+        communication_options: :class:`CommunicationOptions`.
+
+    Raises:
+        ClusterSpecError: the cluster description is malformed (checked before any network I/O),
+            or it gives this strategy a ``ps`` job.
+        ClusterSpecMismatchError, RendezvousTimeoutError: at rendezvous.
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None) -> None:
+        extended = MultiWorkerMirroredExtended(cluster_resolver, communication_options)
+        self._placement = extended.placement
+        self._communication_options = extended.communication_options
+        super().__init__(extended, cluster_resolver=extended.cluster_resolver)

@@ -15,7 +15,16 @@ from typing import Any
 
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.devices import canonicalize
-from phalanx.strategy import Strategy, StrategyExtended, _tf_name
+from phalanx.strategy import Strategy, StrategyExtended, tf_device_name
+
+
+class OneDeviceExtended(StrategyExtended):
+    """The machinery of :class:`OneDeviceStrategy`: one replica, no communication."""
+
+    def __init__(self, device: Any) -> None:
+        logical = canonicalize(device)
+        name = (tf_device_name(logical),)
+        super().__init__(LocalCommunicator(), logical, name, name)
 
 
 class OneDeviceStrategy(Strategy):
@@ -30,6 +39,4 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: Any) -> None:
-        logical = canonicalize(device)
-        name = (_tf_name(logical),)
-        super().__init__(StrategyExtended(LocalCommunicator(), logical, name, name))
+        super().__init__(OneDeviceExtended(device))

@@ -4,8 +4,11 @@ A cluster has one ``chief`` (the coordinator: it runs the user's program), ``wor
 run the functions the coordinator schedules) and ``ps`` tasks (they hold the variables and apply
 the updates). Every task runs the same script. Constructing the strategy in a ``ps`` or ``worker``
 task turns that process into a server: it serves until the coordinator shuts the cluster down,
-then **exits the process** (exit code 0, after running ``atexit`` handlers). So the script's body after the strategy line runs on
-the chief only, as TF scripts have non-chief tasks call ``server.join()``::
+then **exits the process** (exit code 0, after running ``atexit`` handlers). So the script's body
+after the strategy line runs on the chief only, as TF scripts have non-chief tasks call
+``server.join()``. A program that wants control back on its servers passes ``serve_and_exit=False``
+and calls :meth:`ParameterServerStrategy.serve` (or :func:`phalanx.ps.serve`), which returns when
+the cluster shuts down::
 
     strategy = phalanx.ParameterServerStrategy()   # from TF_CONFIG, or `phalanx run --ps 2 --workers 3`
     # ---- only the chief gets here ----
@@ -50,24 +53,28 @@ from typing import Any
 
 import torch
 
+from phalanx import config
+from phalanx._compat.python import run_exit_handlers
+from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
-from phalanx.ps import wire
+from phalanx.ps import pickling, wire
 from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
 from phalanx.ps.partitioners import num_shards_for, shard_sizes
 from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
-from phalanx.strategies.common import close_at_exit, env_seconds
+from phalanx.strategies.common import close_at_exit
 from phalanx.strategy import Strategy, StrategyExtended
 
 log = logging.getLogger("phalanx.ps")
 
-DEFAULT_RPC_TIMEOUT = 30.0
-DEFAULT_ORPHAN_TIMEOUT = 300.0
-DEFAULT_WORKER_RECOVERY_TIMEOUT = 600.0
+# The values live in phalanx.config; the names stay for code that imported them from here.
+DEFAULT_RPC_TIMEOUT = config.RPC_TIMEOUT
+DEFAULT_ORPHAN_TIMEOUT = config.ORPHAN_TIMEOUT
+DEFAULT_WORKER_RECOVERY_TIMEOUT = config.WORKER_RECOVERY_TIMEOUT
 
 
 class ParameterServerExtended(StrategyExtended):
@@ -82,7 +89,7 @@ class ParameterServerExtended(StrategyExtended):
         self._transport = transport
         self._rpc_timeout = rpc_timeout
         self._heartbeat = min(1.0, max(0.1, rpc_timeout / 4))
-        self._worker_recovery_timeout = env_seconds("PHALANX_WORKER_RECOVERY_TIMEOUT", DEFAULT_WORKER_RECOVERY_TIMEOUT)
+        self._worker_recovery_timeout = config.settings().worker_recovery_timeout
         self._partitioner = partitioner
         ps_indices = cluster.task_indices("ps")
         self._ps_tasks = [RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout)
@@ -117,6 +124,66 @@ class ParameterServerExtended(StrategyExtended):
     @property
     def experimental_between_graph(self) -> bool:
         return True
+
+    # ---------------------------------------------------------------- the contract with the coordinator
+    @property
+    def rpc_timeout(self) -> float:
+        """Seconds before a call to a task counts as failed."""
+        return self._rpc_timeout
+
+    def leave_cluster_running(self) -> None:
+        """Closing this chief will not shut the cluster down (another coordinator takes over)."""
+        self._stopped = True
+
+    @property
+    def shard_io(self) -> ShardIO:
+        """Reads and writes of the variables' shards on the parameter servers."""
+        return self._io
+
+    @property
+    def role(self) -> str:
+        """This task's job: ``chief``, ``worker`` or ``ps``."""
+        return self._role
+
+    @property
+    def task_name(self) -> str:
+        """This task, as ``job:index``."""
+        return self._task_name
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between the coordinator's liveness checks of a task."""
+        return self._heartbeat
+
+    @property
+    def worker_recovery_timeout(self) -> float:
+        """Seconds the coordinator waits for any worker to come back before failing."""
+        return self._worker_recovery_timeout
+
+    @property
+    def coordinator(self) -> Any:
+        """The :class:`~phalanx.coordinator.ClusterCoordinator` attached to this strategy, if any."""
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, value: Any) -> None:
+        self._coordinator = value
+
+    def parameter_servers(self) -> list[tuple[RemoteTask, str | None]]:
+        """Each parameter server and the incarnation it had when the chief connected."""
+        return list(zip(self._ps_tasks, self._ps_incarnations))
+
+    def connect_workers(self) -> list[RemoteTask]:
+        """Connections to every worker (made once)."""
+        return self._connect_workers()
+
+    def stop_cluster(self, timeout: float = 5.0) -> None:
+        """Tells every worker and parameter server to exit (best effort, bounded by ``timeout``)."""
+        self._stop_cluster(timeout)
+
+    def persistent_id(self, obj: Any) -> Any:
+        """The reference a scheduled function carries for ``obj`` instead of a pickled copy, or None."""
+        return self._persistent_id(obj)
 
     # ---------------------------------------------------------------- connecting
     def _wait_for_parameter_servers(self, timeout: float) -> None:
@@ -181,7 +248,7 @@ class ParameterServerExtended(StrategyExtended):
                 # reached through this object.
                 self._tensors[alias.name] = tensor
                 self._spec_by_id[id(tensor)] = alias
-                self._versions[alias.name] = tensor._version
+                self._versions[alias.name] = version_counter(tensor)
                 self._mark_owned(tensor)
                 continue
             new.append((tensor, kind))
@@ -219,7 +286,7 @@ class ParameterServerExtended(StrategyExtended):
         self._tensors[spec.name] = tensor
         self._spec_by_id[id(tensor)] = spec
         self._json[spec.name] = spec.to_json()
-        self._versions[spec.name] = tensor._version
+        self._versions[spec.name] = version_counter(tensor)
         if tensor.numel():
             self._by_storage[_storage_key(tensor)] = spec  # registered tensors stay alive: no address reuse
         self._mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
@@ -235,22 +302,9 @@ class ParameterServerExtended(StrategyExtended):
                             "strategy.scope(): it is copied to the worker with every function and its updates "
                             "are lost. Create the model inside `with strategy.scope():`.", tuple(obj.shape))
             return None
-        keras = sys.modules.get("keras")
-        if keras is not None and isinstance(obj, keras.Model) and "_phalanx_distributed" in obj.__dict__:
-            # A Keras model built in scope: the worker rebuilds it once from its config and binds
-            # its variables to the servers' (phalanx.keras.parameter_server), instead of
-            # unpickling a copy with its weights every step.
-            from phalanx.keras.parameter_server import reference
-
-            return reference(obj, self)
-        if keras is not None and isinstance(obj, keras.optimizers.Optimizer):
-            from phalanx.keras.parameter_server import optimizer_reference
-
-            return optimizer_reference(obj)  # the worker's stand-in sends its updates to the servers
-        if keras is not None and isinstance(obj, keras.metrics.Metric):
-            from phalanx.keras.metrics import metric_reference
-
-            return metric_reference(obj, self)  # its variables live on the servers
+        ref = pickling.reference_to(obj, self)  # objects of integrations (a Keras model built in scope)
+        if ref is not None:
+            return ref
         if isinstance(obj, Strategy):
             if obj.extended is self:
                 return ("strategy",)
@@ -284,18 +338,23 @@ class ParameterServerExtended(StrategyExtended):
         targets = [self._tensors[s.name] for s in specs]
         self._io.read_into(specs, targets)
         for s, t in zip(specs, targets):
-            self._versions[s.name] = t._version
+            self._versions[s.name] = version_counter(t)
 
     def push_variables(self, force: bool = False) -> None:
         """Sends the chief's tensors that changed since they were last synchronised (all with ``force``)."""
         if self._role != "chief" or not self._specs:
             return
-        changed = [s for s in self._specs if force or self._tensors[s.name]._version != self._versions[s.name]]
+        changed = [s for s in self._specs if force or version_counter(self._tensors[s.name]) != self._versions[s.name]]
         if not changed:
             return
         self._io.assign(changed, [self._tensors[s.name] for s in changed])
         for s in changed:
-            self._versions[s.name] = self._tensors[s.name]._version
+            self._versions[s.name] = version_counter(self._tensors[s.name])
+
+    def variable_json(self, tensor: Any) -> str | None:
+        """The wire description of the variable behind ``tensor`` (a chief's tensor), or None if it is not one."""
+        spec = self._spec_of(tensor)
+        return None if spec is None else self._json[spec.name]
 
     def _spec_of(self, tensor: Any) -> VariableSpec | None:
         spec = self._spec_by_id.get(id(tensor))
@@ -373,7 +432,7 @@ class ParameterServerExtended(StrategyExtended):
                                     self._secret, on_shutdown=stop.set)
         self._service = service
         server = self._transport.serve(address, service)
-        orphan = env_seconds("PHALANX_ORPHAN_TIMEOUT", DEFAULT_ORPHAN_TIMEOUT)
+        orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())
         print(f"phalanx {self._task_name}: serving on {address}", file=sys.stderr, flush=True)
         while not stop.wait(0.2):
@@ -427,8 +486,11 @@ class ParameterServerStrategy(Strategy):
         cluster_secret: the shared secret (default ``PHALANX_CLUSTER_SECRET``).
         transport: how tasks talk (default gRPC); tests pass an in-process one.
 
-    In a ``ps`` or ``worker`` task the constructor serves until the coordinator shuts the cluster
-    down and then exits the process; see the module docstring.
+        serve_and_exit: in a ``ps`` or ``worker`` task, serve in the constructor until the
+            coordinator shuts the cluster down and then exit the process (the default, so the
+            script's body after the strategy line runs on the chief only); False: return, and
+            serve with :meth:`serve` (or use :func:`phalanx.ps.serve`), which returns when the
+            cluster shuts down, as TF's ``Server.join()`` does.
 
     Raises:
         ClusterSpecError: no cluster, no ``ps`` or ``worker`` job, a malformed spec, or this task
@@ -441,14 +503,29 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  variable_partitioner: Callable[..., Sequence[int]] | None = None, *,
                  rpc_timeout: float | None = None, cluster_secret: str | bytes | None = None,
-                 transport: Any = None) -> None:
+                 transport: Any = None, serve_and_exit: bool = True) -> None:
         self._build(cluster_resolver, variable_partitioner, rpc_timeout, cluster_secret, transport)
         extended = self._extended
-        if extended._role in ("ps", "worker"):
-            extended.serve(self)
-            _exit_server(extended)
-        extended._wait_for_parameter_servers(env_seconds("PHALANX_RENDEZVOUS_TIMEOUT", 120.0))
+        if extended.role in ("ps", "worker"):
+            if serve_and_exit:
+                self.serve()
+                _exit_server()
+            return
+        extended._wait_for_parameter_servers(config.settings().rendezvous_timeout)
         close_at_exit(self)
+
+    def serve(self) -> None:
+        """Serves this ``ps`` or ``worker`` task's operations until the coordinator shuts the cluster down.
+
+        Returns then (or once no word came from the coordinator for ``PHALANX_ORPHAN_TIMEOUT``).
+
+        Raises:
+            ContextError: called on the chief, which coordinates rather than serves.
+        """
+        if self._extended.role == "chief":
+            raise ContextError("ParameterServerStrategy.serve was called on the chief.",
+                               hint="only 'ps' and 'worker' tasks serve; the chief schedules functions")
+        self._extended.serve(self)
 
     def _build(self, cluster_resolver: ClusterResolver | None, variable_partitioner: Any, rpc_timeout: float | None,
                cluster_secret: str | bytes | None, transport: Any) -> None:
@@ -459,7 +536,7 @@ class ParameterServerStrategy(Strategy):
             from phalanx.ps.transport import GrpcTransport
 
             transport = GrpcTransport()
-        timeout = rpc_timeout if rpc_timeout is not None else env_seconds("PHALANX_RPC_TIMEOUT", DEFAULT_RPC_TIMEOUT)
+        timeout = rpc_timeout if rpc_timeout is not None else config.settings().rpc_timeout
         if not timeout > 0:
             raise ValueError(f"rpc_timeout must be positive; received {rpc_timeout!r}")
         extended = ParameterServerExtended(role=role, task_id=task_id, cluster=cluster, secret=secret,
@@ -477,7 +554,7 @@ class ParameterServerStrategy(Strategy):
             raise ContextError(
                 "ParameterServerStrategy.run was called on the chief, outside a scheduled function.",
                 hint="wrap the step in a function and give it to ClusterCoordinator(strategy).schedule(fn, args); "
-                     "strategy.run may be called inside that function (Keras fit is not supported yet)")
+                     "strategy.run may be called inside that function; Keras' model.fit schedules its steps itself")
         return super().run(fn, args, kwargs, options)
 
     @property
@@ -495,15 +572,13 @@ class ParameterServerStrategy(Strategy):
                 f"workers={len(ext.worker_devices)})")
 
 
-def _exit_server(extended: ParameterServerExtended) -> None:
+def _exit_server() -> None:
     """Ends a ps/worker process once it has served: exit handlers run, then the process exits with 0.
 
     The interpreter's own teardown is skipped (``os._exit`` after ``atexit``): with torch loaded it
     takes seconds, and a scheduled function still running in a server thread would block it.
     """
-    import atexit
-
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

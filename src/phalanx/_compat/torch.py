@@ -1,0 +1,53 @@
+"""torch's private APIs phalanx relies on, each behind one function.
+
+Checked on torch 2.4 to 2.15 (CI runs 2.13.0 CPU; ``tests/test_compat.py`` exercises every shim,
+so a torch that changed one fails there first, with the shim's name).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.nest walks structures with it
+
+__all__ = ["gloo_options", "nccl_options", "pytree", "queue_backward_callback", "version_counter"]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (``Tensor._version``; torch >= 1.0, unchanged to 2.15).
+
+    It grows whenever the tensor's data is changed in place (``add_``, ``copy_``, an optimizer
+    step), which is how phalanx notices writes without copying the tensor.
+    """
+    return tensor._version
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the current backward pass has finished (torch >= 1.0 to 2.15).
+
+    ``Variable._execution_engine.queue_callback``: the hook DDP, DeepSpeed and FSDP use to act
+    once every gradient of a backward pass is ready. Must be called during a backward pass.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def gloo_options(timeout: datetime.timedelta, bind_addr: str) -> Any:
+    """Options of a gloo process group: its timeout and the device bound to ``bind_addr``.
+
+    ``ProcessGroupGloo._Options`` with ``_timeout`` and ``_devices`` (torch 2.4 to 2.15): the only
+    way to build a gloo group whose sockets listen on the task's own address, never 0.0.0.0.
+    """
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_addr)]
+    return opts
+
+
+def nccl_options(timeout: datetime.timedelta) -> Any:
+    """Options of an NCCL process group with ``timeout`` (``Options._timeout``, torch 2.4 to 2.15)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return opts

@@ -1,0 +1,127 @@
+"""Every ``PHALANX_*`` setting and every timeout default, in one frozen dataclass.
+
+A strategy (or any other reader) takes one :class:`Settings` snapshot, with :func:`settings`, when
+it is built and reads its values from it, so one object says what the process was configured
+with, and a malformed value fails with the variable's name before any work starts.
+
+The launcher's identity variables (``PHALANX_RANK``, ``PHALANX_WORLD_SIZE``, ...) are not settings:
+:class:`phalanx.launch.env.ReplicaEnv` reads them.
+
+Example:
+    >>> from phalanx.config import Settings
+    >>> s = Settings.from_environ({"PHALANX_RPC_TIMEOUT": "5"})
+    >>> s.rpc_timeout, s.collective_timeout, s.central_copy
+    (5.0, 300.0, False)
+    >>> Settings.from_environ({"PHALANX_RPC_TIMEOUT": "soon"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    phalanx.errors.ClusterSpecError: ...PHALANX_RPC_TIMEOUT...
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Mapping
+
+from phalanx.errors import ClusterSpecError
+
+# Timeout defaults, in seconds: the one place they are written.
+COLLECTIVE_TIMEOUT = 300.0  # one collective; CommunicationOptions(timeout_seconds=...) overrides
+RENDEZVOUS_TIMEOUT = 120.0  # every process of the job (or every parameter server) to show up
+RPC_TIMEOUT = 30.0  # one call to a parameter server or worker
+ORPHAN_TIMEOUT = 300.0  # a ps/worker task with no word from its coordinator exits
+WORKER_RECOVERY_TIMEOUT = 600.0  # the coordinator waits this long for any worker to come back
+SHM_TIMEOUT = 30.0  # a peer's turn in the shared-memory all-reduce
+GROUP_TIMEOUT = 60.0  # GroupSpec's default when a caller builds one by hand
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClusterSpecError(name, raw, "must be a number of seconds") from None
+    if not value > 0:
+        raise ClusterSpecError(name, raw, "must be positive")
+    return value
+
+
+def _flag(name: str, raw: str, hint: str = "") -> bool:
+    if raw not in ("0", "1"):
+        raise ClusterSpecError(name, raw, "must be 0 or 1", hint=hint or None)
+    return raw == "1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """phalanx's settings; each field names its environment variable in ``metadata``.
+
+    Attributes:
+        collective_timeout: PHALANX_COLLECTIVE_TIMEOUT, seconds for one collective.
+        rendezvous_timeout: PHALANX_RENDEZVOUS_TIMEOUT, seconds for the job to assemble.
+        rpc_timeout: PHALANX_RPC_TIMEOUT, seconds for one parameter-server call.
+        orphan_timeout: PHALANX_ORPHAN_TIMEOUT, seconds a server waits for its coordinator.
+        worker_recovery_timeout: PHALANX_WORKER_RECOVERY_TIMEOUT, seconds without any worker.
+        central_copy: PHALANX_CENTRAL_COPY=1 forces CentralStorageStrategy's copy mode (tests).
+        shm: PHALANX_SHM=0 turns the shared-memory all-reduce off.
+        host_id: PHALANX_HOST_ID, what makes processes "the same host" (default: the hostname).
+        bind_address: PHALANX_BIND_ADDRESS, overrides the host a parameter-server task listens on.
+        cluster_secret: PHALANX_CLUSTER_SECRET (never shown in ``repr``).
+        log_root: PHALANX_LOG_ROOT, where replicas' log files go.
+        restart_count: PHALANX_RESTART_COUNT, set by the launcher on a restarted job.
+        checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
+    """
+
+    collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
+    rendezvous_timeout: float = field(default=RENDEZVOUS_TIMEOUT, metadata={"env": "PHALANX_RENDEZVOUS_TIMEOUT"})
+    rpc_timeout: float = field(default=RPC_TIMEOUT, metadata={"env": "PHALANX_RPC_TIMEOUT"})
+    orphan_timeout: float = field(default=ORPHAN_TIMEOUT, metadata={"env": "PHALANX_ORPHAN_TIMEOUT"})
+    worker_recovery_timeout: float = field(default=WORKER_RECOVERY_TIMEOUT,
+                                           metadata={"env": "PHALANX_WORKER_RECOVERY_TIMEOUT"})
+    central_copy: bool = field(default=False, metadata={"env": "PHALANX_CENTRAL_COPY"})
+    shm: bool = field(default=True, metadata={"env": "PHALANX_SHM"})
+    host_id: str | None = field(default=None, metadata={"env": "PHALANX_HOST_ID"})
+    bind_address: str | None = field(default=None, metadata={"env": "PHALANX_BIND_ADDRESS"})
+    cluster_secret: str | None = field(default=None, repr=False, metadata={"env": "PHALANX_CLUSTER_SECRET"})
+    log_root: str | None = field(default=None, metadata={"env": "PHALANX_LOG_ROOT"})
+    restart_count: int = field(default=0, metadata={"env": "PHALANX_RESTART_COUNT"})
+    checkpoint_fault: str | None = field(default=None, metadata={"env": "PHALANX_CHECKPOINT_FAULT"})
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings in ``environ`` (default: ``os.environ``).
+
+        Raises:
+            ClusterSpecError: a variable is set to a malformed value (named, with the value).
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            name = f.metadata["env"]
+            raw = env.get(name)
+            if raw is None or (raw == "" and f.type != "str | None"):
+                continue
+            if f.type == "float":
+                values[f.name] = _seconds(name, raw)
+            elif f.name == "central_copy":
+                values[f.name] = _flag(name, raw, "1 forces CentralStorageStrategy's copy mode on CPU replicas "
+                                                  "(for tests)")
+            elif f.name == "shm":
+                values[f.name] = raw != "0"
+            elif f.type == "int":
+                if not raw.strip().isdigit():
+                    raise ClusterSpecError(name, raw, "must be a non-negative integer")
+                values[f.name] = int(raw)
+            else:
+                values[f.name] = raw
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Environment variable -> field name, for every setting."""
+        return {f.metadata["env"]: f.name for f in fields(cls)}
+
+
+def settings() -> Settings:
+    """A snapshot of the settings in the environment now (take one when building a strategy)."""
+    return Settings.from_environ()

@@ -1,0 +1,96 @@
+"""Who this process is in the job: public process identity, right inside and outside ``scope()``.
+
+As accelerate's ``PartialState`` and horovod's ``rank()``/``size()``: every process of a
+synchronous job has an index (0 is the chief) and knows how many there are. The answer comes from
+the strategy that is current, else from the strategy this process built last and has not closed
+(so ``is_chief()`` is right after ``with strategy.scope():`` has ended), else from what the
+launcher put in the environment (``phalanx run``, torchrun, ``TF_CONFIG``, Slurm), else a single
+process.
+
+Example:
+    >>> import phalanx as px
+    >>> px.process_index(), px.num_processes(), px.is_chief()
+    (0, 1, True)
+    >>> px.barrier()  # one process: returns at once
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx import context
+from phalanx.strategy import Strategy, live_strategy
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """This process's place in the job.
+
+    Attributes:
+        index: among the job's synchronous processes (0 is the chief); 0 for a ``ps`` task.
+        count: how many synchronous processes the job has.
+        is_chief: whether this process writes checkpoints, logs and summaries.
+        source: where the answer came from: ``strategy``, ``environment`` or ``default``.
+    """
+
+    index: int
+    count: int
+    is_chief: bool
+    source: str
+
+
+def _strategy() -> Strategy | None:
+    if context.has_strategy():
+        return context.get_strategy()
+    return live_strategy()
+
+
+def identity() -> ProcessIdentity:
+    """This process's :class:`ProcessIdentity` (see the module docstring for where it comes from)."""
+    strategy = _strategy()
+    if strategy is not None:
+        ext = strategy.extended
+        return ProcessIdentity(ext.process_index, ext.num_processes, bool(ext.should_checkpoint), "strategy")
+    found = _from_environment()
+    return found if found is not None else ProcessIdentity(0, 1, True, "default")
+
+
+def _from_environment() -> ProcessIdentity | None:
+    from phalanx.cluster import resolve_from_environment
+    from phalanx.launch.env import ReplicaEnv
+
+    env = ReplicaEnv.from_environ()
+    if env is not None:
+        return ProcessIdentity(env.rank, env.world_size, env.rank == 0, "environment")
+    resolver = resolve_from_environment()
+    if resolver is None:
+        return None
+    if resolver.task_type in ("ps", "evaluator"):
+        return ProcessIdentity(0, 1, False, "environment")
+    placement = resolver.placement()  # global ranks follow the spec: the chief (or worker 0) is rank 0
+    return ProcessIdentity(max(placement.rank, 0), placement.world_size, placement.rank == 0, "environment")
+
+
+def process_index() -> int:
+    """This process's index among the job's synchronous processes (0 is the chief)."""
+    return identity().index
+
+
+def num_processes() -> int:
+    """The number of synchronous processes of the job."""
+    return identity().count
+
+
+def is_chief() -> bool:
+    """Whether this process is the one that writes checkpoints, logs and summaries."""
+    return identity().is_chief
+
+
+def barrier() -> None:
+    """Returns once every process of the current (or last built) strategy has called it.
+
+    Without a multi-process strategy there is nobody to wait for, and it returns at once.
+    """
+    strategy = _strategy()
+    if strategy is not None:
+        strategy.extended.barrier()

@@ -1,0 +1,72 @@
+"""One test per shim of phalanx._compat: a torch, Keras or CPython upgrade that breaks one fails here."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from phalanx._compat import torch as compat_torch
+
+
+def test_version_counter_grows_with_in_place_writes():
+    t = torch.zeros(3)
+    before = compat_torch.version_counter(t)
+    t.add_(1)
+    assert compat_torch.version_counter(t) > before
+    t + 1  # not in place
+    assert compat_torch.version_counter(t) == before + 1
+
+
+def test_queue_backward_callback_runs_after_every_gradient():
+    seen = []
+    w = torch.nn.Parameter(torch.ones(2))
+    w.register_post_accumulate_grad_hook(
+        lambda p: compat_torch.queue_backward_callback(lambda: seen.append(p.grad.clone())))
+    (w * 3).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 3.0))
+
+
+def test_pytree_walks_nested_structures():
+    leaves, spec = compat_torch.pytree.tree_flatten({"a": (1, 2), "b": [3]})
+    assert leaves == [1, 2, 3] and compat_torch.pytree.tree_unflatten(leaves, spec) == {"a": (1, 2), "b": [3]}
+
+
+def test_gloo_options_bind_the_given_address():
+    opts = compat_torch.gloo_options(datetime.timedelta(seconds=7), "127.0.0.1")
+    assert opts._timeout == datetime.timedelta(seconds=7) and len(opts._devices) == 1
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "ProcessGroupNCCL"), reason="this torch has no NCCL")
+def test_nccl_options_carry_the_timeout():
+    assert compat_torch.nccl_options(datetime.timedelta(seconds=9))._timeout == datetime.timedelta(seconds=9)
+
+
+def test_run_exit_handlers_runs_atexit_handlers_once():
+    code = ("import atexit, os\nfrom phalanx._compat.python import run_exit_handlers\n"
+            "atexit.register(lambda: print('handler ran', flush=True))\nrun_exit_handlers()\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.count("handler ran") == 1
+
+
+KERAS = importlib.util.find_spec("keras") is not None
+
+
+@pytest.mark.skipif(not KERAS, reason="Keras is not installed")
+def test_keras_shims_in_a_keras_process():
+    # In a subprocess: importing Keras sets environment variables the hygiene fixture refuses.
+    code = ("import keras\nfrom phalanx._compat import keras as ck\n"
+            "opt = keras.optimizers.SGD(learning_rate=0.25)\n"
+            "assert float(getattr(ck.learning_rate(opt), 'value', ck.learning_rate(opt))) == 0.25\n"
+            "sched = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)\n"
+            "assert ck.learning_rate(keras.optimizers.SGD(learning_rate=sched)) is sched\n"
+            "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+            "assert ck.initial_epoch(m) is None\n"
+            "ck.set_initial_epoch(m, 3)\nassert ck.initial_epoch(m) == 3\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)

@@ -1,0 +1,164 @@
+"""The public contract without processes: process identity, global hooks, side tables, registries."""
+
+from __future__ import annotations
+
+import gc
+import json
+import pickle
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx import hooks
+from phalanx._sidetable import IdentityTable
+from phalanx.ps import pickling
+from phalanx.strategy import InputSharding, owner_of
+
+# The first torch.optim optimizer of a process sets TORCHINDUCTOR_CACHE_DIR (torch's lazy imports);
+# make that happen at collection, not inside a test the hygiene fixture watches.
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+@pytest.fixture
+def no_live_strategy(monkeypatch):
+    """Forgets the strategies earlier tests of this process left open."""
+    import phalanx.strategy
+
+    monkeypatch.setattr(phalanx.strategy, "_LIVE", [])
+
+
+def test_process_identity_outside_any_strategy_is_a_single_process(monkeypatch, no_live_strategy):
+    for var in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "SLURM_NTASKS", "PHALANX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert (px.process_index(), px.num_processes(), px.is_chief()) == (0, 1, True)
+    px.barrier()
+
+
+def test_process_identity_from_the_launchers_environment(monkeypatch, no_live_strategy):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]},
+                                                "task": {"type": "worker", "index": 2}}))
+    assert (px.process_index(), px.num_processes(), px.is_chief()) == (2, 3, False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["c:1"], "worker": ["a:1"], "ps": ["p:1"]},
+                                                "task": {"type": "ps", "index": 0}}))
+    assert not px.is_chief()
+    monkeypatch.delenv("TF_CONFIG")
+    for k, v in {"PHALANX_RANK": "1", "PHALANX_WORLD_SIZE": "2", "PHALANX_LOCAL_RANK": "1",
+                 "PHALANX_LOCAL_WORLD_SIZE": "2", "PHALANX_MASTER_ADDR": "127.0.0.1", "PHALANX_MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert (px.process_index(), px.num_processes(), px.is_chief()) == (1, 2, False)
+
+
+def test_process_identity_follows_the_live_strategy_after_its_scope_ends(monkeypatch, no_live_strategy):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    strategy = px.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        pass
+    # A live strategy answers (one process here), not the environment's TF_CONFIG.
+    assert (px.process_index(), px.num_processes(), px.is_chief()) == (0, 1, True)
+    strategy.close()
+    assert px.process_index() == 1  # closed: back to the environment
+
+
+def test_extended_contract_on_one_device():
+    strategy = px.OneDeviceStrategy("cpu")
+    ext = strategy.extended
+    assert ext.process_index == ext.replica_id == 0 and ext.num_replicas_in_sync == ext.num_processes == 1
+    assert ext.device == torch.device("cpu") and str(ext.local_device) == "cpu:0"
+    assert ext.input_sharding == InputSharding(1, 0, False)
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(ext.all_reduce([t], "SUM")[0], t)
+    ext.broadcast([t])
+    assert torch.equal(ext.all_gather(t, 0), t)
+    ext.barrier()
+    assert ext.container_strategy is strategy
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1)
+    assert owner_of(layer.weight) is None  # only strategies that keep state elsewhere mark tensors
+    strategy.run(lambda: None)
+    assert ext.step == 1
+    assert ext.state_to_save(layer) is None
+    ext.after_restore(layer)
+
+
+def test_global_hooks_are_listed_and_removable():
+    strategy = px.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        torch.nn.Linear(1, 1)
+    assert {"phalanx.variables.parameter", "phalanx.variables.buffer"} <= set(hooks.installed())
+    assert hooks.remove("phalanx.variables.parameter")
+    assert "phalanx.variables.parameter" not in hooks.installed()
+    with strategy.scope():  # the next capture installs it again
+        torch.nn.Linear(1, 1)
+    assert "phalanx.variables.parameter" in hooks.installed()
+    with pytest.raises(ValueError, match="unknown global hook kind"):
+        hooks.install("x", "no_such_kind", print)
+
+
+def test_identity_table_keys_tensors_by_identity_and_forgets_dead_ones():
+    table: IdentityTable[str] = IdentityTable()
+    a, b = torch.zeros(3), torch.zeros(3)  # equal values, different objects
+    table[a] = "a"
+    assert table.get(b) is None and table[a] == "a"
+    del a
+    gc.collect()
+    assert len(table) == 0
+
+
+class _Thing:
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _to_ref(obj, extended):
+    return obj.key if obj.key != "by-value" else None
+
+
+def _from_ref(worker, payload, run):
+    return ("resolved", payload, worker, run)
+
+
+def test_pickling_references_are_registered_not_hard_coded():
+    pickling.register_reference("test-thing", _Thing, _to_ref, _from_ref)
+    assert "test-thing" in pickling.registered_kinds()
+    ref = pickling.reference_to(_Thing("k"), extended=None)
+    assert ref == (pickling.EXTENSION, __name__, "test-thing", "k")
+    assert pickling.reference_to(_Thing("by-value"), extended=None) is None
+    assert pickling.reference_to(object(), extended=None) is None
+    assert pickling.resolve_reference(ref, "worker", "run") == ("resolved", "k", "worker", "run")
+    with pytest.raises(pickle.UnpicklingError, match="no reference of kind"):
+        pickling.resolve_reference((pickling.EXTENSION, __name__, "unknown-kind", None), None, None)
+
+
+def test_a_server_task_serves_until_shutdown_and_returns():
+    # The explicit serve entry point (TF's Server.join()): no process exit, control comes back.
+    import threading
+
+    from phalanx.cluster import SimpleClusterResolver
+    from phalanx.errors import ContextError
+    from phalanx.ps.transport import InProcessTransport
+    from phalanx.strategies.parameter_server import ParameterServerStrategy
+
+    transport = InProcessTransport()
+    spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}
+    secret = "serve-test-secret-0123456789"
+
+    def task(job: str) -> ParameterServerStrategy:
+        return ParameterServerStrategy(SimpleClusterResolver(spec, task_type=job, task_id=0), rpc_timeout=2.0,
+                                       cluster_secret=secret, transport=transport, serve_and_exit=False)
+
+    servers = [task("ps"), task("worker")]
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        chief = task("chief")  # waits for the parameter server to answer
+        with pytest.raises(ContextError, match="serve was called on the chief"):
+            chief.serve()
+        chief.close()  # the chief shuts the cluster down
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads), "serve() did not return after the shutdown"
+    finally:
+        transport.close()
