@@ -28,6 +28,10 @@ RESULTS = HERE / "results"
 
 THROUGHPUT_CONFIGS = {  # name -> how to launch it
     "px_mirrored": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored", m, out, "--seconds", s],
+    "px_mirrored_compiled": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_compiled", m,
+                                               out, "--seconds", s],
+    "px_mirrored_bf16": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_bf16", m, out,
+                                           "--seconds", s],
     "px_mwms": lambda m, out, s: _run2("px_mwms", m, out, s),
     "ddp": lambda m, out, s: _run2("ddp", m, out, s),
     "local2": lambda m, out, s: _run2("local2", m, out, s),
@@ -43,7 +47,7 @@ def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
             "--seconds", seconds]
 
 
-def _job(cmd: list[str], out: str, timeout: float = 180) -> dict:
+def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled configs compile for minutes
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("OMP_NUM_THREADS", None)
     subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=True, stdout=subprocess.DEVNULL,
@@ -156,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             "px_mwms_vs_local2": _ratio(raw[m]["px_mwms"], raw[m]["local2"]),
             "ddp_vs_local2": _ratio(raw[m]["ddp"], raw[m]["local2"]),
             "px_mirrored_vs_one_process": _ratio(raw[m]["px_mirrored"], raw[m]["one_process"]),
+            "px_mirrored_compiled_vs_px_mirrored": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["px_mirrored"]),
+            "px_mirrored_bf16_vs_px_mirrored": _ratio(raw[m]["px_mirrored_bf16"], raw[m]["px_mirrored"]),
+            "px_mirrored_compiled_vs_local2": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["local2"]),
             **({"px_mirrored_vs_tf_mirrored": _ratio(raw[m]["px_mirrored"], raw[m]["tf_mirrored"]),
+                "px_mirrored_compiled_vs_tf_mirrored": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["tf_mirrored"]),
                 "px_mwms_vs_tf_mwms": _ratio(raw[m]["px_mwms"], raw[m]["tf_mwms"])} if "tf_mwms" in raw[m] else {}),
         } for m in models}
         report["throughput"] = {"samples_per_s": raw, "ratios": ratios}

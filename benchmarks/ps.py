@@ -1,6 +1,7 @@
 """Asynchronous parameter-server training vs synchronous all-reduce, with 1-3 workers and a straggler.
 
     python -m benchmarks.ps [--seconds 4] [--out benchmarks/results/ps.json]
+    python -m benchmarks.ps --wire [--mb 1] [--rounds 7]     # cost of signing every byte, and of TLS
 
 Jobs (real processes on this host; each worker trains an MLP on batches of 64 with SGD):
 
@@ -145,6 +146,165 @@ def async_job(out: str, seconds: float) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+# ------------------------------------------------------------------------------------------- the wire
+# ``--wire``: what signing every byte, and TLS, cost a parameter-server step. A step is what a
+# worker does per optimizer step: read the variables (MB megabytes back) and send their gradients
+# (MB megabytes out; the server applies SGD). Three servers (separate processes) are started at
+# once and measured in interleaved rounds from this process:
+#   signed     every byte signed (the default: HMAC-SHA256 head + Poly1305 over the body)
+#   head_only  the body's Poly1305 replaced by a constant (what the wire signed before: only the
+#              header; a benchmark-only switch, in both processes)
+#   tls        signed, over mutual TLS (throwaway certificates)
+# Each figure is the median of per-round paired ratios (steps/s over steps/s of the same round),
+# also in CPU seconds per step (client + server), steadier on a busy host. A step includes the
+# worker's forward and backward pass on an MLP of that size (batch 64); ``--no-compute`` leaves it
+# out, which gives the wire's share of a step without any model: an upper bound.
+WIRE_CONFIGS = ("signed", "head_only", "tls")
+
+
+class _NoBodyMac:
+    """Stands in for Poly1305 in the ``head_only`` configuration (benchmark only)."""
+
+    def __init__(self, key: bytes) -> None:
+        pass
+
+    def update(self, data) -> None:
+        pass
+
+    def finalize(self) -> bytes:
+        return bytes(16)
+
+
+def _wire_mode(mode: str) -> None:
+    from phalanx.ps import wire
+
+    if mode == "head_only":
+        wire._poly1305 = lambda: _NoBodyMac
+    else:
+        from cryptography.hazmat.primitives import poly1305
+
+        wire._poly1305 = lambda: poly1305.Poly1305
+
+
+def wire_server(address: str, mode: str) -> None:
+    import threading
+
+    from phalanx.ps.server import ParameterServerService
+    from phalanx.ps.transport import GrpcTransport
+
+    _wire_mode(mode)
+    stop = threading.Event()
+    service = ParameterServerService(0, os.environ["PHALANX_CLUSTER_SECRET"].encode(), on_shutdown=stop.set)
+    server = GrpcTransport().serve(address, service)  # TLS when PHALANX_TLS_* are set
+    stop.wait(600)
+    server.stop(1.0)
+
+
+def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> dict:
+    import statistics
+
+    from phalanx.launch.env import free_port
+    from phalanx.ps.client import RemoteTask
+    from phalanx.ps.tls import TlsConfig, generate_local
+    from phalanx.ps.transport import GrpcTransport
+
+    secret = "bench-secret-0123456789abcdef"
+    n = int(mb * (1 << 20) / 4)
+    torch.set_num_threads(1)  # as the servers (OMP_NUM_THREADS=1): on a small host threads oversubscribe
+    procs, tasks = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tls_env = generate_local(tmp)
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "PHALANX_CLUSTER_SECRET": secret, "OMP_NUM_THREADS": "1"}
+        try:
+            for mode in WIRE_CONFIGS:
+                address = f"127.0.0.1:{free_port('127.0.0.1')}"
+                procs[mode] = subprocess.Popen([sys.executable, "-m", "benchmarks.ps", "job", "wire_server", address,
+                                                mode], cwd=ROOT, env={**env, **(tls_env if mode == "tls" else {})})
+                transport = GrpcTransport(tls=TlsConfig.from_env(tls_env) if mode == "tls" else None)
+                tasks[mode] = RemoteTask("ps", 0, address, transport, secret.encode(), rpc_timeout=30.0,
+                                         sender="chief:0")
+            grad = torch.randn(n)
+            config = {"class": "SGD", "hyper": {"lr": 1e-6}}
+            for mode, task in tasks.items():
+                _wire_mode(mode)
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        task.call("create", {"vars": [{"key": "w", "trainable": True}]}, [torch.zeros(n)])
+                        break
+                    except Exception:  # noqa: BLE001 - still starting
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.2)
+
+            # The training step of a worker: read the variables, forward and backward on a batch of 64,
+            # send the gradients. The MLP has ``n`` parameters (a hidden layer sized to fit).
+            width = 512
+            hidden = max(1, n // (2 * width))
+            torch.manual_seed(0)
+            x, y = torch.randn(64, width), torch.randn(64, width)
+            flat = torch.zeros(n)
+
+            def step(task) -> None:
+                flat.copy_(task.call("read", {"keys": ["w"]}).tensors[0])
+                if compute:
+                    params = flat[:2 * width * hidden].view(2, hidden, width).detach().requires_grad_()
+                    out = torch.relu(x @ params[0].t()) @ params[1]
+                    torch.nn.functional.mse_loss(out, y).backward()
+                    grad[:params.numel()] = params.grad.reshape(-1)
+                task.call("apply", {"keys": ["w"], "group_of": [0], "optimizers": [config]}, [grad])
+
+            import psutil
+
+            servers = {m: psutil.Process(p.pid) for m, p in procs.items()}
+            per_round: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}
+            cpu: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}  # CPU seconds per step, both processes
+            for r in range(rounds):
+                order = list(WIRE_CONFIGS) if r % 2 == 0 else list(reversed(WIRE_CONFIGS))
+                for mode in order:
+                    _wire_mode(mode)
+                    for _ in range(3):
+                        step(tasks[mode])
+                    start, steps = time.perf_counter(), 0
+                    c0, s0 = time.process_time(), sum(servers[mode].cpu_times()[:2])
+                    while time.perf_counter() - start < seconds:
+                        step(tasks[mode])
+                        steps += 1
+                    per_round[mode].append(steps / (time.perf_counter() - start))
+                    cpu[mode].append((time.process_time() - c0 + sum(servers[mode].cpu_times()[:2]) - s0) / steps)
+        finally:
+            for mode, task in tasks.items():
+                _wire_mode(mode)
+                try:
+                    task.call("shutdown", attempts=1)
+                except Exception:  # noqa: BLE001
+                    pass
+                task.close()
+            for p in procs.values():
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    ratio = lambda a, b: [x / y for x, y in zip(per_round[a], per_round[b])]  # noqa: E731
+    summary = {
+        "mb_of_gradients_per_step": mb, "rounds": rounds, "seconds_per_round": seconds,
+        "step": "read, forward+backward of an MLP (batch 64), apply" if compute else "read, apply (no compute)",
+        "steps_per_s_median": {m: statistics.median(v) for m, v in per_round.items()},
+        "signing_every_byte_cost": 1 - statistics.median(ratio("signed", "head_only")),
+        "signing_cost_spread": [1 - max(ratio("signed", "head_only")), 1 - min(ratio("signed", "head_only"))],
+        "tls_cost": 1 - statistics.median(ratio("tls", "signed")),
+        "tls_cost_spread": [1 - max(ratio("tls", "signed")), 1 - min(ratio("tls", "signed"))],
+        "cpu_s_per_step_median": {m: statistics.median(v) for m, v in cpu.items()},
+        # On a busy host throughput follows the CPU a step needs: the same costs, measured in CPU time.
+        "signing_every_byte_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["signed"], cpu["head_only"])]),
+        "tls_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["tls"], cpu["signed"])]),
+        "per_round_steps_per_s": per_round,
+        "per_round_cpu_s_per_step": cpu,
+    }
+    return summary
+
+
 # ------------------------------------------------------------------------------------------- driver
 def _run(cmd: list[str], timeout: float = 150) -> None:
     # One thread per process everywhere: workers of both kinds compute alike, and on a small host
@@ -158,14 +318,37 @@ def _run(cmd: list[str], timeout: float = 150) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["job", "wire_server"]:
+        wire_server(argv[2], argv[3])
+        return 0
     if argv[:1] == ["job"]:  # inside a launched job: job {sync|async} OUT SECONDS [slow]
         kind, out, seconds = argv[1], argv[2], float(argv[3])
         sync_job(out, seconds, argv[4:] == ["slow"]) if kind == "sync" else async_job(out, seconds)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="timed seconds per measurement")
-    parser.add_argument("--out", default=str(HERE / "results" / "ps.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/ps.json (ps_wire.json with --wire)")
+    parser.add_argument("--wire", action="store_true", help="measure the cost of signing every byte and of TLS")
+    parser.add_argument("--mb", type=float, default=1.0, help="--wire: megabytes of gradients per step")
+    parser.add_argument("--rounds", type=int, default=7, help="--wire: interleaved rounds")
+    parser.add_argument("--no-compute", action="store_true", help="--wire: steps without the model's compute")
     args = parser.parse_args(argv)
+    if args.wire:
+        result = wire_bench(args.mb, args.rounds, min(args.seconds, 2.0), compute=not args.no_compute)
+        out = Path(args.out or HERE / "results" / "ps_wire.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        for k, v in result["steps_per_s_median"].items():
+            print(f"{k:<12}{v:>10.1f} steps/s ({args.mb:g} MB of gradients per step)")
+        print(f"signing every byte costs {100 * result['signing_every_byte_cost']:.1f}% of step throughput "
+              f"(rounds: {100 * result['signing_cost_spread'][0]:.1f}% to {100 * result['signing_cost_spread'][1]:.1f}%)")
+        print(f"TLS costs {100 * result['tls_cost']:.1f}% (rounds: {100 * result['tls_cost_spread'][0]:.1f}% to "
+              f"{100 * result['tls_cost_spread'][1]:.1f}%)")
+        print(f"in CPU time per step (client + server): signing every byte {100 * result['signing_every_byte_cpu_cost']:.1f}%,"
+              f" TLS {100 * result['tls_cpu_cost']:.1f}%")
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or str(HERE / "results" / "ps.json")
 
     started = time.time()
     s = str(args.seconds)

@@ -2,9 +2,10 @@
 
     python -m benchmarks.worker CONFIG MODEL OUT_JSON [--seconds S]
 
-CONFIG: px_mirrored (self-launched 2 replicas) | px_mwms | ddp | local2 (launched by
-``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw (1 process, 1 thread)
-| overhead_pair (px_one_device and raw in one process, alternating).
+CONFIG: px_mirrored (self-launched 2 replicas) | px_mirrored_compiled (the step under
+@phalanx.function, inductor) | px_mirrored_bf16 (bfloat16 autocast) | px_mwms | ddp | local2
+(launched by ``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw
+(1 process, 1 thread) | overhead_pair (px_one_device and raw in one process, alternating).
 Each process trains on global batch 256 (its share of it) with Adam and writes steps/s.
 """
 
@@ -40,7 +41,7 @@ def _timed(step, data, seconds: float, sync=lambda: None) -> tuple[int, float]:
 def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
     import phalanx as px
 
-    if kind == "px_mirrored":
+    if kind.startswith("px_mirrored"):
         strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
     elif kind == "px_mwms":
         strategy = px.MultiWorkerMirroredStrategy()
@@ -52,9 +53,12 @@ def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
         model = make_model(model_name)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind.endswith("_bf16"))
+
     def train_step(x, y):
-        loss = px.nn.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none"),
-                                          global_batch_size=GLOBAL_BATCH)
+        with autocast:
+            per_example = torch.nn.functional.cross_entropy(model(x).float(), y, reduction="none")
+        loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -63,6 +67,9 @@ def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
 
     def step(x, y):
         strategy.run(train_step, args=(x, y))
+
+    if kind.endswith("_compiled"):
+        step = px.function(step)  # TF's @tf.function idiom; the warm-up steps compile
 
     def sync():
         if strategy.num_replicas_in_sync > 1:

@@ -186,11 +186,7 @@ _UNUSED = {
     "phalanx._compat.torch", "phalanx._compat.keras",
 }
 # (module, member): foreign private APIs still used outside _compat, each with its owner's plan.
-PENDING = {
-    # comm/ is being split (rendezvous, health, process group); the split routes these through
-    # phalanx._compat.torch.gloo_options / nccl_options.
-    ("phalanx.comm.communicator", "_Options"),
-}
+PENDING: set[tuple[str, str]] = set()
 ALLOWED_NAMES = {
     "_replace", "_asdict", "_fields", "_make",  # namedtuple's public API has underscores
     "_exit",  # os._exit: the documented way to end a forked/orphaned process without teardown

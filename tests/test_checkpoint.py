@@ -415,6 +415,18 @@ def test_checkpoint_created_in_scope_uses_that_strategy(tmp_path, monkeypatch):
     assert storage.read_manifest(path)["saved_by"] == {"strategy": "OneDeviceStrategy", "num_replicas_in_sync": 1}
 
 
+def test_checkpoint_made_outside_scope_finds_the_strategy_that_owns_its_variables(tmp_path, monkeypatch):
+    """As TF's tutorials do: variables in scope(), the Checkpoint after it (issue 13 item 7)."""
+    strategy = px.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setenv("PHALANX_WORLD_SIZE", "2")  # would be refused if no strategy were found
+    for objects in ({"model": model}, {"optimizer": optimizer}, {"w": model.weight, "step": Counter()}):
+        path = Checkpoint(**objects).write(str(tmp_path / "c"))
+        assert storage.read_manifest(path)["saved_by"] == {"strategy": "OneDeviceStrategy", "num_replicas_in_sync": 1}
+
+
 def test_failed_write_raises(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(OSError):

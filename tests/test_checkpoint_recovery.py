@@ -84,8 +84,8 @@ def uninterrupted(tmp_path_factory):
     return torch.load(out / "final.pt", weights_only=True)
 
 
-def _run_with_restart(tmp_path: Path, mode: str):
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "1", str(TRAIN),
+def _run_with_restart(tmp_path: Path, mode: str, max_restarts: int = 1):
+    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", str(max_restarts), str(TRAIN),
                    str(tmp_path), mode], timeout=150, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
     attempts = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
@@ -111,6 +111,21 @@ def test_killed_worker_restarts_from_checkpoint_with_exact_steps(tmp_path, unint
     assert attempts[1]["applied"] == 35 and attempts[1]["position"] == [1, 10]
     assert [s for a, s in executed if a == 0] == list(range(1, 37))
     assert [s for a, s in executed if a == 1] == list(range(36, 101))
+    _assert_same_training(final, uninterrupted)
+
+
+def test_bit_flipped_latest_checkpoint_falls_back_to_the_previous_valid_one(tmp_path, uninterrupted):
+    """Issue 13 item 9: a damaged latest checkpoint made a --max-restarts job crash-loop."""
+    res, attempts, executed, final = _run_with_restart(tmp_path, "corrupt", max_restarts=2)
+    assert "exit code 13" in res.output
+    assert [a["attempt"] for a in attempts] == [0, 1]  # one restart, no crash loop
+    # Checkpoints every 5 steps, 2 kept: ckpt-6 (step 30) and ckpt-7 (step 35, damaged).
+    assert os.path.basename(attempts[1]["restored"]) == "ckpt-6"
+    assert attempts[1]["applied"] == 30 and attempts[1]["position"] == [1, 5]
+    logs = res.logs()
+    assert "ckpt-7" in logs and "model.pt" in logs and "SHA-256" in logs, logs[-6000:]
+    assert [s for a, s in executed if a == 0] == list(range(1, 37))
+    assert [s for a, s in executed if a == 1] == list(range(31, 101))
     _assert_same_training(final, uninterrupted)
 
 

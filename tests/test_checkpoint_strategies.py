@@ -8,6 +8,8 @@ Each replica of the restoring job checks what it holds against what the saving c
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -109,3 +111,22 @@ def storage_saved_by(path: str) -> dict:
     from phalanx.checkpoint import storage
 
     return storage.read_manifest(path)["saved_by"]
+
+
+ANYWHERE = Path(__file__).parent / "scripts" / "ckpt_anywhere.py"
+
+
+def test_checkpoint_made_outside_scope_saves_as_a_team_under_self_launched_mirrored(tmp_path):
+    """Issue 13 item 7: replica 0 saved as if alone, replica 1 raised 'no strategy is known'."""
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_job([sys.executable, str(ANYWHERE), str(out)], timeout=120, cwd=tmp_path, env=ENV)
+    assert res.returncode == 0, res.logs()[-6000:]
+    results = [json.loads((out / f"result_{rank}.json").read_text()) for rank in range(2)]
+    team = {"strategy": "MirroredStrategy", "num_replicas_in_sync": 2}
+    for rank, result in enumerate(results):
+        assert result["saved_by"] == team and result["values_only_saved_by"] == team, result
+        assert result["path"] == "ckpt-1" and result["step"] == 3, result
+        assert result["restored_equal"] and result["momentum_equal"], result
+    assert results[0]["weight_sum"] == results[1]["weight_sum"]
+    assert sorted(os.listdir(out / "ckpts")) == ["ckpt-1"]  # no leftovers of a second writer

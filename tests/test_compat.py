@@ -67,6 +67,34 @@ def test_keras_shims_in_a_keras_process():
             "assert ck.learning_rate(keras.optimizers.SGD(learning_rate=sched)) is sched\n"
             "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
             "assert ck.initial_epoch(m) is None\n"
-            "ck.set_initial_epoch(m, 3)\nassert ck.initial_epoch(m) == 3\n")
+            "ck.set_initial_epoch(m, 3)\nassert ck.initial_epoch(m) == 3\n"
+            "assert [type(l).__name__ for l in ck.direct_sublayers(m)] == ['InputLayer', 'Dense']\n"
+            "assert ck.direct_sublayers(object()) is None and not ck.is_uninitialized(m.layers[0].kernel)\n"
+            "with keras.StatelessScope():\n    v = keras.Variable(keras.initializers.Zeros(), shape=(2,))\n"
+            "    assert ck.is_uninitialized(v)\n"
+            "    ck.set_initializer(v, lambda shape, dtype=None: keras.ops.ones(shape))\n"
+            "assert keras.ops.convert_to_numpy(v).tolist() == [1.0, 1.0]\n")
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
+
+
+def test_compile_falls_back_per_frame_runs_an_uncompilable_frame_eagerly(monkeypatch, tmp_path):
+    import logging
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch.compile would set it otherwise
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no backend here")
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    logger.addHandler(handler)
+    try:
+        f = torch.compile(lambda x: x * 2 + 1, backend=failing_backend)
+        with compat_torch.compile_falls_back_per_frame():
+            assert torch.equal(f(torch.ones(2)), torch.full((2,), 3.0))
+    finally:
+        logger.removeHandler(handler)
+    assert any(r.getMessage().startswith("WON'T CONVERT") for r in records)

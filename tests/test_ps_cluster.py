@@ -118,12 +118,20 @@ def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_
     assert abs(resumed["loss"] - resumed["ref_loss"]) / resumed["ref_loss"] < 0.02
 
 
+# What the flood (16 unsigned calls at once) can make a server hold before it refuses them: per
+# call, one message of at most the 1 MiB receive limit plus what gRPC buffers of the rest of the
+# stream, at most its HTTP/2 flow-control window (grown by gRPC's bandwidth probing to a few MiB on
+# a fast link): 16 x 8 MiB, plus 32 MiB for the threads and allocator arenas serving the calls
+# touches. Measured here: +29 to +117 MiB, against +2.5 GB for 1.6 GB of unsigned requests before.
+FLOOD_RSS_BOUND = 16 * (8 << 20) + (32 << 20)
+
+
 def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path):
     jobs = _cluster_jobs(tmp_path, "serve", num_ps=1, num_workers=1, chief=False)
     cluster = json.loads(jobs[0][1]["TF_CONFIG"])["cluster"]
     attacker = ([sys.executable, str(SCRIPTS / "ps_attack.py"), str(tmp_path), cluster["ps"][0], cluster["worker"][0]],
                 {"PHALANX_CLUSTER_SECRET": SECRET})
-    results = run_jobs(jobs + [attacker], timeout=90, cwd=tmp_path)
+    results = run_jobs(jobs + [attacker], timeout=120, cwd=tmp_path)
     logs = "\n".join(r.output for r in results)
     assert all(r.returncode == 0 for r in results), logs[-6000:]
     rec = _read(tmp_path, "attack")
@@ -136,6 +144,22 @@ def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path
     assert rec["after"]["ps"]["refused"] >= 7 and rec["after"]["worker"]["refused"] >= 8
     assert rec["listening"] and all(a.rsplit(":", 1)[0] in ("127.0.0.1", "::ffff:127.0.0.1") for a in rec["listening"])
     assert "refused a 'create' request from ipv4:127.0.0.1" in results[1].output  # logged with the peer
+
+    # A captured frame with one tensor byte altered is refused; the weight keeps its value.
+    assert rec["tampered"]["code"] == "unauthenticated" and rec["after_tamper"] == [0.0] * 4, rec
+    # Every captured frame is accepted once, its replay refused: `add` was applied once (2 + 1).
+    assert all(codes == ["ok", "unauthenticated"] for codes in rec["replays"].values()), rec["replays"]
+    assert rec["after_replay"] == [3.0] * 4
+    # 8 unsigned 64 MiB messages and 8 endless unsigned streams: refused, at a bounded cost in memory.
+    growth = rec["rss"]["peak"] - rec["rss"]["before"]
+    print(f"\nflood: {rec['flood_bytes_sent'] >> 20} MiB in oversized messages + 8 endless streams, refused in "
+          f"{rec['flood_s']:.2f}s; ps RSS {rec['rss']['before'] >> 20} MiB -> peak {rec['rss']['peak'] >> 20} MiB "
+          f"(+{growth / 2**20:.1f} MiB), {rec['rss']['after'] >> 20} MiB after; codes {sorted({f['code'] for f in rec['flood']})}")
+    assert all(f["code"] in ("RESOURCE_EXHAUSTED", "UNAUTHENTICATED") for f in rec["flood"]), rec["flood"]
+    assert growth < FLOOD_RSS_BOUND, growth
+    # Refusal logs are rate limited: one line per peer per interval, with a count.
+    lines = [line for line in results[1].output.splitlines() if "refused" in line]
+    assert len(lines) <= 3, lines
 
 
 def test_checkpoint_of_two_shards_restores_into_three_with_optimizer_state(tmp_path):

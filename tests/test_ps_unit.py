@@ -105,25 +105,34 @@ def test_sharded_variable_round_trip_through_parameter_servers():
 
 
 # ------------------------------------------------------------------------------------ wire and surface
+def _call(service, method, frame):
+    """``frame`` (a wire.Frame, or raw bytes) sent to ``service``; the verified reply."""
+    chunks = frame.chunks() if isinstance(frame, wire.Frame) else [frame]
+    return wire.Verifier(SECRET).decode(method, list(service.handle(method, chunks, "ipv4:10.1.2.3:4444")),
+                                        reply_to=frame.head)
+
+
 def test_wire_round_trip_and_refusals():
     tensors = [torch.randn(3, 2), torch.arange(5), torch.tensor(True), torch.randn(2).to(torch.bfloat16),
                torch.empty(0, 3)]
-    frame = wire.encode("apply", {"keys": ["a"]}, tensors, [b"blob"], secret=SECRET)
-    msg = wire.decode("apply", frame, secret=SECRET)
+    signer = wire.Signer(SECRET, "chief:0")
+    frame = signer.encode("apply", {"keys": ["a"]}, tensors, [b"blob"]).to_bytes()
+    msg = wire.Verifier(SECRET).decode("apply", [frame])
     assert msg.header == {"keys": ["a"]} and msg.blobs == [b"blob"]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(msg.tensors, tensors))
+    head_len = len(frame) - signer.encode("apply", {"keys": ["a"]}, tensors, [b"blob"]).head.body_len
     in_header, in_blob = bytearray(frame), bytearray(frame)
-    in_header[40 + 8 + 3] ^= 1
+    in_header[head_len + 8 + 3] ^= 1
     blob_at = frame.index(b"blob")
     in_blob[blob_at] ^= 1
     for bad, method in ((bytes(in_header), "apply"), (bytes(in_blob), "apply"), (frame, "read"),
                         (b"\x80\x04junk", "apply")):
         with pytest.raises(AuthenticationError):
-            wire.decode(method, bad, secret=SECRET)
-    with pytest.raises(AuthenticationError):  # a reply is not a call
-        wire.decode("apply", frame, secret=SECRET, reply=True)
+            wire.Verifier(SECRET).decode(method, [bad])
+    with pytest.raises(AuthenticationError):  # a call is not a reply
+        wire.Verifier(SECRET).decode("apply", [frame], reply_to=wire.Head(0, bytes(16), 1, 0.0, 0))
     with pytest.raises(ProtocolError):
-        wire.encode("read", {}, [torch.zeros(2, dtype=torch.float8_e4m3fn)], secret=SECRET)
+        signer.encode("read", {}, [torch.zeros(2, dtype=torch.float8_e4m3fn)])
 
 
 def test_cluster_secret_is_required():
@@ -147,20 +156,21 @@ def test_cluster_spec_is_validated_before_any_connection():
 
 def test_parameter_server_exposes_only_its_operations():
     service = ParameterServerService(0, SECRET)
+    signer = wire.Signer(SECRET, "chief:0")
     for name in ("os.system", "builtins.eval", "_op_ping", "__init__"):
         with pytest.raises(ServiceError) as e:
-            service.handle(name, wire.encode(name, {}, secret=SECRET), "test")
+            service.handle(name, signer.encode(name, {}).chunks(), "test")
         assert e.value.code == "unimplemented"
     hub = InProcessTransport()
     hub.serve("127.0.0.1:9", service)
     with pytest.raises(TransportError) as e:
-        hub.connect("127.0.0.1:9", "phalanx.ParameterServer").call("os.system", b"", None)
+        hub.connect("127.0.0.1:9", "phalanx.ParameterServer").call("os.system", [b""], None)
     assert e.value.code == "unimplemented"
     with pytest.raises(ServiceError) as e:  # a signed request carrying a blob: a PS unpickles nothing
-        service.handle("create", wire.encode("create", {"vars": []}, (), [b"\x80\x04."], secret=SECRET), "test")
+        service.handle("create", signer.encode("create", {"vars": []}, (), [b"\x80\x04."]).chunks(), "test")
     assert e.value.code == "invalid"
     with pytest.raises(ServiceError) as e:
-        service.handle("read", b"\x80\x04\x95junk", "test")
+        service.handle("read", [b"\x80\x04\x95junk"], "test")
     assert e.value.code == "unauthenticated" and service.refused == 1
 
 

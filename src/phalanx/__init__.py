@@ -9,7 +9,7 @@ Example:
     1
 """
 
-from phalanx import checkpoint, cluster_resolver, coordinator, experimental, nn
+from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, nn
 from phalanx.cluster import ClusterSpec
 from phalanx.comm.cross_device_ops import (
     CrossDeviceOps,
@@ -17,6 +17,7 @@ from phalanx.comm.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from phalanx.compiled import function
 from phalanx.context import (
     ReplicaContext,
     get_cross_replica_context,
@@ -56,10 +57,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CentralStorageStrategy", "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
-    "cluster_resolver", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
+    "cluster_resolver", "compiled", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
     "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
     "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", "is_chief", "nn", "barrier", "num_processes", "process_index",
+    "function", "has_strategy", "in_cross_replica_context", "is_chief", "nn", "barrier", "num_processes", "process_index",
     "DistributedDataset", "DistributedIterator", "RunOptions", "Server", "experimental_set_strategy",
 ]

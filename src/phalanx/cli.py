@@ -48,9 +48,13 @@ def _run(args: argparse.Namespace) -> int:
         print("phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without "
               "-n or --nnodes", file=sys.stderr)
         return 2
+    if args.tls and not args.ps:
+        print("phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
+              "torch.distributed, which has no TLS", file=sys.stderr)
+        return 2
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers)
+                   ps=args.ps, workers=args.workers, tls=args.tls)
     return run_job(spec)
 
 
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)")
     run.add_argument("--ps", type=int, default=0, help="parameter servers of a local ParameterServerStrategy cluster")
     run.add_argument("--workers", type=int, default=0, help="workers of a local ParameterServerStrategy cluster")
+    run.add_argument("--tls", action="store_true",
+                     help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run")
     run.add_argument("--log-dir", default=None, help="where per-replica logs go (default: a temp dir)")
     run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
     run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")

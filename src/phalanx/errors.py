@@ -117,11 +117,18 @@ class DistributedRuntimeError(PhalanxError, RuntimeError):
 class RendezvousTimeoutError(DistributedRuntimeError):
     """Not every task joined the job within the rendezvous timeout."""
 
-    def __init__(self, missing: list[str], timeout: float) -> None:
+    #: how many missing tasks the message names; the rest are counted (a job of thousands stays readable)
+    NAMED = 8
+
+    def __init__(self, missing: list[str], timeout: float, *, cause: str | None = None) -> None:
         self.missing = missing
         self.timeout = timeout
+        self.cause = cause
+        named = ", ".join(missing[:self.NAMED]) or "?"
+        if len(missing) > self.NAMED:
+            named += f" and {len(missing) - self.NAMED} more ({len(missing)} tasks missing)"
         super().__init__(
-            f"Timed out after {timeout:.1f}s waiting for tasks: {', '.join(missing) or '?'}.",
+            f"Timed out after {timeout:.1f}s waiting for tasks: {named}" + (f": {cause}." if cause else "."),
             hint="check that every task was started and can reach the chief's address",
         )
 
@@ -156,3 +163,57 @@ class InputMismatchError(PhalanxError, RuntimeError):
 
 class WriteError(DistributedRuntimeError):
     """The chief failed to write a file every replica waits for (``model.save`` under a strategy)."""
+
+
+class ReplicaDivergenceError(DistributedRuntimeError):
+    """Replicas that must agree do not: a different step, global batch size, batch or parameters.
+
+    Raised by the consistency guard that rides on every gradient all-reduce, on every replica at
+    once (each sees every replica's values), within the step where the disagreement appears.
+
+    Attributes:
+        field: what differs: ``"step"``, ``"global batch size"``, ``"batch"``, ``"parameters"``
+            or ``"unsynchronised parameters"``.
+        replicas: the two replicas compared (names such as ``"replica:1 (rank 1)"``).
+        values: their two values, in the order of ``replicas``.
+        parameter: the first parameter that differs, where known.
+    """
+
+    def __init__(self, field: str, replicas: tuple[str, str], values: tuple[Any, Any], *,
+                 step: int | None = None, parameter: str | None = None, hint: str | None = None) -> None:
+        self.field, self.replicas, self.values = field, replicas, values
+        self.step, self.parameter = step, parameter
+        where = f" at step {step}" if step is not None else ""
+        which = f"; first differing parameter: {parameter}" if parameter else ""
+        super().__init__(
+            f"Replicas diverged{where}: {field} is {values[0]!r} on {replicas[0]} but {values[1]!r} on "
+            f"{replicas[1]}{which}.",
+            hint=hint or _DIVERGENCE_HINTS.get(field, "every replica must run the same steps on the same data"))
+
+
+_DIVERGENCE_HINTS = {
+    "step": "a replica skipped or repeated a step (an exception caught on one replica only, or a data-dependent "
+            "`continue`); every replica must call strategy.run and backward() the same number of times",
+    "global batch size": "every process must feed global batches of the same size (the same batch_size in each "
+                         "process's loader); use distribute_datasets_from_function for per-process pipelines",
+    "batch": "a replica consumed a different number of batches from its distributed dataset; catch errors around "
+             "whole steps on every replica alike, or not at all",
+    "parameters": "the replicas' parameters differ: create the model and optimizer inside strategy.scope(), and "
+                  "restore checkpoints on every replica",
+    "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; parameters "
+                                 "created outside it start different on every replica and are never synchronised",
+}
+
+
+class UnsynchronizedParameterError(ReplicaDivergenceError):
+    """A trainable parameter used inside ``strategy.run`` was never synchronised across replicas."""
+
+    def __init__(self, parameter: str, replica: str, step: int | None) -> None:
+        self.field, self.replicas, self.values = "unsynchronised parameters", (replica, "its peers"), (parameter, None)
+        self.step, self.parameter = step, parameter
+        DistributedRuntimeError.__init__(
+            self,
+            f"Parameter {parameter} is used in strategy.run on {replica} (step {step}) but was created outside "
+            "strategy.scope(): every replica initialised it differently and its gradients are never summed, so the "
+            "replicas would train different models.",
+            hint=_DIVERGENCE_HINTS["unsynchronised parameters"])

@@ -1,8 +1,20 @@
 """Loss scaling for synchronous training (``tf.nn.compute_average_loss`` and friends).
 
-Gradients are *summed* across replicas, so each replica's loss must be divided by the global
-batch size, not its own: the sum of the replicas' gradients is then the gradient of the mean loss
-over the global batch, exactly what one device computes.
+Gradients are *summed* across replicas (TF's convention), so each replica's loss must be divided
+by the global batch size, not its own: the sum of the replicas' gradients is then the gradient of
+the mean loss over the global batch, exactly what one device computes.
+
+What :func:`compute_average_loss` divides by: the ``global_batch_size`` you pass; without it, the
+number of examples in the global batch this replica's input was sliced from (carried with the
+batch by ``experimental_distribute_dataset``, so a smaller last batch is exact); without such a
+batch, this replica's batch times ``num_replicas_in_sync``.
+
+The trap it guards against: a plain mean loss (``cross_entropy(...)`` with its default
+``reduction="mean"``), or the per-replica batch passed as ``global_batch_size``, makes the summed
+gradient N times too large on N replicas. ``strategy.run`` warns once (:class:`LossScaleWarning`)
+when a backward pass ran in a step whose loss was not scaled by :func:`compute_average_loss`
+(or declared scaled with :func:`mark_loss_scaled`), and when ``global_batch_size`` is smaller than
+the global batch the replica was given (a larger one is fine: accumulated micro-batches).
 
 Example:
     >>> import torch, phalanx as px
@@ -12,9 +24,45 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
+import warnings
+from typing import Any
+
 import torch
 
-from phalanx import context
+from phalanx import context, global_batch
+
+
+class LossScaleWarning(UserWarning):
+    """A loss that is probably not scaled for the global batch (the gradient would be N times too large)."""
+
+
+class _Record:
+    __slots__ = ("scaled",)
+
+    def __init__(self) -> None:
+        self.scaled = False
+
+
+_RECORD: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("phalanx_loss_record", default=None)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, stacklevel: int) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, LossScaleWarning, stacklevel=stacklevel + 1)
+
+
+def mark_loss_scaled() -> None:
+    """Declares that this step's loss is already scaled for the global batch (a custom scaling).
+
+    Silences the warning ``strategy.run`` gives for a backward pass without
+    :func:`compute_average_loss` in the step. phalanx's Keras integration calls it itself.
+    """
+    record = _RECORD.get()
+    if record is not None:
+        record.scaled = True
 
 
 def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Tensor | float | None = None,
@@ -34,17 +82,59 @@ def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Te
     loss = per_example_loss
     if sample_weight is not None:
         loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
+    info = global_batch.current()
     if global_batch_size is None:
-        strategy = context.get_strategy()
-        global_batch_size = strategy.extended._global_batch_size  # friend: the global-batch channel (input)
-        if global_batch_size is None:
+        if info is not None:
+            global_batch_size = info.global_size
+        else:
             local = loss.shape[0] if loss.dim() > 0 else 1
-            global_batch_size = local * strategy.num_replicas_in_sync
+            global_batch_size = local * context.get_strategy().num_replicas_in_sync
+    elif info is not None and isinstance(global_batch_size, int) and global_batch_size < info.global_size:
+        # Smaller than the batch the input came from: the gradient grows (the classic trap). A larger
+        # divisor is legitimate (micro-batches accumulated over several passes).
+        local = loss.shape[0] if loss.dim() > 0 else None
+        what = " (this replica's own batch)" if global_batch_size == local else ""
+        _warn_once("global_batch_size", (
+            f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is a slice "
+            f"of a global batch of {info.global_size}: the summed gradient is scaled by "
+            f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."),
+            stacklevel=2)  # the caller of compute_average_loss
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be a positive int; received {global_batch_size!r}")
+    mark_loss_scaled()
     return loss.sum() / global_batch_size
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
     """Divides a regularization loss by the number of replicas, so its summed gradient is counted once."""
+    mark_loss_scaled()
     return regularization_loss / context.get_strategy().num_replicas_in_sync
+
+
+class loss_scale_watch:  # lower case: used like a function by strategy.run
+    """Around one replica step: warns once if gradients were summed but no loss was scaled."""
+
+    __slots__ = ("_before", "_record", "_reducer", "_token", "_world_size")
+
+    def __init__(self, reducer: Any, world_size: int) -> None:
+        self._reducer, self._world_size = reducer, world_size  # the strategy's GradientReducer (or None)
+
+    def __enter__(self) -> None:
+        self._record = _Record()
+        self._token = _RECORD.set(self._record)
+        reducer = self._reducer
+        self._before = reducer.reductions + reducer.skipped if reducer is not None else 0
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        _RECORD.reset(self._token)
+        reducer = self._reducer
+        if exc_type is None and reducer is not None and not self._record.scaled \
+                and reducer.reductions + reducer.skipped != self._before:
+            n = self._world_size
+            _warn_once("unscaled", (
+                f"A backward pass ran inside strategy.run on {n} replicas, but the step's loss was not made with "
+                f"phalanx.nn.compute_average_loss. Gradients are SUMMED across replicas (as in tf.distribute), so a "
+                f"loss averaged over this replica's batch (e.g. cross_entropy(...) with reduction='mean') gives {n} "
+                f"times the one-device gradient. Use loss = phalanx.nn.compute_average_loss(per_example_loss) with "
+                f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."),
+                stacklevel=3)  # the caller of strategy.run

@@ -28,14 +28,16 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import context, nest, variables
+from phalanx import compiled, context, global_batch, hooks, nest, variables
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
-from phalanx.errors import ContextError, NotCallableError
+from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParameterError
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
+from phalanx.nn import loss_scale_watch
 
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
@@ -118,7 +120,11 @@ class StrategyExtended:
         self._buffers: list[torch.Tensor] = []
         self._reducer: GradientReducer | None = None
         self._step = 0
-        self._global_batch_size: int | None = None  # of the batch being consumed, set by input
+        self._synced: set[int] = set()  # ids of the parameters made identical (a WeakSet would compare tensors)
+        self._checked_first_run = comm.world_size == 1
+        # Every collective carries the replicas' step, batch and (first step, after a restore)
+        # parameter fingerprint, so replicas that drifted apart fail within one step.
+        self._guard = ReplicaGuard(comm, self._guard_fields, self._guarded_params) if comm.world_size > 1 else None
         self._input_sharding = input_sharding or InputSharding()
         self._container_strategy_ref: Any = None
 
@@ -285,8 +291,12 @@ class StrategyExtended:
             return
         params, buffers = self._new_params, self._new_buffers
         self._new_params, self._new_buffers = [], []
+        self._synced.update(id(p) for p in params)
+        self.mark_parameters_changed()
         with torch.no_grad():
             self._broadcast_tensors([p.data for p in params] + list(buffers))
+        for t in (*params, *buffers):  # a Checkpoint made outside scope() finds its strategy through them
+            self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
         if self._comm.world_size > 1:
             self._attach_gradient_sync(params)
@@ -296,7 +306,7 @@ class StrategyExtended:
         if self._reducer is None:
             self._reducer = GradientReducer(
                 params, lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum"),
-                self._bucket_bytes, num_packs)
+                self._bucket_bytes, num_packs, guard=self._guard)
         else:
             self._reducer.add(params, self._bucket_bytes, num_packs)
 
@@ -378,6 +388,81 @@ class StrategyExtended:
             result = fn(var, *args, **kwargs)
         return result if group else (result,)
 
+    # ---------------------------------------------------------------- accumulation and consistency
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally, without communicating (DDP's ``no_sync``).
+
+        The first backward pass after the block sums everything accumulated since the last
+        synchronisation, so the result equals one-device accumulation over the same global batches::
+
+            for i, batch in enumerate(micro_batches):
+                ctx = strategy.extended.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()
+                with ctx:
+                    strategy.run(forward_backward, args=(batch,))
+            strategy.run(lambda: (optimizer.step(), optimizer.zero_grad()))
+        """
+        return self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext()
+
+    def mark_parameters_changed(self) -> None:
+        """Says the synchronised parameters were changed outside training (a restore): the next
+        gradient all-reduce checks that every replica holds the same values. Call it on every replica."""
+        if self._guard is not None:
+            self._guard.fingerprint_due = True
+
+    def set_consistency_checks(self, enabled: bool) -> None:
+        """Turns the consistency guard on (the default) or off; call it on every replica at the same point.
+
+        The guard adds ``4 x num_replicas`` numbers to each gradient all-reduce and to
+        ``strategy.reduce`` (its cost is measured by ``python -m benchmarks.consistency``).
+        """
+        guard = self._guard if self._guard is not None else self._disabled_guard
+        if guard is None:
+            return
+        self._guard, self._disabled_guard = (guard, None) if enabled else (None, guard)
+        if self._reducer is not None:
+            self._reducer.guard = self._guard
+
+    _disabled_guard: ReplicaGuard | None = None
+
+    def _guard_fields(self) -> tuple[int, int, int]:
+        info = global_batch.current()
+        if info is None:
+            return (self._step, 0, 0)
+        # The batch each process sliced (where every process reads whole global batches) must be
+        # the same size everywhere; an agreed sum over per-process pipelines would hide the difference.
+        sliced = info.sliced_from if info.sliced_from is not None else info.global_size
+        return (self._step, sliced, info.ordinal)
+
+    def _guarded_params(self) -> list[tuple[str, torch.Tensor]]:
+        if self._reducer is None:
+            return []
+        return [(variables.label_of(p), p) for p in self._reducer.parameters()]
+
+    def _first_run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs ``fn`` watching the modules it calls: a trainable parameter that no scope ever
+        synchronised (a model created outside ``scope()``) differs on every replica and its
+        gradient is never summed, so the first forward call of its module raises."""
+        me = threading.get_ident()  # the hook is process-wide; other threads' modules are not ours
+        checked: set[int] = set()
+
+        def watch(module: torch.nn.Module, inputs: Any) -> None:
+            if threading.get_ident() != me or id(module) in checked:
+                return
+            checked.add(id(module))
+            pending = {id(p) for p in self._new_params}  # created in this run: synchronised at the next
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in self._synced and id(p) not in pending:
+                    raise UnsynchronizedParameterError(f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",
+                                                       self._comm.name(self._comm.rank), self._step)
+
+        name = f"phalanx.strategy.first_run.{id(self)}.{me}"
+        hooks.install(name, "module_forward_pre", watch)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            hooks.remove(name)
+            self._checked_first_run = bool(checked)  # a step that called no module checks nothing
+
     # ---------------------------------------------------------------- collectives on values
     def _all_reduce_structure(self, op: ReduceOp, structure: Any) -> Any:
         leaves, spec = nest.flatten_with_spec(structure)
@@ -394,9 +479,18 @@ class StrategyExtended:
             # Integer means are computed in floating point, as TF does.
             dtype = t.dtype if (op is ReduceOp.SUM or t.is_floating_point()) else torch.float32
             groups.setdefault(dtype, []).append(i)
+        guarded = self._guard is not None and op is ReduceOp.SUM
         for dtype, idx in groups.items():
-            flat = torch.cat([tensors[i].detach().to(dtype).reshape(-1) for i in idx])
+            pieces = [tensors[i].detach().to(dtype).reshape(-1) for i in idx]
+            extra = None
+            if guarded and digits_for(dtype) is not None:
+                extra = self._guard.encode(dtype, pieces[0].device, with_parameters=False)
+                pieces.append(extra)
+                guarded = False
+            flat = torch.cat(pieces)
             flat = self._comm.all_reduce(flat, "mean" if op is ReduceOp.MEAN else "sum").wait()
+            if extra is not None:
+                self._guard.verify(flat[flat.numel() - extra.numel():])
             offset = 0
             for i in idx:
                 n = tensors[i].numel()
@@ -584,9 +678,13 @@ class Strategy:
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)
         args, kwargs = tuple(args), dict(kwargs or {})
+        ext = self._extended
+        # The global batch the arguments were sliced from travels with them (see global_batch).
+        info = global_batch.find(args, kwargs) if ext._guard is not None else None  # friend
         if not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
             # Replace distributed values by this replica's part (skipped for plain tensors: hot path).
             local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
@@ -594,12 +692,15 @@ class Strategy:
         for observe in RUN_OBSERVERS:
             observe(self, fn)
         ext = self._extended
+
         ext._step += 1  # friend: Strategy and its StrategyExtended are one object in two parts (TF's pairing)
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
             ext._before_run()  # friend
-            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self):  # friend
-                result = fn(*args, **kwargs)
+            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self), \
+                    global_batch.using(info), loss_scale_watch(ext._reducer, ext._comm.world_size):  # friend
+                # friend: the first step watches for parameters no scope synchronised
+                result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)
             ext._after_run()  # friend
         return self._wrap_local(result)
 

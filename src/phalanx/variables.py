@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from phalanx import context, hooks
 
@@ -28,6 +29,16 @@ class Capture:
     on_buffer: Callable[[torch.Tensor], None]
 
 
+# Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.
+_LABELS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def label_of(param: torch.Tensor) -> str:
+    """A readable name for a captured parameter: ``"Linear.weight (shape (128, 784))"``."""
+    name = _LABELS.get(param, "parameter")
+    return f"{name} (shape {tuple(param.shape)})"
+
+
 _ACTIVE: contextvars.ContextVar[Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
 
 
@@ -36,21 +47,31 @@ def _current() -> Capture | None:
     return cap if cap is not None and context.get_strategy() is cap.owner else None
 
 
+def _is_compiler_module(module: torch.nn.Module) -> bool:
+    # torch.compile builds fx GraphModules while it compiles a replica function; what they
+    # register are the user's own (already synchronised) tensors or constants, and whether a
+    # graph is built at all may differ between replicas (the chief's optimizer step is not the
+    # others' under CentralStorage): capturing them would make replicas broadcast different sets.
+    return isinstance(module, torch.fx.GraphModule) or torch.compiler.is_compiling()
+
+
 def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
     cap = _current()
-    if cap is None or param is None:
+    if cap is None or param is None or _is_compiler_module(module):
         return None
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
+        _LABELS[param] = f"{type(module).__name__}.{name}"
         cap.on_parameter(param)
         return param
+    _LABELS[param] = f"{type(module).__name__}.{name}"
     cap.on_parameter(param)
     return None
 
 
 def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
     cap = _current()
-    if cap is None or buffer is None:
+    if cap is None or buffer is None or _is_compiler_module(module):
         return None
     moved = buffer.to(cap.device) if buffer.device != cap.device else buffer
     cap.on_buffer(moved)

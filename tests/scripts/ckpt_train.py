@@ -6,6 +6,9 @@ MODE:
   clean    no fault: the uninterrupted reference.
   crash    worker 1 os._exit()s before step 37 on the first attempt; checkpoints every 5 steps,
            so the restarted run replays step 36 from the checkpoint of step 35.
+  corrupt  the chief flips one bit in a tensor file of the latest checkpoint (step 35) and exits
+           before step 37 on the first attempt; the restart must fall back to the checkpoint of
+           step 30 (self-healing) and replay steps 31..36.
   preempt  worker 1 gets SIGTERM before step 37 on the first attempt; a PreemptionCheckpointHandler
            makes every worker save after step 37 and exit 42; regular checkpoints every 10 steps.
 
@@ -90,6 +93,14 @@ def main(out, mode):
 
     for epoch in position.epochs(EPOCHS):
         for batch in position.iterate(strategy.experimental_distribute_dataset(epoch_batches(epoch))):
+            if attempt == 0 and rank == 0 and mode == "corrupt" and applied.value + 1 == FAULT_STEP:
+                damaged = os.path.join(manager.latest_checkpoint, "model.pt")
+                with open(damaged, "r+b") as f:
+                    f.seek(os.path.getsize(damaged) // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0x01]))  # same size: only the SHA-256 can tell
+                os._exit(13)
             if attempt == 0 and rank == 1 and applied.value + 1 == FAULT_STEP:
                 if mode == "crash":
                     os._exit(13)
@@ -101,7 +112,7 @@ def main(out, mode):
                     manager.save()
             else:
                 train_step(batch)
-                if mode == "crash" and applied.value % 5 == 0:
+                if mode in ("crash", "corrupt") and applied.value % 5 == 0:
                     manager.save()
     if chief:
         torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}, "applied": applied.value,

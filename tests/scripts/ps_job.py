@@ -10,6 +10,8 @@ Modes (the chief writes OUT_DIR/<name>.json):
   ps_fault   checkpoints, then kill ps:1; measure the typed error and the shutdown
   resume     restart from the checkpoint ps_fault saved and finish
   serve      (no chief is started: the servers just serve, for the security test)
+  lstsq      (run with --tls) train to the least-squares optimum; check that TLS is on and that a
+             plain-text client cannot talk to a server (lstsq.json)
 """
 
 import json
@@ -241,3 +243,29 @@ elif MODE == "resume":
         train(60)
         steps.append(int(model.iterations))
     write({"start": start, "steps": steps, "loss": full_loss(model), "ref_loss": reference_loss(300)})
+
+elif MODE == "lstsq":
+    from phalanx.ps import wire
+    from phalanx.ps.transport import GrpcTransport, TransportError
+
+    wait_for_workers()
+    for lr, steps in ((LR, 200), (FINE_LR, 100), (FINE_LR / 4, 100)):
+        set_lr(lr)
+        train(steps)
+    x, y = make_data()
+    solution = torch.linalg.lstsq(torch.cat([x, torch.ones(N, 1)], 1), y).solution
+    optimum = torch.nn.functional.mse_loss(torch.cat([x, torch.ones(N, 1)], 1) @ solution, y).item()
+    learned = torch.cat([model.linear.weight.detach().reshape(-1), model.linear.bias.detach()])
+    from phalanx.ps.tls import TlsConfig
+
+    tls = TlsConfig.from_env()  # what this task's transport uses
+    address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][0]
+    channel = GrpcTransport(tls=None).connect(address, "phalanx.ParameterServer")
+    try:
+        channel.call("ping", wire.Signer(wire.cluster_secret(), "chief:0").encode("ping").chunks(), timeout=5)
+        plaintext = "ok"
+    except TransportError as e:
+        plaintext = e.code
+    channel.close()
+    write({"loss": full_loss(model), "optimum": optimum, "weight_error": (learned - solution.reshape(-1)).abs().max().item(),
+           "tls": tls is not None, "mutual": bool(tls and tls.mutual), "plaintext": plaintext})

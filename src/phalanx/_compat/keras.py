@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["initial_epoch", "learning_rate", "set_initial_epoch"]
+__all__ = ["direct_sublayers", "initial_epoch", "is_uninitialized", "learning_rate", "set_initial_epoch",
+           "set_initializer"]
 
 
 def learning_rate(optimizer: Any) -> Any:
@@ -28,3 +29,30 @@ def initial_epoch(model: Any) -> int | None:
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
     """Sets the epoch ``fit`` resumes from (``model._initial_epoch``; how ``BackupAndRestore`` does it)."""
     model._initial_epoch = epoch
+
+
+# Checkpoints (phalanx.checkpoint.keras_objects) walk Keras' object graph and restore into
+# variables Keras creates later.
+def direct_sublayers(layer: Any) -> list[Any] | None:
+    """The layers ``layer`` tracks directly, in tracking order, or None if it tracks none this way.
+
+    ``layer._flatten_layers(include_self=False, recursive=False)`` (Keras 3.0 to 3.15): the public
+    ``layers`` property exists on models only.
+    """
+    flatten = getattr(layer, "_flatten_layers", None)
+    return list(flatten(include_self=False, recursive=False)) if callable(flatten) else None
+
+
+def is_uninitialized(variable: Any) -> bool:
+    """Whether Keras created ``variable`` without a value (inside a ``StatelessScope``) to give it later.
+
+    ``variable._value is None`` with a ``variable._initializer`` (Keras 3.0 to 3.15): such a
+    variable is initialized from its initializer when the scope ends, and an assignment made
+    inside the scope is discarded.
+    """
+    return getattr(variable, "_value", 0) is None and callable(getattr(variable, "_initializer", None))
+
+
+def set_initializer(variable: Any, initializer: Any) -> None:
+    """Replaces the initializer an uninitialized variable will be given its value from (``_initializer``)."""
+    variable._initializer = initializer

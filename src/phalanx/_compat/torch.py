@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.nest walks structures with it
 
-__all__ = ["gloo_options", "nccl_options", "pytree", "queue_backward_callback", "version_counter"]
+__all__ = ["compile_falls_back_per_frame", "gloo_options", "nccl_options", "pytree", "queue_backward_callback",
+           "version_counter"]
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -31,7 +32,9 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     ``Variable._execution_engine.queue_callback``: the hook DDP, DeepSpeed and FSDP use to act
     once every gradient of a backward pass is ready. Must be called during a backward pass.
     """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    # torch.compiler.disable: a compiled step's backward runs with torch.compile's frame hook set;
+    # the callback (collectives, waits) must run as plain Python, never be traced into graphs.
+    torch.autograd.Variable._execution_engine.queue_callback(torch.compiler.disable(callback))
 
 
 def gloo_options(timeout: datetime.timedelta, bind_addr: str) -> Any:
@@ -51,3 +54,13 @@ def nccl_options(timeout: datetime.timedelta) -> Any:
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return opts
+
+
+def compile_falls_back_per_frame() -> Any:
+    """A context manager in which torch.compile runs a frame it cannot compile eagerly, not raising.
+
+    ``torch._dynamo.config.patch(suppress_errors=True)`` (torch 2.0 to 2.15): the fallback happens
+    before the frame runs, so no work is done twice. torch logs each such frame as "WON'T CONVERT"
+    on the ``torch._dynamo.convert_frame`` logger (at WARNING), which phalanx.function reads.
+    """
+    return torch._dynamo.config.patch(suppress_errors=True)

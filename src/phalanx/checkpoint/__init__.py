@@ -22,7 +22,8 @@ Modules: :mod:`~phalanx.checkpoint.checkpoint` (Checkpoint, load_state, latest_c
 :mod:`~phalanx.checkpoint.preemption`, :mod:`~phalanx.checkpoint.storage` (the format and atomic
 writes), :mod:`~phalanx.checkpoint.codec` (state trees to JSON and tensors),
 :mod:`~phalanx.checkpoint.coordination` (who writes), :mod:`~phalanx.checkpoint.sharding`
-(the extension point for sharded variables).
+(the extension point for sharded variables), :mod:`~phalanx.checkpoint.keras_objects` (Keras
+objects by object graph, deferred restoration).
 """
 
 from phalanx.checkpoint.checkpoint import Checkpoint, LoadStatus, latest_checkpoint, load_state

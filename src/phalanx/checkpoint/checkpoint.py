@@ -5,6 +5,10 @@ path), and ``restore`` / ``read``. Objects may be
 
 * anything with ``state_dict()`` / ``load_state_dict()``: modules, optimizers, LR schedulers,
   :class:`~phalanx.checkpoint.Counter`, :class:`~phalanx.checkpoint.InputPosition`;
+* Keras objects (models, layers, optimizers, metrics, ``keras.Variable``): stored by their place
+  in the object graph, as TF does, so a fresh copy of a model restores whatever Keras named its
+  layers, and values for variables that do not exist yet (a Keras optimizer's slots, a model
+  without an input shape) are restored when they are created (:mod:`~phalanx.checkpoint.keras_objects`);
 * tensors (a parameter, a 0-d step tensor): restored in place with ``copy_``;
 * sharded variables (:mod:`phalanx.checkpoint.sharding`), stored as one full tensor;
 * numbers, strings, None, and lists / tuples / dicts of those and of tensors: containers are
@@ -14,8 +18,9 @@ path), and ``restore`` / ``read``. Objects may be
 Parameters are plain tensors that are identical on every replica, and a checkpoint holds one
 full copy of each, so the program that restores may use any strategy and any number of replicas,
 or no strategy at all (:func:`load_state`). Saving is collective (all processes call it; the chief
-writes, see :mod:`~phalanx.checkpoint.coordination`); restoring is local (every process reads the
-files, which must be on storage that all of them see).
+writes, see :mod:`~phalanx.checkpoint.coordination`, which also says how a Checkpoint made
+outside ``scope()`` finds its strategy); restoring is local (every process reads the files, which
+must be on storage that all of them see).
 
 Example:
     >>> import tempfile, torch
@@ -42,8 +47,8 @@ from typing import Any, Callable
 import torch
 
 from phalanx import context
-from phalanx.checkpoint import codec, sharding, storage
-from phalanx.checkpoint.coordination import Participants
+from phalanx.checkpoint import codec, keras_objects, sharding, storage
+from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
 from phalanx.strategy import owner_of
@@ -60,16 +65,35 @@ class LoadStatus:
         unused: objects in the file that the Checkpoint does not name.
     """
 
-    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str]) -> None:
-        self.path, self.restored, self.missing, self.unused = path, restored, missing, unused
+    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str],
+                 deferred: list[keras_objects.Pending] | None = None, unmatched: list[str] | None = None) -> None:
+        self.path, self.restored, self.missing = path, restored, missing
+        self._unused = unused
+        self._deferred = deferred or []
+        self._unmatched = unmatched if unmatched is not None else []
+
+    @property
+    def pending(self) -> list[str]:
+        """Objects whose saved values wait for their variables to be created (TF's deferred restoration).
+
+        A Keras optimizer's slots appear at its first step, a model without an input shape at its
+        first call; they receive the saved values then, before they are first used.
+        """
+        return [p.path for p in self._deferred if not p.done]
+
+    @property
+    def unused(self) -> list[str]:
+        """Saved objects (and parts of Keras objects' graphs) that nothing here received."""
+        return self._unused + self._unmatched
 
     def assert_consumed(self) -> "LoadStatus":
-        """Raises unless every object was restored and every saved object was used."""
+        """Raises unless every object was restored, every saved value was used and none is pending."""
         if self.path is None:
             raise CheckpointError("Nothing was restored (the path was None).")
-        if self.missing or self.unused:
+        if self.missing or self.unused or self.pending:
             raise CheckpointMismatchError(self.path, f"objects not in the checkpoint: {self.missing}; "
-                                                     f"saved objects not restored: {self.unused}")
+                                                     f"saved objects not restored: {self.unused}; "
+                                                     f"waiting for their variables to be created: {self.pending}")
         return self
 
     def assert_existing_objects_matched(self) -> "LoadStatus":
@@ -82,7 +106,8 @@ class LoadStatus:
         return self
 
     def __repr__(self) -> str:
-        return f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, unused={self.unused})"
+        return (f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, "
+                f"unused={self.unused}, pending={self.pending})")
 
 
 class Checkpoint:
@@ -137,6 +162,10 @@ class Checkpoint:
     def _all_objects(self) -> dict[str, Any]:
         return {"save_counter": self._save_counter, **self._objects}
 
+    def _participants(self) -> Participants:
+        """Who takes part in this Checkpoint's saves (see :mod:`~phalanx.checkpoint.coordination`)."""
+        return Participants.resolve(self._strategy, _owning_strategy(_owner(o) for o in self._objects.values()))
+
     # ---------------------------------------------------------------- saving
     def save(self, file_prefix: str) -> str:
         """Saves to ``{file_prefix}-{save_counter}`` after counting this save; returns that path.
@@ -157,8 +186,7 @@ class Checkpoint:
         """
         objects = self._all_objects()
         owners = {name: _owner(obj) for name, obj in objects.items()}
-        who = Participants.resolve(self._strategy if self._strategy is not None or context.has_strategy()
-                                   else _owning_strategy(owners.values()))
+        who = Participants.resolve(self._strategy, _owning_strategy(owners.values()))
         path = os.path.abspath(os.fspath(file_prefix))
         manifest_objects: dict[str, Any] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
@@ -166,7 +194,7 @@ class Checkpoint:
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
             state = (owners[name] or who.strategy.extended).state_to_save(obj)
-            doc, tensors = codec.encode(_state_of(obj) if state is None else state, label=name,
+            doc, tensors = codec.encode(_state_of(obj, objects) if state is None else state, label=name,
                                         materialize=who.is_writer)
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
             if tensors:
@@ -208,17 +236,39 @@ class Checkpoint:
             return LoadStatus(None, [], sorted(live), [])
         path = os.path.abspath(os.fspath(save_path))
         saved, manifest = _load(path, set(live))
-        extended = (context.get_strategy() if context.has_strategy() or self._strategy is None
-                    else self._strategy).extended  # restoring is local: no collective, any strategy
-        restored = []
+        owners = {name: _owner(obj) for name, obj in live.items()}
+        try:  # restoring is local (no collective), so any strategy, or none, will do
+            extended = find_strategy(self._strategy, _owning_strategy(owners.values())).extended
+        except CheckpointError:
+            extended = context.get_strategy().extended
+        restored, changed = [], {id(extended): extended}
+        deferred: list[keras_objects.Pending] = []
+        unmatched: list[str] = []
         for name, state in saved.items():
-            replacement = _restore_into(name, live[name], state)
+            if keras_objects.is_keras_object(live[name]) and keras_objects.is_graph_state(state):
+                # Wherever the file holds a part of the graph, it is restored (an optimizer saved
+                # as model.optimizer restores whether or not this Checkpoint also names it).
+                later, unused = keras_objects.restore(name, live[name], state, set())
+                deferred += later
+                unmatched += unused
+                replacement = _IN_PLACE
+            else:
+                replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
             else:
-                (_owner(live[name]) or extended).after_restore(live[name])
+                owner = owners[name] or extended
+                owner.after_restore(live[name])
+                changed[id(owner)] = owner
             restored.append(name)
-        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)))
+        for ext in changed.values():
+            # CONSISTENCY HOOK (the one call site): the parameters changed outside a step, so the
+            # replicas' parameter fingerprint guard checks them again at the next step.
+            hook = getattr(ext, "mark_parameters_changed", None)
+            if hook is not None:
+                hook()
+        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)),
+                          deferred, unmatched)
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(sorted(self._objects))})"
@@ -242,7 +292,8 @@ def load_state(path: str, names: set[str] | None = None) -> dict[str, Any]:
 
     Returns:
         ``{name: state}``: what each object's ``state_dict()`` returned (tensors on the CPU),
-        or the tensor / value itself.
+        or the tensor / value itself; for a Keras object, its object graph:
+        ``{"vars": {"0": tensor, ...}, "children": {"dense": {...}, "optimizer": {...}}}``.
     """
     return _load(os.path.abspath(os.fspath(path)), names)[0]
 
@@ -268,12 +319,14 @@ def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, 
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The most recently written complete checkpoint in ``directory``, or None.
+    """The newest intact checkpoint in ``directory``, or None.
 
-    Directories without a valid manifest (a save that crashed) are skipped.
+    Directories without a valid manifest (a save that crashed) are not checkpoints. The newest
+    checkpoint is verified (every file's size and SHA-256 against the manifest); a damaged one
+    is skipped with a warning naming it and why, and the next newest is tried.
     """
     found = storage.list_checkpoints(os.fspath(directory))
-    return found[-1][0] if found else None
+    return storage.choose_latest([path for path, _ in found])[0]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -288,6 +341,8 @@ def _owner(obj: Any) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         tensors: Any = [obj]
+    elif keras_objects.is_keras_object(obj):
+        tensors = keras_objects.tensors_of(obj)
     elif isinstance(obj, torch.nn.Module):
         tensors = obj.parameters()
     elif isinstance(obj, torch.optim.Optimizer):
@@ -314,14 +369,20 @@ def _kind(obj: Any) -> str:
         return "sharded"
     if isinstance(obj, torch.Tensor):
         return "tensor"
+    if keras_objects.is_keras_object(obj):
+        return f"keras:{type(obj).__module__}.{type(obj).__qualname__}"
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return f"state_dict:{type(obj).__module__}.{type(obj).__qualname__}"
     return "value"
 
 
-def _state_of(obj: Any) -> Any:
+def _state_of(obj: Any, objects: dict[str, Any]) -> Any:
     if sharding.is_sharded(obj) or isinstance(obj, torch.Tensor):
         return obj
+    if keras_objects.is_keras_object(obj):
+        # By graph position, not by Keras' auto names; objects the Checkpoint names itself (an
+        # optimizer also reachable as model.optimizer) are stored once, under their own name.
+        return keras_objects.state_of(obj, skip={id(o) for o in objects.values() if o is not obj})
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return obj.state_dict()
     return obj

@@ -6,12 +6,21 @@ take part in one small all-reduce that doubles as a barrier and tells everyone w
 chief's write succeeded. Nobody returns from ``save`` before the checkpoint is complete on disk,
 and a failed write raises on every process instead of hanging the others.
 
-The strategy is the one whose ``scope()`` is open at the call, else the one that was current when
-the :class:`~phalanx.checkpoint.Checkpoint` was created, else the default strategy (one process).
+The strategy is found as TF's programs expect, wherever the Checkpoint was made (TF's
+multi-worker tutorials make it outside ``scope()``), and the same on every process:
+
+1. the one whose ``scope()`` is open at the call;
+2. the one that was current when the :class:`~phalanx.checkpoint.Checkpoint` was created;
+3. the one that owns the Checkpoint's variables (every strategy marks the variables created in
+   its scope);
+4. the live strategy of this process (the newest not closed), if it spans several processes
+   (a Checkpoint of plain values);
+5. else the default strategy (one process), unless the environment says this process belongs
+   to a multi-process job: then every process would write the same files, and it is refused.
 
 Example:
     >>> from phalanx.checkpoint.coordination import Participants
-    >>> p = Participants.resolve(None)
+    >>> p = Participants.resolve(None, None)
     >>> p.is_writer, p.world_size, p.any(False)
     (True, 1, False)
 """
@@ -30,6 +39,14 @@ from phalanx.checkpoint.errors import CheckpointError
 
 def _multi_process_environment() -> str | None:
     """A description of the multi-process job this process belongs to, if the environment says so."""
+    from phalanx.launch import self_launch
+
+    # Replica 0 of a self-launched job (`python train.py`) has no launcher environment: it is the
+    # launcher. The launch layer says whether this process started replicas.
+    current_job = getattr(self_launch, "current_job", None)
+    job = current_job() if callable(current_job) else None
+    if job is not None:
+        return f"replica 0 of {getattr(job, 'world_size', 'several')} self-launched replicas"
     for var in ("PHALANX_WORLD_SIZE", "WORLD_SIZE"):
         if os.environ.get(var, "1").isdigit() and int(os.environ.get(var, "1")) > 1:
             return f"{var}={os.environ[var]}"
@@ -39,6 +56,33 @@ def _multi_process_environment() -> str | None:
     except (ValueError, AttributeError, TypeError):
         tasks = 0
     return f"TF_CONFIG with {tasks} tasks" if tasks > 1 else None
+
+
+def find_strategy(captured: Any = None, owning: Any = None) -> Any:
+    """The strategy a save or restore runs under (see the module docstring).
+
+    Raises:
+        CheckpointError: none is known in a process of a multi-process job.
+    """
+    if context.has_strategy():
+        return context.get_strategy()
+    if captured is not None:
+        return captured
+    if owning is not None:
+        return owning
+    from phalanx.strategy import live_strategy
+
+    live = live_strategy()
+    if live is not None and live.num_replicas_in_sync > 1:
+        return live
+    job = _multi_process_environment()
+    if job is not None:
+        raise CheckpointError(
+            f"This process belongs to a multi-process job ({job}), but no strategy is known to the "
+            "checkpoint, so every process would write the same files.",
+            hint="create the strategy before saving; create the Checkpoint inside `with strategy.scope():`, "
+                 "or save inside it")
+    return context.get_strategy()
 
 
 class Participants:
@@ -54,26 +98,18 @@ class Participants:
         self._device = ext.device
 
     @classmethod
-    def resolve(cls, captured: Any) -> "Participants":
-        """The participants under the current strategy (see the module docstring).
+    def resolve(cls, captured: Any, owning: Any = None) -> "Participants":
+        """The participants under the strategy found as the module docstring says.
+
+        Args:
+            captured: the strategy current when the Checkpoint was created, or None.
+            owning: the strategy that owns the Checkpoint's variables, or None.
 
         Raises:
             CheckpointError: no strategy is known but the environment describes a multi-process
                 job; every process would write the same files.
         """
-        if context.has_strategy():
-            strategy = context.get_strategy()
-        elif captured is not None:
-            strategy = captured
-        else:
-            strategy = context.get_strategy()
-            job = _multi_process_environment()
-            if job is not None:
-                raise CheckpointError(
-                    f"This process belongs to a multi-process job ({job}), but no strategy is known to the "
-                    "checkpoint, so every process would write the same files.",
-                    hint="create the Checkpoint inside `with strategy.scope():`, or save inside it")
-        return cls(strategy)
+        return cls(find_strategy(captured, owning))
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any process (a collective; also a barrier)."""

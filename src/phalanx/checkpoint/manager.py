@@ -2,7 +2,9 @@
 
 As ``tf.train.CheckpointManager``. The manager finds the checkpoints a previous run left (a
 restarted job continues the numbering and the deletion), and a save that crashed leaves nothing
-it would pick up: only directories with a complete manifest count.
+it would pick up: only directories with a complete manifest count. The latest checkpoint is
+verified before it is used; a damaged one (a flipped bit, a truncated or missing file) is
+skipped with a warning, and the previous valid one is used instead.
 
 Example:
     >>> import tempfile, torch
@@ -24,6 +26,7 @@ from typing import Any, Callable
 
 from phalanx.checkpoint import storage
 from phalanx.checkpoint.checkpoint import Checkpoint
+from phalanx.checkpoint.errors import CorruptCheckpointError
 
 
 class CheckpointManager:
@@ -84,8 +87,18 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The newest checkpoint this manager knows of, or None."""
-        return self._checkpoints[-1] if self._checkpoints else None
+        """The newest intact checkpoint this manager knows of, or None.
+
+        Verified against its manifest (once per file and process); damaged ones are skipped with
+        a warning and dropped from :attr:`checkpoints`.
+        """
+        latest, skipped = storage.choose_latest(self._checkpoints)
+        self._drop([path for path, _ in skipped])
+        return latest
+
+    def _drop(self, damaged: list[str]) -> None:
+        # Left on disk for inspection; a later save with the same number replaces them.
+        self._checkpoints = [p for p in self._checkpoints if p not in damaged]
 
     def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
         """Saves ``{directory}/{checkpoint_name}-{number}`` (collective); returns its path.
@@ -120,10 +133,19 @@ class CheckpointManager:
         return path
 
     def restore_or_initialize(self) -> str | None:
-        """Restores the latest checkpoint and returns its path, else calls ``init_fn`` and returns None."""
-        latest = self.latest_checkpoint
-        if latest is not None:
-            self._checkpoint.restore(latest)
+        """Restores the latest intact checkpoint and returns its path, else calls ``init_fn`` and returns None.
+
+        A damaged checkpoint is skipped with a warning naming it and why, and the one before it
+        is restored, so a job whose latest save was damaged resumes instead of failing on every
+        restart.
+        """
+        while (latest := self.latest_checkpoint) is not None:
+            try:
+                self._checkpoint.restore(latest)
+            except CorruptCheckpointError as e:  # damaged after it was verified: try the one before
+                storage.warn_skipped(latest, str(e))
+                self._drop([latest])
+                continue
             if self._step_counter is not None:
                 self._last_saved_step = int(self._step_counter)
             return latest

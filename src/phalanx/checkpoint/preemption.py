@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from phalanx.checkpoint.checkpoint import Checkpoint
-from phalanx.checkpoint.coordination import Participants
 from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.state import Counter
 
@@ -101,7 +100,7 @@ class PreemptionCheckpointHandler:
         self._config = termination_config or TerminationConfig()
         self._exit_code = RESTART_EXIT_CODE
         checkpoint = self._manager.checkpoint
-        self._who = Participants.resolve(checkpoint._strategy)
+        self._who = checkpoint._participants()
         self._run_calls = Counter(0)
         checkpoint._track(_RUN_COUNTER, self._run_calls)
         self._noticed = threading.Event()

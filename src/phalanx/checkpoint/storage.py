@@ -22,6 +22,15 @@ writes the manifest last (temp file, fsync, ``os.replace``), then renames the di
 place and fsyncs the parent. A crash at any point leaves either no new checkpoint or a complete
 one; only directories with a valid manifest are checkpoints.
 
+Reading verifies. Choosing a checkpoint (:func:`choose_latest`, behind ``latest_checkpoint`` and
+``CheckpointManager.restore_or_initialize``) checks every file against the manifest, size and
+SHA-256, newest checkpoint first, and skips a damaged one with a warning that names it and why
+(a flipped bit of the same size, a truncated or a missing file), so a job that restarts after
+its storage damaged the latest save resumes from the previous one instead of crash-looping.
+The cost stays at one hash per file: the writer hashes the bytes it writes (never reading them
+back), and a file verified when chosen is not hashed again by the restore that follows, as long
+as its size, times and inode are unchanged (:class:`VerifiedFiles`).
+
 Fault injection for tests: ``PHALANX_CHECKPOINT_FAULT=after_file:K`` ends the process with
 :data:`FAULT_EXIT_CODE` right after the K-th file of a save is written, ``before_commit`` after
 the manifest is written but before the directory is renamed into place.
@@ -32,22 +41,88 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import shutil
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from phalanx.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from phalanx.config import settings
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "phalanx.checkpoint"
 VERSION = 1
 FAULT_ENV = "PHALANX_CHECKPOINT_FAULT"
 FAULT_EXIT_CODE = 75
+_CHUNK = 8 << 20  # bytes hashed at a time when verifying a file
+
+log = logging.getLogger("phalanx.checkpoint")
+
+
+# --------------------------------------------------------------------------- checksums
+def _digest(chunks: Iterable[bytes]) -> str:
+    """The SHA-256 of the concatenated chunks (the only place checkpoint bytes are hashed)."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+class VerifiedFiles:
+    """Files whose checksum this process has already established, so it is computed once.
+
+    A file is known by its path, size, modification and change times and inode: any write to
+    it (even one that keeps the size) changes its times, so a remembered file is the same bytes.
+    Bounded: the oldest entries are forgotten first.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._known: dict[tuple, str] = {}
+        self._capacity = capacity
+
+    @staticmethod
+    def _key(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+    def remember(self, path: str, sha256: str) -> None:
+        key = self._key(path)
+        if key is None:
+            return
+        self._known.pop(key, None)
+        self._known[key] = sha256
+        while len(self._known) > self._capacity:
+            self._known.pop(next(iter(self._known)))
+
+    def matches(self, path: str, sha256: str) -> bool:
+        key = self._key(path)
+        return key is not None and self._known.get(key) == sha256
+
+    def clear(self) -> None:
+        self._known.clear()
+
+
+# One per process: checksums are facts about files, shared by every Checkpoint and manager.
+_verified = VerifiedFiles()
+
+
+def forget_verified() -> None:
+    """Forgets which files were verified (as a new process would); for tests."""
+    _verified.clear()
 
 
 # --------------------------------------------------------------------------- durable writes
@@ -70,7 +145,7 @@ def write_durable(path: str, data: bytes) -> None:
 
 
 def _fault_point(name: str, index: int = 0) -> None:
-    fault = os.environ.get(FAULT_ENV)
+    fault = settings().checkpoint_fault  # PHALANX_CHECKPOINT_FAULT
     if fault and (fault == name or fault == f"{name}:{index}"):
         os._exit(FAULT_EXIT_CODE)
 
@@ -98,7 +173,7 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
         for i, (name, tensors) in enumerate(files.items(), start=1):
             data = serialize_tensors(tensors)
             write_durable(os.path.join(tmp, name), data)
-            records[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            records[name] = {"bytes": len(data), "sha256": _digest([data])}  # hashed while writing
             _fault_point("after_file", i)
         previous = [m.get("sequence", 0) for _, m in list_checkpoints(parent)]
         full = {"format": FORMAT, "version": VERSION, "sequence": max(previous, default=0) + 1,
@@ -161,8 +236,44 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
+def find_problem(path: str, manifest: dict[str, Any] | None = None) -> str | None:
+    """Why the checkpoint at ``path`` cannot be restored, or None when every file is intact.
+
+    Checks each file the manifest records: present, of the recorded size, of the recorded
+    SHA-256 (skipped for a file this process verified or wrote and nobody touched since).
+    """
+    try:
+        manifest = read_manifest(path) if manifest is None else manifest
+        records = dict(manifest["files"])
+    except CheckpointNotFoundError:
+        return f"its {MANIFEST} is missing or unreadable"
+    except (KeyError, TypeError, ValueError):
+        return f"its {MANIFEST} records no valid file list"
+    for name, record in records.items():
+        file = os.path.join(path, name)
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            return f"{name} is missing"
+        expected = record.get("bytes") if isinstance(record, dict) else None
+        if size != expected:
+            what = "truncated" if isinstance(expected, int) and size < expected else "of the wrong size"
+            return f"{name} is {what}: {size} bytes, the manifest records {expected}"
+        if _verified.matches(file, record.get("sha256")):
+            continue
+        try:
+            actual = _digest(_file_chunks(file))
+        except OSError as e:
+            return f"{name} cannot be read ({e})"
+        if actual != record.get("sha256"):
+            return f"{name} has the right size but its SHA-256 differs from the manifest's (its bytes changed " \
+                   "after it was written: a flipped bit, a partial overwrite)"
+        _verified.remember(file, actual)
+    return None
+
+
 def is_complete(path: str) -> bool:
-    """Whether ``path`` holds a checkpoint whose manifest and files are all present."""
+    """Whether ``path`` holds a checkpoint whose manifest and files are all present (sizes only)."""
     try:
         manifest = read_manifest(path)
         return all(os.path.getsize(os.path.join(path, name)) == rec["bytes"]
@@ -172,7 +283,10 @@ def is_complete(path: str) -> bool:
 
 
 def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Complete checkpoints directly under ``directory``, oldest first: ``[(path, manifest)]``."""
+    """Checkpoints directly under ``directory`` with a valid manifest, oldest first: ``[(path, manifest)]``.
+
+    Their files are not checked here (:func:`choose_latest` does that, for the ones it considers).
+    """
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -180,12 +294,37 @@ def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
     found = []
     for name in names:
         path = os.path.join(os.path.abspath(directory), name)
-        if name.startswith(".") or not os.path.isdir(path) or not is_complete(path):
+        if name.startswith(".") or not os.path.isdir(path):
             continue
-        manifest = read_manifest(path)
-        found.append((path, manifest))
+        try:
+            found.append((path, read_manifest(path)))
+        except CheckpointNotFoundError:
+            continue  # not a checkpoint (or a save that crashed before its manifest)
     found.sort(key=lambda pm: (pm[1].get("sequence", 0), pm[1].get("created_ns", 0), pm[0]))
     return found
+
+
+def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint of ``candidates`` (oldest first), and those skipped on the way.
+
+    Each skipped checkpoint is logged as a warning (logger ``phalanx.checkpoint``) with the reason.
+
+    Returns:
+        ``(path or None, [(skipped path, reason), ...])``.
+    """
+    skipped: list[tuple[str, str]] = []
+    for path in reversed(candidates):
+        problem = find_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+        warn_skipped(path, problem)
+    return None, skipped
+
+
+def warn_skipped(path: str, problem: str) -> None:
+    log.warning("phalanx.checkpoint: skipped the damaged checkpoint %r: %s. Falling back to the previous "
+                "valid checkpoint; the training saved in this one is lost and will be redone.", path, problem)
 
 
 def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -198,7 +337,8 @@ def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torc
         raise CorruptCheckpointError(file, f"cannot be read ({e})") from e
     if len(data) != record.get("bytes"):
         raise CorruptCheckpointError(file, f"{len(data)} bytes, the manifest says {record.get('bytes')}")
-    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+    # A file verified when it was chosen a moment ago is not hashed twice.
+    if not _verified.matches(file, record.get("sha256")) and _digest([data]) != record.get("sha256"):
         raise CorruptCheckpointError(file, "its SHA-256 differs from the manifest's")
     try:
         tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

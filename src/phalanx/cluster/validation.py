@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -100,12 +101,31 @@ def _check_jobs(jobs: Jobs) -> None:
         )
 
 
+def _family(host: str) -> int | None:
+    """4 or 6 for an IP literal, None for a hostname (resolving it would be network I/O)."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).version
+    except ValueError:
+        return None
+
+
 def _check_addresses(jobs: Jobs) -> None:
     seen: dict[tuple[str, int], str] = {}
+    families: dict[int, str] = {}  # IP version -> the first task written with it
     for job, tasks in jobs.items():
         for index, address in tasks.items():
             key = f"cluster.{job}[{index}]"
             host, port = split_address(address, key)
+            family = _family(host)
+            if family is not None:
+                families.setdefault(family, key)
+                other = families.get(10 - family)  # 4 <-> 6
+                if other is not None:
+                    # An IPv4 task cannot reach an IPv6 listener: the job would only time out.
+                    raise ClusterSpecError(
+                        key, address, f"an IPv{family} address in a cluster whose {other} has an IPv{10 - family} "
+                                      "address; tasks of one job must use one address family",
+                        hint="write every task's address as IPv4, or every one as IPv6 (or use hostnames)")
             # Compared as written: resolving names would be network I/O, and tasks on one
             # host that spell it differently still collide at bind time anyway.
             other = seen.setdefault((host.lower(), port), key)

@@ -1,9 +1,20 @@
 """The processes of one synchronous job and the collectives between them.
 
-A :class:`Communicator` owns everything one process needs to talk to its peers: a TCPStore for
-rendezvous, a gloo (or NCCL) process group, a heartbeat, and the translation of transport
-failures into typed errors that name the peer. It is an object, not torch's global default group,
-so that a test can create two of them and nothing leaks between strategies.
+:class:`Communicator` is the protocol every part of phalanx talks to: collectives (all-reduce,
+reduce, broadcast, all-gather, barrier), identity (rank, world size, names, hosts), the job's
+store and subgroups. Three implementations:
+
+* :class:`LocalCommunicator`: a single replica; every collective is the identity.
+* :class:`ProcessGroupCommunicator`: the processes of a job over torch.distributed (gloo, or NCCL
+  on GPUs), with the same-host shared-memory fast path. It is assembled from
+  :mod:`~phalanx.comm.rendezvous` (store and spec handshake), :mod:`~phalanx.comm.process_group`
+  (group construction) and :mod:`~phalanx.comm.health` (heartbeat, dead-peer diagnosis), and
+  translates transport failures into typed errors naming the peer (:meth:`errors_for`).
+* :class:`phalanx.comm.threaded.ThreadedCommunicator`: several ranks as threads of one process,
+  for tests.
+
+Each is an object, not torch's global default group, so that a test can create two of them and
+nothing leaks between strategies.
 
 Example (world size 1 needs no peers)::
 
@@ -18,26 +29,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
-import json
 import os
-import socket
-import threading
-import time
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import (
-    ClusterSpecMismatchError,
-    CollectiveTimeoutError,
-    PeerUnavailableError,
-    RendezvousTimeoutError,
-)
+from phalanx.comm import health, process_group, rendezvous
+from phalanx.comm.memory_store import InMemoryStore
+from phalanx.errors import CollectiveTimeoutError, PeerUnavailableError, PhalanxError
 
-HEARTBEAT_INTERVAL = 0.25  # seconds; a peer whose counter stops for 4 intervals is unresponsive
+HEARTBEAT_INTERVAL = health.HEARTBEAT_INTERVAL  # read at construction (tests shorten it)
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 class Handle:
@@ -54,6 +60,75 @@ class Handle:
         if self._post is not None:
             self._tensor, self._post = self._post(self._tensor), None
         return self._tensor
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What phalanx needs from the processes of a job (see the module docstring).
+
+    Attributes:
+        rank: this process's index, ``0 .. world_size - 1``.
+        world_size: the number of replicas of the job.
+        same_host: whether every rank runs on this host.
+        step: the step being run, for error messages (set by ``strategy.run``).
+    """
+
+    rank: int
+    world_size: int
+    same_host: bool
+    step: int | None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        """Starts an in-place all-reduce (sum, mean, max, min, product); ``.wait()`` ends it."""
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
+        """Sums ``tensor`` into rank ``dst``'s copy, in place."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrites ``tensor`` with rank ``src``'s, in place."""
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), in rank order."""
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+
+    def name(self, rank: int) -> str:
+        """A rank's human name, e.g. ``"worker:1 (rank 1)"``."""
+
+    def host_of(self, rank: int) -> str:
+        """The host a rank runs on (ranks of one host share memory)."""
+
+    @property
+    def store(self) -> Any:
+        """The job's key-value store, for small out-of-band exchanges."""
+
+    def subgroup(self, ranks: list[int], tag: str) -> Any:
+        """A process group of ``ranks`` (this rank among them)."""
+
+    def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        """Translates transport failures inside the block into typed errors naming the peer."""
+
+    def close(self) -> None:
+        """Releases everything; idempotent."""
+
+
+def classify(error: BaseException) -> type[PeerUnavailableError]:
+    """Which typed error a transport failure is: by exception type first, by its text last.
+
+    torch raises ``DistNetworkError`` when a connection broke (a peer died), ``DistStoreError``
+    for store failures (a timeout, or the store's host gone), ``DistBackendError`` from the
+    backend (gloo/NCCL: timeouts and aborted peers). Only where the type does not decide (a store
+    or backend error, a plain RuntimeError) does the message decide between a timeout and a lost
+    peer.
+    """
+    if isinstance(error, (CollectiveTimeoutError, TimeoutError)):
+        return CollectiveTimeoutError
+    if isinstance(error, PeerUnavailableError):
+        return type(error)
+    if isinstance(error, dist.DistNetworkError):
+        return PeerUnavailableError
+    return CollectiveTimeoutError if _TIMEOUT_TEXT.search(str(error)) else PeerUnavailableError
 
 
 @dataclass(frozen=True)
@@ -82,9 +157,13 @@ class LocalCommunicator:
     world_size = 1
     same_host = True
     step: int | None = None
+    _store: Any = None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         return Handle(tensor)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
+        return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
@@ -99,41 +178,26 @@ class LocalCommunicator:
         return f"replica:{rank}"
 
     def host_of(self, rank: int) -> str:
-        return socket.gethostname()
+        return rendezvous.host_id()
+
+    @property
+    def store(self) -> Any:
+        """A store private to this process (nobody to share it with)."""
+        if self._store is None:
+            self._store = InMemoryStore()
+        return self._store
+
+    def subgroup(self, ranks: list[int], tag: str) -> Any:
+        raise NotImplementedError("a single-replica job has no subgroups")
+
+    def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         return None
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
-    # torch's TCPStore binds its server to every interface whatever host it is given; handing it a
-    # socket we bound ourselves keeps the listener on the task's own address.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock
-
-
-def _host_id() -> str:
-    """What makes two processes "the same host" (shared memory, /proc): the hostname.
-
-    ``PHALANX_HOST_ID`` overrides it, so tests can make processes of one machine act as hosts.
-    """
-    return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
-
-
-def _process_state(pid: int) -> str:
-    """'R'/'S'/... from /proc, 'Z' for a zombie, 'T' when stopped, '' when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-class GlooCommunicator:
+class ProcessGroupCommunicator:
     """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
 
     Args:
@@ -142,8 +206,9 @@ class GlooCommunicator:
 
     Raises:
         RendezvousTimeoutError: not every rank arrived within ``spec.rendezvous_timeout``; the
-            message names the missing ranks.
+            message names the missing ranks (the first few, and how many).
         ClusterSpecMismatchError: a peer was started with a different job description.
+        ClusterSpecError: an address does not resolve, is not this host's, or its port is taken.
     """
 
     def __init__(self, spec: GroupSpec, backend: str = "gloo") -> None:
@@ -153,15 +218,22 @@ class GlooCommunicator:
         self.rank, self.world_size = spec.rank, spec.world_size
         self.step: int | None = None
         self._closed = False
-        self._store = self._connect_store(spec)
-        self._peers = self._rendezvous(spec)
+        me = spec.name(spec.rank)
+        rendezvous.check_bind_address(spec.bind_addr, me)
+        self._store = rendezvous.connect_store(
+            rank=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr, master_port=spec.master_port,
+            bind_addr=spec.bind_addr, timeout=spec.rendezvous_timeout, master_task=spec.name(0), task=me)
+        fingerprint = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
+                       **dict(spec.fingerprint)}
+        self._peers = rendezvous.exchange(self._store, rank=spec.rank, world_size=spec.world_size,
+                                          fingerprint=fingerprint, timeout=spec.rendezvous_timeout, name=spec.name)
         self._subgroups: list[Any] = []
         self.same_host = len({p["host"] for p in self._peers.values()}) == 1
-        self.pg = self._make_group(backend, dist.PrefixStore("pg", self._store))
+        with self.errors_for("process group creation"):
+            self.pg = process_group.make_group(backend, dist.PrefixStore("pg", self._store), self.rank,
+                                               self.world_size, timeout=spec.timeout, bind_addr=spec.bind_addr)
         self._shm, self._cross = self._fast_path(backend)
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL)
         # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
         # this object alive, and a daemon thread still inside a store call when the interpreter
         # finalises is killed by a forced unwind through C++ frames, which aborts the process
@@ -169,63 +241,6 @@ class GlooCommunicator:
         atexit.register(self.close)
 
     # ----------------------------------------------------------------------------- set up
-    def _connect_store(self, spec: GroupSpec) -> dist.TCPStore:
-        timeout = datetime.timedelta(seconds=spec.rendezvous_timeout)
-        try:
-            if spec.rank == 0:
-                sock = _listen_socket(spec.bind_addr if spec.bind_addr else spec.master_addr, spec.master_port)
-                return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout,
-                                     wait_for_workers=False, master_listen_fd=sock.detach())
-            return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout,
-                                 wait_for_workers=False)
-        except (RuntimeError, OSError) as e:
-            if spec.rank == 0:
-                raise
-            raise RendezvousTimeoutError([spec.name(0) + f" at {spec.master_addr}:{spec.master_port}"],
-                                         spec.rendezvous_timeout) from e
-
-    def _rendezvous(self, spec: GroupSpec) -> dict[int, dict[str, Any]]:
-        """Publishes this rank's fingerprint, waits for everyone's and compares them."""
-        mine = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
-                **dict(spec.fingerprint)}
-        me = {"fingerprint": mine, "host": _host_id(), "pid": os.getpid()}
-        self._store.set(f"rdzv/{spec.rank}", json.dumps(me, sort_keys=True, default=str))
-        deadline = time.monotonic() + spec.rendezvous_timeout
-        peers: dict[int, dict[str, Any]] = {spec.rank: me}
-        while True:
-            for r in range(spec.world_size):
-                if r not in peers and self._store.check([f"rdzv/{r}"]):
-                    peers[r] = json.loads(self._store.get(f"rdzv/{r}"))
-                    for field, value in mine.items():
-                        theirs = peers[r]["fingerprint"].get(field)
-                        if theirs != value:
-                            raise ClusterSpecMismatchError(field, value, theirs, spec.name(r))
-            # A peer that believes in a larger world publishes a rank we do not expect.
-            if self._store.check([f"rdzv/{spec.world_size}"]):
-                extra = json.loads(self._store.get(f"rdzv/{spec.world_size}"))
-                raise ClusterSpecMismatchError("world_size", spec.world_size,
-                                               extra["fingerprint"].get("world_size"),
-                                               f"rank {spec.world_size}")
-            if len(peers) == spec.world_size:
-                return peers
-            if time.monotonic() > deadline:
-                missing = [spec.name(r) for r in range(spec.world_size) if r not in peers]
-                raise RendezvousTimeoutError(missing, spec.rendezvous_timeout)
-            time.sleep(0.01)
-
-    def _make_group(self, backend: str, store: dist.Store) -> Any:
-        timeout = datetime.timedelta(seconds=self.spec.timeout)
-        with self._translate("process group creation"):
-            if backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                return dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            # Gloo's listening sockets bind to the device's address: the task's own, never 0.0.0.0.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
-            return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
-
     def _fast_path(self, backend: str) -> tuple[Any, Any]:
         """Shared memory among the ranks of each host, gloo between hosts (hierarchical).
 
@@ -247,7 +262,7 @@ class GlooCommunicator:
             return None, None  # uneven hosts: plain gloo keeps every rank's collectives alike
         shm = None
         if len(mine) > 1:
-            with self._translate("shared-memory set-up"):
+            with self.errors_for("shared-memory set-up"):
                 shm = ShmAllReduce(mine.index(self.rank), len(mine),
                                    dist.PrefixStore(f"shm/{order.index(str(self._peers[self.rank]['host']))}",
                                                     self._store), timeout=self.spec.timeout)
@@ -257,60 +272,33 @@ class GlooCommunicator:
             cross = self.subgroup([hosts[h][k] for h in order], tag=f"cross-host-{k}")
         return shm, cross
 
-    def _beat(self) -> None:
-        # The heartbeat shares the communicator's store client (its operations are serialised)
-        # rather than owning one: a C++ client still connecting or waiting inside this thread
-        # when the interpreter exits was seen to abort the process ("terminate called ...").
-        count = 0
-        while not self._stop.wait(HEARTBEAT_INTERVAL):
-            count += 1
-            try:
-                self._store.set(f"hb/{self.rank}", str(count))
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
-                return
-
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
-        """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest."""
-        host = _host_id()
-        local = [r for r, info in self._peers.items() if r != self.rank and info["host"] == host]
-        remote = [r for r in self._peers if r != self.rank and r not in local]
-        suspects: list[int] = []
-        # A peer whose socket just closed may still be exiting; give it a moment to be gone.
-        deadline = time.monotonic() + 1.0
-        while local and not suspects and time.monotonic() < deadline:
-            suspects = [r for r in local if _process_state(self._peers[r]["pid"]) in ("", "Z", "X", "T", "t")]
-            if not suspects:
-                time.sleep(0.02)
-        if remote:
-            try:
-                client = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size, False,
-                                       datetime.timedelta(seconds=2), wait_for_workers=False)
-
-                def beats() -> dict[int, bytes]:
-                    return {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}
-
-                before = beats()
-                time.sleep(4 * HEARTBEAT_INTERVAL)
-                after = beats()
-                suspects += [r for r in remote if after[r] == before[r]]
-            except Exception:  # noqa: BLE001 - the store lives in rank 0's process
-                suspects.append(0)
-        return sorted(set(suspects))
+        """Ranks that are dead or stopped (see :func:`phalanx.comm.health.unresponsive_peers`)."""
+        return health.unresponsive_peers(self._peers, self.rank, rendezvous.host_id(),
+                                         (self.spec.master_addr, self.spec.master_port), self.world_size,
+                                         HEARTBEAT_INTERVAL)
 
     @contextlib.contextmanager
-    def _translate(self, operation: str) -> Iterator[None]:
+    def errors_for(self, operation: str) -> Iterator[None]:
+        """Translates a transport failure inside the block into a typed error naming the peer.
+
+        The kind (:func:`classify`): a timeout (:class:`~phalanx.errors.CollectiveTimeoutError`)
+        or a lost peer (:class:`~phalanx.errors.PeerUnavailableError`); the peers are found by
+        :func:`phalanx.comm.health.unresponsive_peers`.
+        """
         try:
             yield
-        except RuntimeError as e:  # DistBackendError, DistNetworkError, DistStoreError
-            if isinstance(e, PeerUnavailableError):
+        except RuntimeError as e:  # DistBackendError, DistNetworkError, DistStoreError, ...
+            if isinstance(e, PhalanxError):  # already typed (shared memory, the guard): keep it
                 raise
             text = str(e)
             peers = [self.spec.name(r) for r in self._unresponsive_peers()] if hasattr(self, "_peers") else []
-            cls = CollectiveTimeoutError if "imed out" in text or "imeout" in text else PeerUnavailableError
             first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            raise cls(peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}",
-                      cause=first_line[:300]) from e
+            raise classify(e)(peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}",
+                              cause=first_line[:300]) from e
+
+    _translate = errors_for  # the former private name
 
     # ----------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
@@ -319,7 +307,7 @@ class GlooCommunicator:
                   "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[op]
         if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
             return self._hierarchical_all_reduce(tensor, op, native)
-        with self._translate("all-reduce"):
+        with self.errors_for("all-reduce"):
             work = self.pg.allreduce([tensor], native)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" else None
         return Handle(tensor, lambda: self._wait(work, "all-reduce"), post)
@@ -332,7 +320,7 @@ class GlooCommunicator:
                 peers = [self.spec.name(r) for r in self._unresponsive_peers()]
                 raise type(e)(peers, step=self.step, operation=f"all-reduce on {self.spec.name(self.rank)}",
                               cause=str(e.args[0]).split(" HINT:")[0][:300]) from e
-        with self._translate("all-reduce"):
+        with self.errors_for("all-reduce"):
             if self._cross is not None:
                 self._cross.allreduce([tensor], native).wait()
         if op == "mean":
@@ -340,32 +328,32 @@ class GlooCommunicator:
         return Handle(tensor)
 
     def _wait(self, work: Any, operation: str) -> None:
-        with self._translate(operation):
+        with self.errors_for(operation):
             work.wait()
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = dst, dist.ReduceOp.SUM
-        with self._translate("reduce"):
+        with self.errors_for("reduce"):
             self.pg.reduce([tensor], opts).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        with self._translate("broadcast"):
+        with self.errors_for("broadcast"):
             self.pg.broadcast([tensor], opts).wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Returns every rank's ``tensor`` (all of the same shape), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._translate("all-gather"):
+        with self.errors_for("all-gather"):
             self.pg.allgather([out], [tensor.contiguous()]).wait()
         return out
 
     def barrier(self) -> None:
-        with self._translate("barrier"):
+        with self.errors_for("barrier"):
             self.pg.barrier().wait()
 
     def name(self, rank: int) -> str:
@@ -381,12 +369,9 @@ class GlooCommunicator:
 
     def subgroup(self, ranks: list[int], tag: str) -> Any:
         """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=self.spec.timeout)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.spec.bind_addr)]
-        with self._translate(f"creating group {tag}"):
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"sub/{tag}", self._store),
-                                          ranks.index(self.rank), len(ranks), opts)
+        with self.errors_for(f"creating group {tag}"):
+            group = process_group.gloo_group(dist.PrefixStore(f"sub/{tag}", self._store), ranks.index(self.rank),
+                                             len(ranks), timeout=self.spec.timeout, bind_addr=self.spec.bind_addr)
         self._subgroups.append(group)
         return group
 
@@ -396,10 +381,9 @@ class GlooCommunicator:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self._stop.set()
         if self._shm is not None:
             self._shm.close()
-        self._heartbeat.join(timeout=6)  # it may be inside a store call with a 5 s timeout
+        self._heartbeat.stop()
         # Shut the groups down while the interpreter is whole: gloo's worker threads may still hold
         # work objects whose tensors need the GIL to be freed.
         for group in [*self._subgroups, self.pg]:
@@ -407,3 +391,6 @@ class GlooCommunicator:
                 group.shutdown()
         self._subgroups.clear()
         self.pg = None
+
+
+GlooCommunicator = ProcessGroupCommunicator  # the former name (it builds NCCL groups too)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.communicator import GlooCommunicator, Handle
+from phalanx.comm.communicator import Communicator, Handle
 
 
 class CrossDeviceOps:
@@ -101,7 +101,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             groups = [groups[0][:half], groups[0][half:]]
         return groups
 
-    def _setup(self, comm: GlooCommunicator) -> tuple[list[int], Any, Any]:
+    def _setup(self, comm: Communicator) -> tuple[list[int], Any, Any]:
         key = id(comm)
         if key not in self._groups:
             groups = self._layout(comm)
@@ -119,15 +119,15 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             if local is not None:
                 opts = dist.ReduceOptions()
                 opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
-                with comm._translate("hierarchical reduce"):
+                with comm.errors_for("hierarchical reduce"):
                     local.reduce([tensor], opts).wait()
             if top is not None:
-                with comm._translate("hierarchical all-reduce"):
+                with comm.errors_for("hierarchical all-reduce"):
                     top.allreduce([tensor]).wait()
             if local is not None:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
-                with comm._translate("hierarchical broadcast"):
+                with comm.errors_for("hierarchical broadcast"):
                     local.broadcast([tensor], opts).wait()
         if op == "mean":
             tensor.div_(comm.world_size)

@@ -11,17 +11,29 @@ collectives in the same order whatever order its gradients arrive in.
 The sum, not the mean, is written back: :func:`phalanx.nn.compute_average_loss` has already
 divided each replica's loss by the global batch size, so the sum equals the gradient of the
 global batch on one device.
+
+Accumulation. Only what *this* backward pass (and any passes under :meth:`GradientReducer.no_sync`
+since the last synchronisation) added to ``.grad`` is summed across replicas; whatever ``.grad``
+held before (the already summed gradient of an earlier micro-batch) is kept aside and added back
+once. So K backward passes without ``zero_grad()`` give the same ``.grad`` as K passes on one
+device over the same global batches. A tensor hook on each parameter, run just before autograd
+accumulates into ``.grad``, moves the earlier value aside (no copy).
+
+Consistency. An optional guard (:class:`phalanx.comm.guard.ReplicaGuard`) appends every replica's
+step, batch and parameter fingerprint to the first bucket of each pass and checks them after the
+sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from phalanx._compat.torch import queue_backward_callback
-from phalanx.comm.cross_device_ops import CrossDeviceOps
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -44,10 +56,12 @@ class GradientReducer:
         bucket_bytes: target bucket size; ``bytes_per_pack`` of ``CommunicationOptions``.
         num_packs: split the parameters into at least this many buckets.
         keep_grads: write the sums into ``.grad`` (True) or drop ``.grad`` after reducing (False).
+        guard: checks that the replicas agree, riding on the first bucket of every pass.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], all_reduce: Callable[[torch.Tensor], Any],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1, keep_grads: bool = True) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1, keep_grads: bool = True,
+                 guard: Any = None) -> None:
         self._all_reduce = all_reduce
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
         # dropping .grad frees its memory and makes the optimizer skip the parameter.
@@ -59,7 +73,14 @@ class GradientReducer:
         self._next = 0
         self._lock = threading.Lock()  # autograd may run hooks of different devices on other threads
         self.enabled = True
+        self.sync = True  # False inside no_sync(): gradients accumulate locally
+        self.guard = guard
         self.reductions = 0  # completed backward passes, for strategies that act after one
+        self.skipped = 0  # backward passes under no_sync()
+        # id(param) -> the .grad it held before this synchronisation's first backward (summed already)
+        self._base: dict[int, torch.Tensor] = {}
+        self._dirty: set[int] = set()  # params whose .grad holds unsynchronised local gradient
+        self._guard_len = 0
         self.add(params, bucket_bytes, num_packs)
 
     def add(self, params: list[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -89,15 +110,46 @@ class GradientReducer:
         for pos, p in enumerate(params):
             self._where[id(p)] = (index, pos)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_hook(self._before_accumulate(p)))
+
+    def _before_accumulate(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+        key = id(p)
+
+        def hook(grad: torch.Tensor) -> None:
+            if not self.enabled or key in self._dirty:
+                return
+            self._dirty.add(key)
+            if p.grad is not None:
+                # Summed in an earlier pass: keep it out of this pass's all-reduce, add it back after.
+                self._base[key] = p.grad
+                p.grad = None
+
+        return hook
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The synchronised parameters, in bucket order (the same on every replica)."""
+        return [p for bucket in self._buckets for p in bucket.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first one after syncs them all."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
 
     # ---------------------------------------------------------------------------- backward
+    @torch.compiler.disable  # runs inside a compiled step's backward: never trace the collectives
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
         with self._lock:
             if not self._pending:
                 self._pending = True
-                queue_backward_callback(self._finish)
+                queue_backward_callback(self._finish if self.sync else self._finish_local)
+            if not self.sync:
+                return
             b, pos = self._where[id(param)]
             self._buckets[b].ready.add(pos)
             while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
@@ -106,9 +158,25 @@ class GradientReducer:
                 self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        dirty = self._dirty
+        # Only this synchronisation's local gradient is summed: an unused parameter adds zeros.
+        grads = [p.grad if p.grad is not None and id(p) in dirty else torch.zeros_like(p) for p in bucket.params]
+        pieces = [g.reshape(-1) for g in grads]
+        if bucket is self._buckets[0] and self.guard is not None:
+            extra = self.guard.encode(pieces[0].dtype, pieces[0].device)
+            self._guard_len = 0 if extra is None else extra.numel()
+            if extra is not None:
+                pieces.append(extra)
+        bucket.flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         bucket.handle = self._all_reduce(bucket.flat)
+
+    def _finish_local(self) -> None:
+        """End of a backward pass under no_sync(): nothing to send."""
+        with self._lock:
+            for bucket in self._buckets:
+                bucket.ready.clear()
+            self._pending = False
+            self.skipped += 1
 
     def _finish(self) -> None:
         try:
@@ -116,15 +184,23 @@ class GradientReducer:
                 while self._next < len(self._buckets):
                     self._launch(self._buckets[self._next])
                     self._next += 1
-            for bucket in self._buckets:
+            for index, bucket in enumerate(self._buckets):
                 flat = bucket.handle.wait()
+                if index == 0 and self._guard_len:
+                    self.guard.verify(flat[flat.numel() - self._guard_len:])
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
                     chunk = flat[offset:offset + n].view_as(p)
+                    key = id(p)
+                    # What .grad held before this synchronisation: set aside by the hook, or (a
+                    # parameter this pass did not reach) still in place.
+                    prior = self._base.pop(key, None) if key in self._dirty else p.grad
                     if not self._keep_grads:
                         p.grad = None
-                    elif p.grad is None:
+                    elif prior is not None:
+                        p.grad = prior.add_(chunk)
+                    elif p.grad is None or key not in self._dirty:
                         p.grad = chunk.clone()
                     else:
                         p.grad.copy_(chunk)
@@ -136,6 +212,18 @@ class GradientReducer:
                 bucket.handle = bucket.flat = None
             self._next = 0
             self._pending = False
+            self._guard_len = 0
+            # After a failure the set-aside gradients go back, so .grad is what the user left.
+            for key, base in self._base.items():
+                p = self._param_of(key)
+                if p is not None:
+                    p.grad = base if p.grad is None else base.add_(p.grad)
+            self._base.clear()
+            self._dirty.clear()
+
+    def _param_of(self, key: int) -> torch.nn.Parameter | None:
+        where = self._where.get(key)
+        return self._buckets[where[0]].params[where[1]] if where is not None else None
 
     def remove(self) -> None:
         """Detaches the hooks (the strategy is being closed)."""

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from phalanx.comm.health import alive, start_time
 from phalanx.errors import (
     CollectiveTimeoutError,
     DistributedRuntimeError,
@@ -105,31 +106,8 @@ _NEEDS_FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i686", "i3
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _start_time(pid: int) -> str:
-    """Returns a process's start time (clock ticks since boot), "" where /proc is missing."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return ""
-
-
-def _alive(pid: int, start: str) -> bool:
-    """Whether a process is still running; a zombie or a reused pid counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0] not in (b"Z", b"X", b"x") and (not start or fields[19].decode() == start)
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc: fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+# The /proc readers are shared with the communicator's diagnosis of failed collectives.
+_start_time, _alive = start_time, alive
 
 
 class _Segment:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from phalanx import nest
+from phalanx import global_batch, nest
 from phalanx.errors import BatchSizeError, InputMismatchError
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions
 from phalanx.input.spec import Optional, spec_of
@@ -273,7 +273,18 @@ class DistributedDataset:
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
         place = _Placer(ext.device, self._options.experimental_fetch_to_device)
-        source = _agreed(ext, (e for e, _ in self._slices())) if ext.input_sharding.agree_on_end else self._slices()
+        whole = self._split[0] == self._strategy.num_replicas_in_sync  # every process reads whole global batches
+        if ext.input_sharding.agree_on_end:
+            sliced = [0]  # the size of the last batch this process sliced, for the consistency guard
+
+            def elements() -> Iterator[Any]:
+                for element, size in self._slices():
+                    sliced[0] = size
+                    yield element
+
+            source = ((e, g, sliced[0] if whole else None) for e, g in _agreed(ext, elements()))
+        else:
+            source = ((e, g, g) for e, g in self._slices())
         yield from _emit(self._strategy, source, place)
 
 
@@ -301,21 +312,33 @@ class DatasetFromFunction:
         ext = self._strategy.extended
         place = _Placer(ext.device, self._options.experimental_fetch_to_device)
         elements = (nest.map_structure(_to_tensor, e) for e in self._dataset)
-        yield from _emit(self._strategy, _agreed(ext, elements), place)
+        yield from _emit(self._strategy, ((e, g, None) for e, g in _agreed(ext, elements)), place)
 
 
-def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int]], place: _Placer) -> Iterator[Any]:
-    """Yields wrapped per-replica batches, moving each to the device one batch ahead of use."""
+def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int, int | None]], place: _Placer) -> Iterator[Any]:
+    """Yields wrapped per-replica batches, moving each to the device one batch ahead of use.
+
+    ``source`` yields ``(local batch, global batch size, size of the batch this process sliced)``.
+    """
     pending = None
-    for local, global_size in source:
-        ready = (place(local), global_size)
+    ordinal = 0
+
+    def wrapped(local: Any, global_size: int, sliced: int | None) -> Any:
+        # The global batch size travels with the batch (strategy.run reads it), not in a field
+        # this generator would overwrite one batch ahead.
+        nonlocal ordinal
+        ordinal += 1
+        batch = strategy._wrap_local(local)  # friend: Strategy's wrapping of local values
+        global_batch.tag(batch, global_batch.BatchInfo(global_size, ordinal, sliced))
+        return batch
+
+    for local, global_size, sliced in source:
+        ready = (place(local), global_size, sliced)
         if pending is not None:
-            strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
-            yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
+            yield wrapped(*pending)
         pending = ready
     if pending is not None:
-        strategy.extended._global_batch_size = pending[1]  # friend: the global-batch channel (nn.py)
-        yield strategy._wrap_local(pending[0])  # friend: Strategy's wrapping of local values
+        yield wrapped(*pending)
 
 
 def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:

@@ -64,6 +64,7 @@ from phalanx import context, hooks, nest
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
+from phalanx.nn import mark_loss_scaled
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
@@ -399,6 +400,7 @@ class DistributedModel:
 
         def replica_fn() -> None:
             self._grad_scale.value = scale
+            mark_loss_scaled()  # the gradient hook scales for the global batch
             try:
                 out["result"] = raw([step.local])
             finally:

@@ -39,6 +39,7 @@ class JobSpec:
             how many times each failed worker is restarted).
         ps, workers: when ``ps > 0``, start a parameter-server cluster instead (one chief,
             ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
+        tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
     """
 
     command: tuple[str, ...]
@@ -51,6 +52,7 @@ class JobSpec:
     log_dir: str = ""
     ps: int = 0
     workers: int = 0
+    tls: bool = False
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -101,7 +103,8 @@ def run_job(spec: JobSpec) -> int:
     if spec.ps > 0:
         from phalanx.ps.launcher import ClusterJob, run_cluster
 
-        return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir))
+        return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir,
+                                      tls=spec.tls))
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     log_dir = spec.log_dir or default_log_dir(run_id)
     os.makedirs(log_dir, exist_ok=True)

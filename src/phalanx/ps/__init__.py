@@ -4,7 +4,9 @@ The user-facing pieces are :class:`phalanx.ParameterServerStrategy` and
 :class:`phalanx.coordinator.ClusterCoordinator`; this package holds what they are built from:
 
 =================  ==========================================================================
-``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code)
+``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code), replay guard
+``service``        what every service does first: verify, refuse (rate-limited logs), lifetime
+``tls``            optional TLS settings; throwaway certificates for ``phalanx run --tls``
 ``transport``      gRPC with generic handlers (no generated code); an in-process fake for tests
 ``client``         calls to one task with timeouts, transient retries and typed errors
 ``server``         the parameter server's fixed operations and its optimizers
@@ -40,7 +42,8 @@ from phalanx.ps.variables import RemoteVariable, ShardedVariable
 
 
 def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - ParameterServerStrategy's arguments
-    """Serves this ``ps`` or ``worker`` task until the coordinator shuts the cluster down, then returns.
+    """Serves this ``ps`` or ``worker`` task until the coordinator shuts the cluster down, then returns 0
+    (3 when it exits orphaned: nothing authenticated from the chief for ``PHALANX_ORPHAN_TIMEOUT``).
 
     The explicit entry point of a server task (TF's ``tf.distribute.Server(...).join()``):
     ``ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()``.
@@ -50,7 +53,7 @@ def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Pa
     """
     from phalanx.strategies.parameter_server import ParameterServerStrategy
 
-    ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
+    return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
 
 __all__ = [
     "AuthenticationError", "CancelledError", "ClusterCoordinator", "ClusterSecretError", "CoordinatorClosedError",

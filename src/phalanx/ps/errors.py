@@ -89,6 +89,24 @@ class AuthenticationError(PhalanxError, PermissionError):
     """A message did not carry a valid signature of the cluster secret; it was not deserialized."""
 
 
+class OverloadedError(PhalanxError, RuntimeError):
+    """A server refused a request at once because too many unverified requests were in flight
+    (a flood, or a burst beyond the bound); callers retry it as a transient failure."""
+
+
+class OrphanedError(PhalanxError, RuntimeError):
+    """A parameter server or worker heard nothing authenticated from the chief for
+    ``PHALANX_ORPHAN_TIMEOUT`` seconds (counted from its start) and exits."""
+
+    def __init__(self, task: str, timeout: float, ever_seen: bool) -> None:
+        self.task_name, self.timeout = task, timeout
+        what = "since the chief's last authenticated request" if ever_seen else \
+            "since it started, and the chief never sent an authenticated request"
+        super().__init__(f"{task}: no word from the chief for {timeout:g}s (PHALANX_ORPHAN_TIMEOUT) {what}; exiting.",
+                         hint="the chief died, or it does not hold this cluster's PHALANX_CLUSTER_SECRET (its log "
+                              "says 'refused'); restart the job, with the same secret in every task")
+
+
 class ProtocolError(PhalanxError, ValueError):
     """A message that is signed but malformed (wrong framing, dtype, shape or size)."""
 

@@ -39,6 +39,7 @@ class ClusterJob:
     log_dir: str = ""
     host: str = "127.0.0.1"
     shutdown_grace: float = 10.0
+    tls: bool = False
 
 
 def _threads(task_type: str, num_workers: int) -> str:
@@ -63,6 +64,16 @@ class _Cluster:
         self.restarts = {t: 0 for t in tasks}
         self.reported: set[tuple[str, int]] = set()
 
+    def tls_env(self) -> dict[str, str]:
+        """With ``--tls``: a throwaway CA and certificate for this run (``<log dir>/tls``), as PHALANX_TLS_*."""
+        if not self.job.tls:
+            return {}
+        if not hasattr(self, "_tls_env"):
+            from phalanx.ps.tls import generate_local
+
+            self._tls_env = generate_local(os.path.join(self.log_dir, "tls"), hosts=(self.job.host, "localhost"))
+        return self._tls_env
+
     def log_path(self, task: tuple[str, int]) -> str:
         return os.path.join(self.log_dir, f"{task[0]}_{task[1]}.log")
 
@@ -74,6 +85,7 @@ class _Cluster:
             SECRET_ENV: self.secret,
             "PHALANX_RESTART_COUNT": str(self.restarts[task]),
             "PYTHONUNBUFFERED": "1",
+            **self.tls_env(),
         })
         env.setdefault("OMP_NUM_THREADS", _threads(kind, self.job.num_workers))
         if kind == "chief":

@@ -2,7 +2,8 @@
 
 The service has a fixed set of operations and nothing else (gRPC answers any other method name
 with ``UNIMPLEMENTED``); none of them deserializes code. Every request must carry the cluster
-secret's signature, checked before the request is parsed (:mod:`phalanx.ps.wire`).
+secret's signature over every byte, and must not be a replay; both are checked before the request
+is parsed (:mod:`phalanx.ps.wire`, :class:`phalanx.ps.service.SignedService`).
 
 =========  ===================================================================================
 ping       who am I (task, pid, incarnation), how many variables and updates
@@ -29,7 +30,6 @@ import inspect
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +38,7 @@ import torch
 
 from phalanx.ps import wire
 from phalanx.ps.client import PS_SERVICE
-from phalanx.ps.errors import AuthenticationError, ProtocolError
+from phalanx.ps.service import SignedService
 from phalanx.ps.transport import ServiceError
 
 log = logging.getLogger("phalanx.ps")
@@ -101,7 +101,7 @@ class _Slot:
         self.updates += 1
 
 
-class ParameterServerService:
+class ParameterServerService(SignedService):
     """The operations of parameter server ``ps:index``; see the module docstring.
 
     Args:
@@ -114,35 +114,20 @@ class ParameterServerService:
     METHODS = ("ping", "create", "read", "assign", "add", "apply", "opt_read", "opt_assign", "shutdown")
 
     def __init__(self, index: int, secret: bytes, on_shutdown: Callable[[], None] | None = None) -> None:
+        super().__init__(f"ps:{index}", secret)
         self.index = index
-        self.task = f"ps:{index}"
         self.incarnation = uuid.uuid4().hex
-        self._secret = secret
         self._on_shutdown = on_shutdown
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
-        self.refused = 0
-        self.last_contact = 0.0
 
     # ------------------------------------------------------------------------------ dispatch
-    def handle(self, method: str, body: bytes, peer: str) -> bytes:
-        if method not in self.METHODS:
-            raise ServiceError("unimplemented", f"{self.task} has no operation {method!r}")
-        try:
-            msg = wire.decode(method, body, secret=self._secret)
-        except AuthenticationError as e:
-            self.refused += 1
-            log.warning("phalanx %s: refused a %r request from %s: %s", self.task, method, peer, e)
-            raise ServiceError("unauthenticated", str(e)) from None
-        except ProtocolError as e:
-            log.warning("phalanx %s: malformed %r request from %s: %s", self.task, method, peer, e)
-            raise ServiceError("invalid", str(e)) from None
-        self.last_contact = time.monotonic()
+    def _dispatch(self, method: str, msg: wire.Message) -> tuple[dict, list, list]:
         if msg.blobs:
             # No operation of a parameter server takes anything but tensors: nothing is ever unpickled here.
             raise ServiceError("invalid", f"{self.task}: {method!r} takes tensors only; the request carried blobs")
         header, tensors = getattr(self, f"_op_{method}")(msg)
-        return wire.encode(method, header, tensors, secret=self._secret, reply=True)
+        return header, tensors, []
 
     def _keys(self, msg: wire.Message, with_tensors: bool = True) -> list[str]:
         keys = msg.header.get("keys")

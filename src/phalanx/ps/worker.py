@@ -2,8 +2,8 @@
 
 For each scheduled function (one at a time):
 
-1. The request's signature is checked (:mod:`phalanx.ps.wire`); only then is the function
-   unpickled. References in it resolve to this worker's objects: its copy of each variable, its
+1. The request's signature (over every byte) and freshness are checked
+   (:class:`phalanx.ps.service.SignedService`); only then is the function unpickled. References in it resolve to this worker's objects: its copy of each variable, its
    strategy, its per-worker datasets and iterators.
 2. The variables the function refers to are refreshed from the parameter servers.
 3. The function runs. When it calls ``optimizer.step()`` on an optimizer over those variables, a
@@ -30,7 +30,6 @@ import inspect
 import logging
 import os
 import threading
-import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -42,7 +41,8 @@ from phalanx import hooks, nest
 from phalanx._compat.torch import version_counter
 from phalanx.ps import pickling, wire
 from phalanx.ps.client import WORKER_SERVICE
-from phalanx.ps.errors import AuthenticationError, ParameterServerUnavailableError, ProtocolError
+from phalanx.ps.errors import ParameterServerUnavailableError, ProtocolError
+from phalanx.ps.service import SignedService
 from phalanx.ps.transport import ServiceError
 from phalanx.ps.variables import ShardIO, VariableSpec
 
@@ -119,7 +119,7 @@ class _Run:
         self.stale: dict[str, tuple[VariableSpec, torch.Tensor]] = {}  # updated on the servers since read
 
 
-class WorkerService:
+class WorkerService(SignedService):
     """The operations of worker ``worker:index``: ping, resources, run, shutdown.
 
     Args:
@@ -135,10 +135,10 @@ class WorkerService:
 
     def __init__(self, index: int, num_workers: int, strategy: Any, io: ShardIO, secret: bytes,
                  on_shutdown: Callable[[], None] | None = None) -> None:
+        super().__init__(f"worker:{index}", secret)
         self.index, self.num_workers = index, num_workers
-        self.task = f"worker:{index}"
         self.incarnation = uuid.uuid4().hex
-        self._strategy, self._io, self._secret = strategy, io, secret
+        self._strategy, self._io = strategy, io
         self._on_shutdown = on_shutdown
         self._vars: dict[str, tuple[VariableSpec, torch.Tensor]] = {}
         self._by_id: dict[int, VariableSpec] = {}
@@ -148,25 +148,15 @@ class WorkerService:
         self._warned: set[str] = set()
         self._extension_state: dict[str, dict[str, Any]] = {}
         self.running = 0
-        self.refused = 0
-        self.last_contact = 0.0
         _install_step_hook()
 
     # ------------------------------------------------------------------------------ dispatch
-    def handle(self, method: str, body: bytes, peer: str) -> bytes:
-        if method not in self.METHODS:
-            raise ServiceError("unimplemented", f"{self.task} has no operation {method!r}")
+    def _dispatch(self, method: str, msg: wire.Message) -> tuple[dict, list, list]:
         try:
-            msg = wire.decode(method, body, secret=self._secret)  # the signature is checked before anything is parsed
-        except AuthenticationError as e:
-            self.refused += 1
-            log.warning("phalanx %s: refused a %r request from %s: %s", self.task, method, peer, e)
-            raise ServiceError("unauthenticated", str(e)) from None
+            header, blobs = getattr(self, f"_op_{method}")(msg)
         except ProtocolError as e:
             raise ServiceError("invalid", str(e)) from None
-        self.last_contact = time.monotonic()
-        header, blobs = getattr(self, f"_op_{method}")(msg)
-        return wire.encode(method, header, (), blobs, secret=self._secret, reply=True)
+        return header, [], blobs
 
     def _op_ping(self, msg: wire.Message) -> tuple[dict, list]:
         return {"task": self.task, "pid": os.getpid(), "incarnation": self.incarnation,

@@ -18,7 +18,7 @@ import torch
 
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
-from phalanx.comm.communicator import GlooCommunicator, GroupSpec, LocalCommunicator
+from phalanx.comm.communicator import GroupSpec, LocalCommunicator, ProcessGroupCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv, install_error_recorder
@@ -120,7 +120,7 @@ class SyncExtended(StrategyExtended):
             timeout=timeout or settings.collective_timeout,
             rendezvous_timeout=settings.rendezvous_timeout,
             fingerprint=fingerprint)
-        return GlooCommunicator(spec, backend=backend)
+        return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod
     def _configure_cpu_threads(comm: Any, device_type: str) -> None:

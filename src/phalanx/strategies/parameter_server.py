@@ -92,8 +92,8 @@ class ParameterServerExtended(StrategyExtended):
         self._worker_recovery_timeout = config.settings().worker_recovery_timeout
         self._partitioner = partitioner
         ps_indices = cluster.task_indices("ps")
-        self._ps_tasks = [RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout)
-                          for i in ps_indices]
+        self._ps_tasks = [RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout,
+                                     sender=self._task_name) for i in ps_indices]
         self._ps_incarnations: list[str | None] = [None] * len(self._ps_tasks)
         self._io = ShardIO(self._ps_tasks)
         workers = tuple(f"{task_device('worker', i)}/device:CPU:0" for i in cluster.task_indices("worker"))
@@ -205,7 +205,7 @@ class ParameterServerExtended(StrategyExtended):
     def _connect_workers(self) -> list[RemoteTask]:
         if not self._worker_tasks:
             self._worker_tasks = [RemoteTask("worker", i, self._cluster.task_address("worker", i), self._transport,
-                                             self._secret, self._rpc_timeout)
+                                             self._secret, self._rpc_timeout, sender=self._task_name)
                                   for i in self._cluster.task_indices("worker")]
         return self._worker_tasks
 
@@ -226,7 +226,20 @@ class ParameterServerExtended(StrategyExtended):
         for task in tasks:
             task.close()
 
+    def _start_keepalive(self) -> None:
+        """The chief pings every task, so none of them counts itself orphaned (see :mod:`phalanx.ps.service`)."""
+        from phalanx.ps.client import Keepalive
+
+        orphan = config.settings().orphan_timeout
+        tasks = [(job, i, self._cluster.task_address(job, i)) for job in ("ps", "worker")
+                 for i in self._cluster.task_indices(job)]
+        self._keepalive = Keepalive(tasks, self._transport, self._secret, max(0.2, min(10.0, orphan / 4)),
+                                    sender=self._task_name)
+
     def _close(self) -> None:
+        keepalive, self._keepalive = getattr(self, "_keepalive", None), None
+        if keepalive is not None:
+            keepalive.stop()
         if self._coordinator is not None:
             self._coordinator.shutdown()
         self._stop_cluster()
@@ -415,8 +428,9 @@ class ParameterServerExtended(StrategyExtended):
         return [reply.header for reply in call_all([(t, "ping", {}, []) for t in self._ps_tasks])]
 
     # ---------------------------------------------------------------- serving (ps and worker tasks)
-    def serve(self, strategy: ParameterServerStrategy) -> None:
-        """Serves this task's operations until the coordinator shuts the cluster down (or it is orphaned)."""
+    def serve(self, strategy: ParameterServerStrategy) -> int:
+        """Serves this task's operations until the coordinator shuts the cluster down (0) or the
+        chief is not heard from for ``PHALANX_ORPHAN_TIMEOUT`` seconds (3)."""
         from phalanx.ps.server import ParameterServerService
         from phalanx.ps.worker import WorkerService
 
@@ -435,13 +449,18 @@ class ParameterServerExtended(StrategyExtended):
         orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())
         print(f"phalanx {self._task_name}: serving on {address}", file=sys.stderr, flush=True)
+        code = 0
         while not stop.wait(0.2):
-            last = service.last_contact
-            if last and time.monotonic() - last > orphan:
-                log.warning("phalanx %s: no word from the coordinator for %.0fs (PHALANX_ORPHAN_TIMEOUT); exiting",
-                            self._task_name, orphan)
+            if service.orphaned(orphan):  # counted from this server's start: a chief that never came counts
+                from phalanx.ps.errors import OrphanedError
+
+                print(f"phalanx: {OrphanedError(self._task_name, orphan, service.last_chief_contact > 0)}",
+                      file=sys.stderr, flush=True)
+                code = 3
                 break
+        service.refusals.flush()
         server.stop(grace=1.0)
+        return code
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
@@ -508,16 +527,17 @@ class ParameterServerStrategy(Strategy):
         extended = self._extended
         if extended.role in ("ps", "worker"):
             if serve_and_exit:
-                self.serve()
-                _exit_server()
+                _exit_server(self.serve())
             return
         extended._wait_for_parameter_servers(config.settings().rendezvous_timeout)
+        extended._start_keepalive()
         close_at_exit(self)
 
-    def serve(self) -> None:
+    def serve(self) -> int:
         """Serves this ``ps`` or ``worker`` task's operations until the coordinator shuts the cluster down.
 
-        Returns then (or once no word came from the coordinator for ``PHALANX_ORPHAN_TIMEOUT``).
+        Returns then, with 0; or with 3 once nothing authenticated came from the chief for
+        ``PHALANX_ORPHAN_TIMEOUT`` seconds, counted from the start of serving.
 
         Raises:
             ContextError: called on the chief, which coordinates rather than serves.
@@ -525,7 +545,7 @@ class ParameterServerStrategy(Strategy):
         if self._extended.role == "chief":
             raise ContextError("ParameterServerStrategy.serve was called on the chief.",
                                hint="only 'ps' and 'worker' tasks serve; the chief schedules functions")
-        self._extended.serve(self)
+        return self._extended.serve(self)
 
     def _build(self, cluster_resolver: ClusterResolver | None, variable_partitioner: Any, rpc_timeout: float | None,
                cluster_secret: str | bytes | None, transport: Any) -> None:
@@ -572,8 +592,8 @@ class ParameterServerStrategy(Strategy):
                 f"workers={len(ext.worker_devices)})")
 
 
-def _exit_server() -> None:
-    """Ends a ps/worker process once it has served: exit handlers run, then the process exits with 0.
+def _exit_server(code: int = 0) -> None:
+    """Ends a ps/worker process once it has served: exit handlers run, then the process exits with ``code``.
 
     The interpreter's own teardown is skipped (``os._exit`` after ``atexit``): with torch loaded it
     takes seconds, and a scheduled function still running in a server thread would block it.
@@ -581,4 +601,4 @@ def _exit_server() -> None:
     run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -1,0 +1,175 @@
+"""How the processes of a job find each other: the store, and the handshake that compares their specs.
+
+Rank 0 listens on the master address (on the task's own address, never on every interface) and
+serves a ``torch.distributed.TCPStore``; every rank publishes its fingerprint (world size, master,
+the cluster spec's digest, ...) and checks everyone else's with
+:func:`phalanx.cluster.placement.compare_fingerprints`, the function the cluster tests test.
+
+Every wait here is bounded by the rendezvous timeout, whatever the peer at the other end does: a
+foreign program that holds the master port and accepts connections without answering makes
+torch's store client block forever in its handshake, so the client is connected on a helper
+thread and given up on at the deadline (the thread is blocked in a socket read with the GIL
+released, and ends with the process).
+
+Address problems are :class:`~phalanx.errors.ClusterSpecError` naming the task, the address and
+the cause: does not resolve, not an address of this host, port taken by another program.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from phalanx.cluster.placement import compare_fingerprints
+from phalanx.errors import ClusterSpecError, ClusterSpecMismatchError, RendezvousTimeoutError
+
+
+def host_id() -> str:
+    """What makes two processes "the same host" (shared memory, /proc): the hostname.
+
+    ``PHALANX_HOST_ID`` overrides it, so tests can make processes of one machine act as hosts.
+    """
+    return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
+
+
+def _address_error(task: str, host: str, port: int, err: OSError) -> ClusterSpecError:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if isinstance(err, socket.gaierror):
+        return ClusterSpecError(task, address, f"the host {host!r} does not resolve ({err.strerror or err})",
+                                hint="use a hostname or IP that every task can resolve")
+    if err.errno == errno.EADDRINUSE:
+        return ClusterSpecError(task, address, f"port {port} is taken by another program on this host",
+                                hint="stop that program, or give this task another port (port 0 in tests)")
+    if err.errno == errno.EADDRNOTAVAIL:
+        return ClusterSpecError(task, address, f"{host!r} is not an address of this host",
+                                hint="each task's address must be one of its own host's addresses; the task "
+                                     "index may be wrong for this machine")
+    if err.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
+        return ClusterSpecError(task, address, f"this host has no {'IPv6' if ':' in host else 'IPv4'} support",
+                                hint="use addresses of one family (all IPv4 or all IPv6)")
+    return ClusterSpecError(task, address, f"cannot listen there: {err}", hint="check the address and port")
+
+
+def _resolve(host: str, port: int, task: str) -> tuple[int, Any]:
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise _address_error(task, host, port, e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))) \
+            from None
+    return family, sockaddr
+
+
+def listen_socket(host: str, port: int, task: str = "task") -> socket.socket:
+    """A listening socket on ``host:port`` for the store's server.
+
+    torch's TCPStore binds its server to every interface whatever host it is given; handing it a
+    socket we bound ourselves keeps the listener on the task's own address.
+
+    Raises:
+        ClusterSpecError: ``host`` does not resolve, is not an address of this host, or the port
+            is taken.
+    """
+    family, sockaddr = _resolve(host, port, task)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise _address_error(task, host, port, e) from None
+    return sock
+
+
+def check_bind_address(host: str, task: str = "task") -> None:
+    """Raises a ClusterSpecError if this process cannot listen on ``host`` (any free port)."""
+    listen_socket(host, 0, task).close()
+
+
+def connect_store(*, rank: int, world_size: int, master_addr: str, master_port: int, bind_addr: str,
+                  timeout: float, master_task: str, task: str) -> dist.TCPStore:
+    """Rank 0 serves the store on the master address; the others connect, within ``timeout``.
+
+    Raises:
+        ClusterSpecError: rank 0 cannot listen on the master address (see :func:`listen_socket`).
+        RendezvousTimeoutError: no store answered at the master address within ``timeout``
+            (nobody listening, or another program holding the port); names the port and task.
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    if rank == 0:
+        sock = listen_socket(bind_addr or master_addr, master_port, task)
+        return dist.TCPStore(master_addr, master_port, world_size, True, delta,
+                             wait_for_workers=False, master_listen_fd=sock.detach())
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(master_addr, master_port, world_size, False, delta, wait_for_workers=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+
+    helper = threading.Thread(target=connect, name="phalanx-store-connect", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if "store" in box:
+        return box["store"]
+    where = f"{master_task} at {master_addr}:{master_port}"
+    error = box.get("error")
+    if error is None and _accepts(master_addr, master_port):
+        cause = (f"port {master_port} accepts connections but never answered as a phalanx rendezvous store "
+                 "(another program holds it?)")
+    else:
+        first = str(error).strip().splitlines()[0][:200] if error is not None and str(error).strip() else ""
+        cause = f"nothing answered at port {master_port}" + (f" ({first})" if first else "")
+    raise RendezvousTimeoutError([where], timeout, cause=cause) from error
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (a quick probe, 1 s at most)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def exchange(store: Any, *, rank: int, world_size: int, fingerprint: dict[str, Any], timeout: float,
+             name: Any) -> dict[int, dict[str, Any]]:
+    """Publishes this rank's fingerprint, waits for everyone's and compares them.
+
+    Returns:
+        rank -> ``{"fingerprint", "host", "pid"}`` for every rank.
+
+    Raises:
+        ClusterSpecMismatchError: a peer's fingerprint differs (the first differing field).
+        RendezvousTimeoutError: not every rank published within ``timeout``; names the first few
+            missing ranks and how many are missing.
+    """
+    me = {"fingerprint": fingerprint, "host": host_id(), "pid": os.getpid()}
+    store.set(f"rdzv/{rank}", json.dumps(me, sort_keys=True, default=str))
+    deadline = time.monotonic() + timeout
+    peers: dict[int, dict[str, Any]] = {rank: me}
+    while True:
+        missing = [r for r in range(world_size) if r not in peers]
+        arrived = [r for r in missing if store.check([f"rdzv/{r}"])]
+        for r in arrived:
+            peers[r] = json.loads(store.get(f"rdzv/{r}"))
+            compare_fingerprints(fingerprint, peers[r]["fingerprint"], name(r))
+        # A peer that believes in a larger world publishes a rank we do not expect.
+        if store.check([f"rdzv/{world_size}"]):
+            extra = json.loads(store.get(f"rdzv/{world_size}"))
+            raise ClusterSpecMismatchError("world_size", world_size, extra["fingerprint"].get("world_size"),
+                                           f"rank {world_size}")
+        if len(peers) == world_size:
+            return peers
+        if time.monotonic() > deadline:
+            raise RendezvousTimeoutError([name(r) for r in range(world_size) if r not in peers], timeout)
+        time.sleep(0.01)

@@ -1,0 +1,90 @@
+"""The global batch a replica's input came from, carried with the batch itself.
+
+A distributed dataset tags each per-replica batch it yields with a :class:`BatchInfo` (the size of
+the global batch it was sliced from, and its ordinal in the iterator). ``strategy.run`` finds the
+tag among its arguments and makes it current for the replica function, where
+:func:`phalanx.nn.compute_average_loss` reads it. Because the value travels with the batch (not
+in a variable the iterator overwrites one batch ahead), iterating two datasets at once,
+materialising one, or running a step on an older batch all scale the loss correctly.
+
+Example:
+    >>> import torch
+    >>> batch = torch.ones(4, 2)
+    >>> tag(batch, BatchInfo(global_size=8, ordinal=1))
+    >>> find((batch,), {})
+    BatchInfo(global_size=8, ordinal=1, sliced_from=None)
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from phalanx import nest
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """Where a per-replica batch came from.
+
+    Attributes:
+        global_size: the number of examples in the global batch, over all replicas.
+        ordinal: 1 for the first batch an iterator yields, 2 for the next, ...
+        sliced_from: where every process reads whole global batches and takes its slice: the
+            size of the batch this process sliced (it must be the same in every process).
+    """
+
+    global_size: int
+    ordinal: int
+    sliced_from: int | None = None
+
+
+# Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.
+_TAGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_CURRENT: contextvars.ContextVar[BatchInfo | None] = contextvars.ContextVar("phalanx_batch", default=None)
+
+
+def tag(batch: Any, info: BatchInfo) -> None:
+    """Records ``info`` on the leaves of ``batch`` (tensors or per-replica values)."""
+    for leaf in nest.flatten(batch):
+        try:
+            _TAGS[leaf] = info
+        except TypeError:  # not weak-referenceable (a Python number): nothing to carry it
+            continue
+
+
+def find(args: tuple, kwargs: dict) -> BatchInfo | None:
+    """The tag of the first tagged leaf of ``args`` / ``kwargs``, or None."""
+    if not _TAGS:
+        return None
+    for leaf in nest.flatten((args, kwargs)) if kwargs else nest.flatten(args):
+        try:
+            info = _TAGS.get(leaf)
+        except TypeError:
+            continue
+        if info is not None:
+            return info
+    return None
+
+
+def current() -> BatchInfo | None:
+    """The batch of the replica function running now (inside ``strategy.run``), or None."""
+    return _CURRENT.get()
+
+
+class using:  # lower case: used like a function, ``with using(info):``
+    """Makes ``info`` current for the ``with`` block (``strategy.run`` does this)."""
+
+    __slots__ = ("_info", "_token")
+
+    def __init__(self, info: BatchInfo | None) -> None:
+        self._info = info
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT.set(self._info)
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._token)

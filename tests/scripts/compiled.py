@@ -1,0 +1,103 @@
+"""K steps of a small MLP, compiled and/or under autocast, under a strategy; each replica saves its state.
+
+Usage: python compiled.py OUT_DIR STRATEGY N COMPILE BACKEND PRECISION [OPTIMIZER]
+  STRATEGY: reference (plain torch, eager, float32) | one_device | mirrored | central | mwms
+  COMPILE: none | model (torch.compile(model)) | step (@phalanx.function on the distributed step)
+  PRECISION: fp32 | bf16 (torch.autocast on the CPU)
+  OPTIMIZER: adam (default) | sgd (momentum 0.9)
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+
+import torch
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+import phalanx as px  # noqa: E402
+
+STEPS, GLOBAL_BATCH, FEATURES = 8, 24, 10
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def data():
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(STEPS * GLOBAL_BATCH, 1, generator=g)
+    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def strategy_for(kind, n):
+    if kind == "one_device":
+        return px.OneDeviceStrategy("cpu")
+    if kind == "central":
+        return px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
+    if kind == "mwms":
+        return px.MultiWorkerMirroredStrategy()
+    # Small buckets, so that several all-reduces can start during backward.
+    return px.MirroredStrategy([f"cpu:{i}" for i in range(n)], cross_device_ops=px.NcclAllReduce())
+
+
+def main():
+    out, kind, n, compile_, backend, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:7]
+    opt_name = sys.argv[7] if len(sys.argv) > 7 else "adam"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    if kind == "reference":
+        torch.manual_seed(0)
+        model = make_model()
+        opt = make_optimizer(opt_name, model.parameters())
+        losses = []
+        for x, y in data():
+            with autocast:
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        rank = 0
+    else:
+        strategy = strategy_for(kind, n)
+        rank = int(strategy.experimental_local_results(
+            strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group))[0])
+        torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
+        with strategy.scope():
+            model = make_model()
+            opt = make_optimizer(opt_name, model.parameters())
+        forward = torch.compile(model, backend=backend) if compile_ == "model" else model
+
+        def train_step(x, y):
+            with autocast:
+                per_example = ((forward(x).float() - y) ** 2).mean(dim=1)
+            loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        def distributed_train_step(x, y):
+            per_replica = strategy.run(train_step, args=(x, y))
+            return strategy.reduce(px.ReduceOp.SUM, per_replica, axis=None)
+
+        if compile_ == "step":
+            distributed_train_step = px.function(distributed_train_step, backend=backend)
+        losses = [float(distributed_train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(data())]
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
+    with open(os.path.join(out, f"losses_{rank}.json"), "w") as f:
+        json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Replicas that must not drift apart (issue 13), as a user's custom loop meets them.
+
+Usage:
+    python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync; KIND: reference |
+                                                                   mirrored | central | mwms)
+    python consistency.py diverge CASE KIND N                    (CASE: skip | outside_scope | batch_size |
+                                                                   restore)
+
+``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
+each (gradients accumulated without zero_grad). ``diverge`` prints, on each replica that catches
+it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
+re-raises.
+"""
+
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+import torch
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+import phalanx as px
+from phalanx.errors import ReplicaDivergenceError
+
+STEPS, GLOBAL, FEATURES = 3, 24, 10
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_optimizer(name, params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9) if name == "sgd" else torch.optim.Adam(params, lr=0.01)
+
+
+def micro_batches(micro, size=GLOBAL):
+    g = torch.Generator().manual_seed(7)
+    n = STEPS * micro
+    x = torch.randn(n * size, FEATURES, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True))
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
+
+
+def make_strategy(kind, n):
+    if kind == "central":
+        return px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
+    if kind == "mwms":
+        return px.MultiWorkerMirroredStrategy()
+    return px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+
+
+def accumulate(out, opt_name, kind, n, micro, mode):
+    data = micro_batches(micro)
+    if kind == "reference":  # every (optimizer, micro-batches) pair at once: one process start
+        for name in ("sgd", "adam"):
+            for k in (2, 4):
+                torch.manual_seed(0)
+                model = make_model()
+                opt = make_optimizer(name, model.parameters())
+                for i, (x, y) in enumerate(micro_batches(k)):
+                    (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+                    if (i + 1) % k == 0:
+                        opt.step()
+                        opt.zero_grad()
+                torch.save(model.state_dict(), os.path.join(out, f"params_{name}_{k}.pt"))
+        return
+    strategy = make_strategy(kind, n)
+    rank = strategy.extended.process_index
+    torch.manual_seed(0 if rank == 0 else 99)  # the scope's broadcast must make them equal
+    with strategy.scope():
+        model = make_model()
+        opt = make_optimizer(opt_name, model.parameters())
+
+    def forward_backward(x, y, last):
+        per_example = ((model(x) - y) ** 2).sum(dim=1)
+        # Each micro-batch's loss is divided by the whole step's global batch: GLOBAL * micro.
+        px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL * micro).backward()
+        if last:
+            opt.step()
+            opt.zero_grad()
+
+    for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
+        last = (i + 1) % micro == 0
+        with strategy.extended.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
+            strategy.run(forward_backward, args=(x, y, last))
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
+
+
+def diverge(case, kind, n):
+    strategy = make_strategy(kind, n)
+    rank = strategy.extended.process_index
+    torch.manual_seed(rank)
+    if case == "outside_scope":
+        model = make_model()  # the user's mistake: every replica has its own random weights
+    with strategy.scope():
+        if case != "outside_scope":
+            model = make_model()
+        opt = make_optimizer("sgd", model.parameters())
+    size = GLOBAL * (rank + 1) if case == "batch_size" else GLOBAL  # each process built its own loader
+    data = micro_batches(4, size)
+    began = None
+    try:
+        for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
+            if began is None and (case != "skip" and case != "restore" or i == 2):
+                began = time.time()
+            if case == "restore" and i == 2:
+                with torch.no_grad():  # a restore that gave replica 1 other values
+                    if rank == 1:
+                        model[2].bias.add_(1.0)
+                strategy.extended.mark_parameters_changed()
+
+            def step(x, y, i=i):
+                if case == "skip" and rank == 1 and i == 2:
+                    raise ValueError("a bad record on replica 1 only")
+                loss = px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                return loss
+
+            try:
+                strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None)
+            except ValueError:
+                continue  # the user's loop skips the bad batch (on replica 1 only)
+    except ReplicaDivergenceError as e:
+        print(f"DIVERGED {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
+        raise
+    print(f"NOT DIVERGED {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "accumulate":
+        out, opt_name, kind, n, micro, mode = sys.argv[2:8]
+        accumulate(out, opt_name, kind, int(n), int(micro), mode)
+    else:
+        case, kind, n = sys.argv[2:5]
+        diverge(case, kind, int(n))

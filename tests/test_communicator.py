@@ -1,0 +1,67 @@
+"""The Communicator protocol and its error translation, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.communicator import (
+    Communicator,
+    GlooCommunicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    classify,
+)
+from phalanx.comm.cross_device_ops import NcclAllReduce, ReductionToOneDevice
+from phalanx.comm.threaded import ThreadedWorld, run_threaded
+from phalanx.errors import CollectiveTimeoutError, PeerUnavailableError
+
+
+def test_every_communicator_implements_the_protocol():
+    assert isinstance(LocalCommunicator(), Communicator)
+    assert isinstance(ThreadedWorld(2).communicator(0), Communicator)
+    assert GlooCommunicator is ProcessGroupCommunicator
+    for name in ("all_reduce", "reduce", "broadcast", "all_gather", "barrier", "name", "host_of", "subgroup",
+                 "errors_for", "close", "store"):
+        assert hasattr(ProcessGroupCommunicator, name), name
+
+
+@pytest.mark.parametrize("error,kind", [
+    (dist.DistNetworkError("Connection reset by peer"), PeerUnavailableError),
+    (dist.DistStoreError("wait timeout after 5000ms"), CollectiveTimeoutError),
+    (dist.DistBackendError("[Gloo] Timed out waiting 5000ms for recv operation"), CollectiveTimeoutError),
+    (dist.DistBackendError("[Gloo] Connection closed by peer [127.0.0.1]:1234"), PeerUnavailableError),
+    (TimeoutError("whatever the text"), CollectiveTimeoutError),
+    # The type decides before the text: a network error that mentions a timeout is still a lost peer.
+    (dist.DistNetworkError("socket timed out after the peer closed it"), PeerUnavailableError),
+])
+def test_errors_are_classified_by_type_first(error, kind):
+    assert classify(error) is kind
+
+
+@pytest.mark.parametrize("ops", [NcclAllReduce(), ReductionToOneDevice()])
+def test_cross_device_ops_over_threads(ops):
+    def body(comm):
+        t = torch.full((5,), float(comm.rank + 1))
+        return ops.all_reduce(comm, t, "sum").wait().tolist()
+
+    assert run_threaded(3, body) == [[6.0] * 5] * 3
+
+
+def test_a_missing_rank_is_a_collective_timeout_on_the_others():
+    def body(comm):
+        if comm.rank == 0:
+            return "left"
+        comm.all_reduce(torch.ones(1)).wait()
+
+    world_errors = []
+
+    def wrapped(comm):
+        try:
+            return body(comm)
+        except CollectiveTimeoutError as e:
+            world_errors.append(e)
+
+    run_threaded(2, wrapped, collective_timeout=0.5)
+    assert len(world_errors) == 1
