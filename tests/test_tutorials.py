@@ -36,8 +36,6 @@ def test_keras(tmp_path):
     _mirrored(tmp_path, "keras_tutorial.py")
 
 
-@pytest.mark.xfail(strict=True, reason="needs a Checkpoint of a Keras model made outside scope() under "
-                   "MultiWorkerMirroredStrategy (helper `checkpoint`, not on main yet)")
 def test_multi_worker_with_keras(tmp_path):
     _multi_worker(tmp_path, "multi_worker_with_keras.py")
 
@@ -55,8 +53,6 @@ def test_parameter_server_training(tmp_path):
     assert OK in res.output
 
 
-@pytest.mark.xfail(strict=True, reason="needs Checkpoint(optimizer=<Keras optimizer>) (helper `checkpoint`, "
-                   "not on main yet)")
 def test_custom_training(tmp_path):
     _mirrored(tmp_path, "custom_training.py")
 
