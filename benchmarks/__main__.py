@@ -3,7 +3,15 @@
 Every configuration is a real job (real processes, real collectives), and configurations being
 compared are interleaved in rounds. Each figure is the median of per-round paired ratios, with the
 min-max spread, because a 2-core virtual machine drifts by 10-30 % over minutes. Writes
-``benchmarks/results/latest.json`` and ``latest.png``.
+``latest.json`` and ``latest.png`` into ``--out`` (default: a new ``phalanx-bench-<timestamp>``
+directory under the system's temporary directory, printed). The committed figures in
+``benchmarks/results/`` change only when asked: ``--out benchmarks/results``.
+
+Examples::
+
+    python -m benchmarks                      # the full suite, about 9 minutes on 2 cores
+    python -m benchmarks --quick              # a smoke run, well under a minute
+    python -m benchmarks --rounds 5 --out ./my-run
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.models import MODELS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
 
 THROUGHPUT_CONFIGS = {  # name -> how to launch it
     "px_mirrored": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored", m, out, "--seconds", s],
@@ -41,6 +50,12 @@ if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pi
     for _tf in ("tf_mirrored", "tf_mwms"):
         THROUGHPUT_CONFIGS[_tf] = (lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m,
                                                                 out, "--seconds", s])(_tf)
+
+RATIOS = [("px_mirrored", "ddp"), ("px_mwms", "ddp"), ("px_mirrored", "local2"), ("px_mwms", "local2"),
+          ("ddp", "local2"), ("px_mirrored", "one_process"), ("px_mirrored_compiled", "px_mirrored"),
+          ("px_mirrored_bf16", "px_mirrored"), ("px_mirrored_compiled", "local2"), ("px_mirrored", "tf_mirrored"),
+          ("px_mirrored_compiled", "tf_mirrored"), ("px_mwms", "tf_mwms")]
+
 
 def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
     return [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "-m", "benchmarks.worker", config, model, out,
@@ -138,42 +153,77 @@ def chart(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def default_out_dir() -> Path:
+    """A fresh directory outside the repository, so a run never overwrites the committed figures."""
+    return Path(tempfile.gettempdir()) / f"phalanx-bench-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description="The side-by-side benchmark suite (also run by 'phalanx bench'): "
+                                     "every configuration is a real job, compared in interleaved rounds.",
+                                     epilog=__doc__[__doc__.index("Examples::"):].replace("::", ":"),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=_positive, default=None,
+                        help="interleaved rounds per configuration (default: 3; 1 with --quick)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="timed seconds per job (default: 2.0; 0.3 with --quick)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma list of {','.join(MODELS)} (default: all; seed_mlp with --quick)")
+    parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead (default: none)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for latest.json and latest.png (default: a new "
+                             "phalanx-bench-<timestamp> directory in the temporary directory; "
+                             "benchmarks/results updates the committed figures)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run in under a minute: the seed MLP under Mirrored, DDP and the "
+                             "no-communication ceiling, short jobs, all-reduce up to 1 MB, no chart; its "
+                             "ratios are too noisy to quote")
+    return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; received {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per job")
-    parser.add_argument("--models", default="seed_mlp,large_mlp,cnn")
-    parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    RESULTS.mkdir(exist_ok=True)
-    models = args.models.split(",")
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 2.0)
+    models = (args.models or ("seed_mlp" if args.quick else ",".join(MODELS))).split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS)}")
     skip = set(filter(None, args.skip.split(",")))
-    report: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "started": time.ctime()}
+    if skip - {"throughput", "allreduce", "overhead"}:
+        parser.error(f"--skip: unknown part(s) {sorted(skip - {'throughput', 'allreduce', 'overhead'})}; "
+                     "choose from throughput,allreduce,overhead")
+    out_dir = (args.out or default_out_dir()).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"results go to {out_dir}", flush=True)
+    skip = set(filter(None, args.skip.split(",")))
+    report: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "started": time.ctime(),
+                    "quick": args.quick}
     start = time.monotonic()
     if "throughput" not in skip:
         print("throughput (samples/s):", flush=True)
-        raw = _interleaved(THROUGHPUT_CONFIGS, models, args.rounds, args.seconds)
-        ratios = {m: {
-            "px_mirrored_vs_ddp": _ratio(raw[m]["px_mirrored"], raw[m]["ddp"]),
-            "px_mwms_vs_ddp": _ratio(raw[m]["px_mwms"], raw[m]["ddp"]),
-            "px_mirrored_vs_local2": _ratio(raw[m]["px_mirrored"], raw[m]["local2"]),
-            "px_mwms_vs_local2": _ratio(raw[m]["px_mwms"], raw[m]["local2"]),
-            "ddp_vs_local2": _ratio(raw[m]["ddp"], raw[m]["local2"]),
-            "px_mirrored_vs_one_process": _ratio(raw[m]["px_mirrored"], raw[m]["one_process"]),
-            "px_mirrored_compiled_vs_px_mirrored": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["px_mirrored"]),
-            "px_mirrored_bf16_vs_px_mirrored": _ratio(raw[m]["px_mirrored_bf16"], raw[m]["px_mirrored"]),
-            "px_mirrored_compiled_vs_local2": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["local2"]),
-            **({"px_mirrored_vs_tf_mirrored": _ratio(raw[m]["px_mirrored"], raw[m]["tf_mirrored"]),
-                "px_mirrored_compiled_vs_tf_mirrored": _ratio(raw[m]["px_mirrored_compiled"], raw[m]["tf_mirrored"]),
-                "px_mwms_vs_tf_mwms": _ratio(raw[m]["px_mwms"], raw[m]["tf_mwms"])} if "tf_mwms" in raw[m] else {}),
-        } for m in models}
+        # --quick times only the headline comparison (Mirrored against DDP and the ceiling).
+        configs = ({c: THROUGHPUT_CONFIGS[c] for c in ("px_mirrored", "ddp", "local2")} if args.quick
+                   else THROUGHPUT_CONFIGS)
+        raw = _interleaved(configs, models, args.rounds, args.seconds)
+        ratios = {m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
+                  for m in models}
         report["throughput"] = {"samples_per_s": raw, "ratios": ratios}
     if "allreduce" not in skip:
         print("all-reduce:", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "allreduce.json")
+            sizes = ["--max-bytes", str(1 << 20)] if args.quick else []
             rows = _job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "-m", "benchmarks.allreduce", out,
-                  "--rounds", str(max(3, args.rounds))], out, timeout=600)
+                  "--rounds", str(args.rounds if args.quick else max(3, args.rounds)), *sizes], out, timeout=600)
         report["allreduce"] = {"rows": rows, "memory_bandwidth_gbps": memory_bandwidth_gbps()}
         for r in rows:
             print(f"  {r['bytes']:>10} B  phalanx {r['phalanx_us']:>9.1f} us {r['phalanx_busbw_gbps']:>6.2f} GB/s   "
@@ -185,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         report["overhead"] = {"samples_per_s": raw,
                               "ratios": {m: _ratio(raw[m]["px_one_device"], raw[m]["raw"]) for m in mlps}}
     report["elapsed_s"] = time.monotonic() - start
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=1))
     print(summary(report))
-    if "throughput" in report and "allreduce" in report:
+    print(f"results: {out_dir / 'latest.json'}")
+    if "throughput" in report and "allreduce" in report and not args.quick:
         try:
-            chart(report, RESULTS / "latest.png")
-            print(f"chart: {RESULTS / 'latest.png'}")
+            chart(report, out_dir / "latest.png")
+            print(f"chart: {out_dir / 'latest.png'}")
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[bench]'); no chart")
     return 0

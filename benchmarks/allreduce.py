@@ -34,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest message (default 64 MB)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = px.MultiWorkerMirroredStrategy()
@@ -46,7 +47,7 @@ def main() -> None:
         "gloo": lambda t: gloo.allreduce([t]).wait(),
     }
     rows = []
-    for size in SIZES:
+    for size in [s for s in SIZES if s <= args.max_bytes]:
         tensor = torch.ones(size // 4)
         # About 64 MB per timing, 5 to 200 calls: enough calls that the ranks' skew leaving the
         # barrier (tens of us) is not charged to one 70 us all-reduce, as nccl-tests' iterations do.

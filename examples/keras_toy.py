@@ -15,6 +15,13 @@ Dense(1, sigmoid)``, ``SGD(0.2)``, ``binary_crossentropy``, ``model.summary()`` 
 As in the seed each global batch of 256 is split across the replicas (128 each with two). Every
 process runs the script, so each draws its own random data, as each TF worker would.
 
+Why two replicas are slower here than one: this model is tiny, so a step computes in well under a
+millisecond and one process already keeps a core busy. Two replicas halve that compute but add a
+gradient all-reduce and a step-end agreement every step, and on a 2-core machine the two
+processes also share the cores with Keras' own work. Data parallelism pays off when a step
+computes for much longer than it communicates (bigger models and batches, or one GPU per
+replica); this example shows that the code runs unchanged, not a speed-up.
+
 Run::
 
     python examples/keras_toy.py --strategy mirrored     # 2 CPU replicas (or every GPU)
@@ -26,8 +33,8 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402  (from tensorflow import keras)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402  (tf.data, tf.dtypes)
 from strategy_flag import strategy_from_flags  # noqa: E402
 

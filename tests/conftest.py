@@ -14,6 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+# The scripts are programs the tests start (they train at import): never import them while
+# collecting (pyproject's --doctest-modules would).
+collect_ignore = ["scripts"]
+
 # Prepended to every replica script: a stack dump on SIGUSR1, so a hung replica shows where it is.
 PRELUDE = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
 

@@ -122,7 +122,7 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "multi_worker": multi_worker, "parameter_server": parameter_server,
 }
 
-#: The synchronous CPU configurations every behaviour test should pass under (DESIGN.md's list).
+#: The synchronous CPU configurations every behaviour test should pass under (the design's list).
 SYNCHRONOUS = ("one_device", "mirrored_cpu_2", "central_storage_cpu_2", "multi_worker_2")
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import phalanx  # noqa: F401 - imported at collection: its first import sets torch's cache variables
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "phalanx"
 
@@ -291,3 +293,23 @@ def test_tests_and_benchmarks_use_the_public_contract():
              if p.name != "test_architecture.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if TESTS_PRIVATE.search(line)]
     assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------------------ settings
+def test_every_phalanx_variable_is_a_setting_or_the_launchers_identity():
+    # One place says what the process can be configured with: phalanx.config.Settings (plus the
+    # PHALANX_RANK... family through which a launcher tells a replica who it is).
+    import dataclasses
+    import re
+
+    from phalanx.config import Settings
+    from phalanx.launch.env import PREFIX, ReplicaEnv
+
+    known = set(Settings.variables()) | {PREFIX + f.name.upper() for f in dataclasses.fields(ReplicaEnv)}
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name in re.findall(r"\bPHALANX_[A-Z][A-Z0-9_]*\b", path.read_text()):
+            if not name.endswith("_"):  # a prefix (PHALANX_TLS_...), not a variable
+                found.setdefault(name, path.relative_to(SRC.parent))
+    unknown = {name: str(where) for name, where in found.items() if name not in known}
+    assert not unknown, f"PHALANX_* variables missing from phalanx.config.Settings: {unknown}"

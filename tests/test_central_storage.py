@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import phalanx as px
+
 from conftest import run_job
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -34,11 +34,12 @@ from phalanx.checkpoint import (
     TerminationConfig,
     UnsafeCheckpointError,
     UnsupportedStateError,
+    codec,
     latest_checkpoint,
     load_state,
     register_sharded_type,
+    storage,
 )
-from phalanx.checkpoint import codec, storage
 from phalanx.checkpoint.sharding import split_full
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -339,7 +340,7 @@ def test_code_in_a_checkpoint_is_refused_and_never_runs(tmp_path, how):
 # Modules allowed to unpickle, and why. Checkpoint loading never goes through them.
 UNPICKLE_ALLOWED = {
     "phalanx/ps/pickling.py": "parameter-server wire frames, unpickled only after their cluster-secret "
-                              "signature is verified (DESIGN.md, Security by default)",
+                              "signature is verified (security by default: docs/ARCHITECTURE.md)",
 }
 
 

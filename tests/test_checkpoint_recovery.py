@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_job
 from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, latest_checkpoint, load_state, storage
+
+from conftest import run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_roundtrip import warm_up_adam  # noqa: E402

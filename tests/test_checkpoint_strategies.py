@@ -13,12 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import phalanx as px
-from conftest import run_job
 from phalanx.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint, load_state
+
+from conftest import run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import ckpt_roundtrip as rt  # noqa: E402
@@ -92,7 +92,6 @@ def test_multi_worker_two_workers_to_three(tmp_path):
         _assert_same(saved, _load(three / f"restored_{rank}.pt"), f"MWMS 2 workers -> 3 workers, rank {rank}")
 
 
-@pytest.mark.skipif(not hasattr(px, "CentralStorageStrategy"), reason="CentralStorageStrategy is not built yet")
 def test_one_device_to_central_storage_to_mirrored_and_back(tmp_path):
     strategy, objects, ckpt = _one_device_objects()
     rt.train(strategy, objects, 2)
@@ -124,7 +123,7 @@ def test_checkpoint_made_outside_scope_saves_as_a_team_under_self_launched_mirro
     assert res.returncode == 0, res.logs()[-6000:]
     results = [json.loads((out / f"result_{rank}.json").read_text()) for rank in range(2)]
     team = {"strategy": "MirroredStrategy", "num_replicas_in_sync": 2}
-    for rank, result in enumerate(results):
+    for result in results:
         assert result["saved_by"] == team and result["values_only_saved_by"] == team, result
         assert result["path"] == "ckpt-1" and result["step"] == 3, result
         assert result["restored_equal"] and result["momentum_equal"], result

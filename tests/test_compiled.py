@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import phalanx as px
+
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "compiled.py"
@@ -77,6 +78,7 @@ def test_compiled_multi_worker_mirrored(tmp_path, reference):
     _check(tmp_path, 2, reference["fp32"], 1e-5)
 
 
+@pytest.mark.timeout(600)  # C++ code generation for every graph: minutes on 2 loaded cores
 def test_inductor_compiled_step_under_mirrored(tmp_path, reference):
     """The default backend end to end: generated C++ kernels for forward, backward and Adam."""
     res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", "step", "inductor", "fp32"],
@@ -186,3 +188,13 @@ def test_function_without_strategy_run_compiles_the_whole_function():
 def test_function_rejects_mode_with_options():
     with pytest.raises(px.compiled.CompileOptionsError, match="mode"):
         px.function(lambda: None, mode="max-autotune", options={"trace.enabled": True})
+
+
+def test_importing_phalanx_leaves_torch_compile_unloaded():
+    """torch.compile's machinery costs 3-5 s to import and sets TORCHINDUCTOR_CACHE_DIR: a program
+    that never compiles must not pay for it (every replica process imports phalanx)."""
+    import subprocess
+
+    code = ("import sys, phalanx, phalanx.comm.reducer, phalanx.compiled; "
+            "assert 'torch._dynamo' not in sys.modules, 'phalanx imported torch._dynamo'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

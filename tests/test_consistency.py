@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "consistency.py"

@@ -75,7 +75,8 @@ def test_extended_contract_on_one_device():
     assert ext.container_strategy is strategy
     with strategy.scope():
         layer = torch.nn.Linear(2, 1)
-    assert owner_of(layer.weight) is None  # only strategies that keep state elsewhere mark tensors
+    # Every strategy marks what its scope created: a Checkpoint made outside scope() finds it.
+    assert owner_of(layer.weight) is ext
     strategy.run(lambda: None)
     assert ext.step == 1
     assert ext.state_to_save(layer) is None
@@ -162,3 +163,34 @@ def test_a_server_task_serves_until_shutdown_and_returns():
         assert not any(t.is_alive() for t in threads), "serve() did not return after the shutdown"
     finally:
         transport.close()
+
+
+def test_tf_compatibility_parameters_without_effect_warn():
+    strategy = px.OneDeviceStrategy("cpu")
+    with pytest.warns(UserWarning, match=r"Strategy.run\(options=...\)"):
+        strategy.run(lambda: None, options=object())
+
+    def step():
+        ctx = px.get_replica_context()
+        with pytest.warns(UserWarning, match="all_reduce"):
+            ctx.all_reduce("SUM", torch.ones(1), options=object())
+        with pytest.warns(UserWarning, match="all_gather"):
+            ctx.all_gather(torch.ones(1), 0, options=object())
+
+    strategy.run(step)
+
+
+def test_the_strategy_matrix_names_each_configuration_once():
+    import sys as _sys
+
+    import strategies
+
+    assert type(strategies.make("one_device")).__name__ == "OneDeviceStrategy"
+    with pytest.raises(KeyError, match="no strategy configuration 'nope'"):
+        strategies.make("nope")
+    assert set(strategies.SYNCHRONOUS) <= set(strategies.COMBINATIONS)
+    mwms = strategies.COMBINATIONS["multi_worker_2"]
+    assert mwms.command("s.py", "a") == [_sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "s.py", "a"]
+    ps = strategies.COMBINATIONS["parameter_server_2ps_2workers"]
+    assert ps.command("s.py")[-5:] == ["--ps", "2", "--workers", "2", "s.py"]
+    assert strategies.COMBINATIONS["mirrored_cpu_2"].command("s.py") == [_sys.executable, "s.py"]

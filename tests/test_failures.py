@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 FAULTS = Path(__file__).parent / "scripts" / "faults.py"
@@ -224,32 +222,32 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
 
 
 def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
-    """A replica whose error is only "my peer is gone", or that elastic stopped with SIGTERM after
-    another exited, is not the root cause (pure logic, no processes; reproduced under load: a
+    """A replica whose error is only "my peer is gone", or that the supervisor stopped with SIGTERM
+    after another exited, is not the root cause (pure logic, no processes; reproduced under load: a
     preempted job was reported as "killed by signal SIGTERM" and lost its free restart)."""
-    from types import SimpleNamespace
+    from phalanx.launch.supervisor import Exit, Task, format_failure, root_cause
 
-    from phalanx.launch.runner import JobSpec, _root_cause
+    def failure(local_rank, exitcode, message="", pid=1, order=0, timestamp=1700000000, stopped=False):
+        task = Task(name=f"replica {local_rank}", command=("train.py",), info=f"node 0, local rank {local_rank}")
+        return Exit(task, pid, exitcode, order, stopped, message, timestamp)
 
-    def failure(exitcode, message=None, pid=1):
-        data = {"message": {"message": message}} if message else {}
-        return SimpleNamespace(timestamp=1700000000, error_file_data=data, exitcode=exitcode, pid=pid)
+    def cause(failures):
+        found = root_cause(failures)
+        return found.status, format_failure(found)
 
-    result = SimpleNamespace(failures={0: failure(1, "PeerUnavailableError: all-reduce on worker:0 failed", 10),
-                                       1: failure(13, pid=11)}, stderrs={}, stdouts={})
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures = [failure(0, 1, "PeerUnavailableError: all-reduce on worker:0 failed", 10, 0), failure(1, 13, pid=11, order=1)]
+    code, text = cause(failures)
     assert code == 13 and "local rank 1" in text and "exit code 13" in text
-    result.failures[1].timestamp -= 1  # an earlier one wins whatever it is
-    result.failures[0] = failure(1, "ValueError: a bug in replica zero", 10)
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 - 1)  # an earlier one wins whatever it is
+    failures[0] = failure(0, 1, "ValueError: a bug in replica zero", 10, 0)
+    code, text = cause(failures)
     assert code == 13 and "local rank 1" in text
-    result.failures[1].timestamp += 2  # a genuinely later failure is not preferred
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 + 1)  # a genuinely later failure is not preferred
+    code, text = cause(failures)
     assert code == 1 and "local rank 0" in text and "a bug in replica zero" in text
-    # A replica still exiting when elastic stopped the group (SIGTERM) is not the cause of a
-    # preemption (exit 42), even though elastic saw it in the same second.
-    result.failures = {0: failure(-15, pid=10), 1: failure(42, pid=11)}
-    code, text = _root_cause(result, JobSpec(command=("train.py",), nproc=2))
+    # A replica still exiting when the supervisor stopped the group (SIGTERM) is not the cause of a
+    # preemption (exit 42), even though it was seen in the same second.
+    code, text = cause([failure(0, -15, pid=10, stopped=True), failure(1, 42, pid=11, order=1)])
     assert code == 42 and "local rank 1" in text
 
 
@@ -258,7 +256,7 @@ def test_error_file_is_written_whole_and_in_elastics_format(tmp_path, monkeypatc
     a file (it did once: torch elastic's parser raised and took the launcher down)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    from phalanx.launch.env import _record_atomically
+    from phalanx.launch.replica_hooks import _record_atomically
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-import strategies
 
+import strategies
 from conftest import run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "api_mirrored.py"

@@ -48,6 +48,7 @@ def _load(out: Path, rank: int) -> tuple[dict, dict]:
     return dict(np.load(out / f"weights_{rank}.npz")), json.loads((out / f"history_{rank}.json").read_text())
 
 
+@pytest.mark.timeout(600)  # jit_compile: inductor generates C++ code, minutes on 2 loaded cores
 @pytest.mark.parametrize("variant,tol", [
     ("jit", 1e-5),              # jit_compile=True (torch.compile, inductor) against eager Keras
     ("mixed_float16", 1e-3),    # float16 compute: per-replica partial gradients are rounded to float16

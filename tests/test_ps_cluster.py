@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import free_ports, run_job, run_jobs
 
 pytest.importorskip("grpc")

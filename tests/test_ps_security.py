@@ -18,14 +18,14 @@ pytest.importorskip("grpc")
 pytest.importorskip("cloudpickle")
 pytest.importorskip("cryptography")
 
-from conftest import free_ports, run_job, run_jobs  # noqa: E402
-
 from phalanx.ps import pickling, wire  # noqa: E402
 from phalanx.ps.errors import AuthenticationError  # noqa: E402
 from phalanx.ps.server import ParameterServerService  # noqa: E402
 from phalanx.ps.service import RefusalLog  # noqa: E402
 from phalanx.ps.testing import InProcessCluster  # noqa: E402
 from phalanx.ps.transport import ServiceError  # noqa: E402
+
+from conftest import free_ports, run_job, run_jobs  # noqa: E402
 
 SECRET = b"security-test-secret-0123456789"
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -7,11 +7,12 @@ import threading
 import time
 
 import pytest
-from conftest import free_ports
 
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import GroupSpec, ProcessGroupCommunicator
 from phalanx.errors import ClusterSpecError, RendezvousTimeoutError
+
+from conftest import free_ports
 
 
 class ForeignListener:

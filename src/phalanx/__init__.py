@@ -37,6 +37,7 @@ from phalanx.input import (
     ValueContext,
 )
 from phalanx.options import RunOptions
+from phalanx.process import barrier, is_chief, num_processes, process_index
 from phalanx.server import Server
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.mirrored import MirroredStrategy
@@ -50,17 +51,16 @@ from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
-from phalanx.process import barrier, is_chief, num_processes, process_index
-
 __version__ = "0.1.0"
 
 
 __all__ = [
-    "CentralStorageStrategy", "ClusterSpec", "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
-    "cluster_resolver", "compiled", "AutoShardPolicy", "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext",
-    "InputOptions", "InputReplicationMode", "Mirrored", "MirroredStrategy", "NcclAllReduce", "OneDeviceStrategy",
-    "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "StrategyExtended",
-    "ParameterServerStrategy", "ValueContext", "checkpoint", "coordinator", "experimental", "get_cross_replica_context", "get_replica_context", "get_strategy",
-    "function", "has_strategy", "in_cross_replica_context", "is_chief", "nn", "barrier", "num_processes", "process_index",
+    "AutoShardPolicy", "CentralStorageStrategy", "ClusterSpec", "CommunicationImplementation", "CommunicationOptions",
+    "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions",
+    "InputReplicationMode", "Mirrored", "MirroredStrategy", "MultiWorkerMirroredStrategy", "NcclAllReduce",
+    "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
+    "Strategy", "StrategyExtended", "ValueContext", "barrier", "checkpoint", "cluster_resolver", "compiled",
+    "coordinator", "experimental", "function", "get_cross_replica_context", "get_replica_context", "get_strategy",
+    "has_strategy", "in_cross_replica_context", "is_chief", "nn", "num_processes", "process_index",
     "DistributedDataset", "DistributedIterator", "RunOptions", "Server", "experimental_set_strategy",
 ]

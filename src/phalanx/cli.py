@@ -6,11 +6,13 @@ Examples::
     phalanx run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -n 1 train.py
     phalanx run --ps 2 --workers 3 train.py       # a parameter-server cluster on this host
     phalanx demo --strategy all --epochs 10
+    phalanx bench --quick                          # forwards its options to python -m benchmarks
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -52,64 +54,179 @@ def _run(args: argparse.Namespace) -> int:
         print("phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
               "torch.distributed, which has no TLS", file=sys.stderr)
         return 2
+    warning = _oversubscription_warning(args.nproc)
+    if warning:
+        print(warning, file=sys.stderr)
     spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                    master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers, tls=args.tls)
+                   ps=args.ps, workers=args.workers, tee=args.tee, tls=args.tls)
     return run_job(spec)
 
 
+def _oversubscription_warning(nproc: int) -> str | None:
+    """A warning when ``-n`` starts more replica processes than this host has GPUs or CPU cores.
+
+    More replicas than devices still trains correctly (useful for testing), but replicas then
+    share a device, and every synchronous step waits for the slowest of them.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus:
+        if nproc > gpus:
+            return (f"phalanx run: warning: -n {nproc} starts {nproc} replicas on {gpus} GPU(s); replicas past "
+                    f"GPU {gpus - 1} have no GPU of their own. Use -n {gpus} or fewer for one replica per GPU.")
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > cores:
+        return (f"phalanx run: warning: -n {nproc} starts {nproc} CPU replicas on {cores} core(s); they share "
+                f"cores and each step waits for the slowest, so training is slower than with -n {cores}. "
+                "Fine for testing; for speed use at most one replica per core.")
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
-    import os
     import subprocess
     from pathlib import Path
 
+    forwarded = list(args.forwarded)
+    # The suite runs from the repository root; a relative --out means the user's directory.
+    for i, arg in enumerate(forwarded):
+        if arg == "--out" and i + 1 < len(forwarded):
+            forwarded[i + 1] = str(Path(forwarded[i + 1]).resolve())
+        elif arg.startswith("--out="):
+            forwarded[i] = "--out=" + str(Path(arg[len("--out="):]).resolve())
     # The suite lives in the repository's benchmarks/ (it compares against DDP and raw gloo, which
     # the installed package does not need); find it from the current directory or the source tree.
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (root / "benchmarks" / "__main__.py").exists():
             env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            return subprocess.call([sys.executable, "-m", "benchmarks", *args.args], cwd=root, env=env)
+            return subprocess.call([sys.executable, "-m", "benchmarks", *forwarded], cwd=root, env=env)
     print("phalanx bench: run it from a source checkout of phalanx (benchmarks/ not found)", file=sys.stderr)
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' layout and appends each option's default (when it has a meaningful one)."""
 
-    run = sub.add_parser("run", help="start the replica processes of a training script")
-    run.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive, default=1,
-                     help="replica processes on this host (default 1)")
-    run.add_argument("--nnodes", type=_positive, default=1, help="number of hosts")
-    run.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
-    run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
-    run.add_argument("--max-restarts", type=int, default=0,
-                     help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)")
-    run.add_argument("--ps", type=int, default=0, help="parameter servers of a local ParameterServerStrategy cluster")
-    run.add_argument("--workers", type=int, default=0, help="workers of a local ParameterServerStrategy cluster")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and action.option_strings and action.nargs != 0
+                and not any(action.default is v for v in (None, False, "", argparse.SUPPRESS))):
+            text += " (default: %(default)s)"
+        return text
+
+
+_RUN_EXAMPLES = """examples:
+  phalanx run -n 2 train.py --epochs 3        # 2 replica processes on this host
+  phalanx run -n 2 -m mypackage.train         # a module, as python -m
+  phalanx run -n 2 --max-restarts 3 train.py  # restart the whole group after a failure
+  phalanx run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -n 2 train.py   # host 0 of 2
+  TF_CONFIG='{...}' phalanx run -n 2 train.py   # this host's replicas of a TF_CONFIG cluster
+  phalanx run --ps 2 --workers 3 train.py     # a ParameterServerStrategy cluster on this host
+
+Arguments after the script go to the script. Replica 0 writes to this terminal; the other
+replicas' logs go to files whose directory is printed once."""
+
+_TOP_EXAMPLES = """examples:
+  phalanx demo                       # train a small model under OneDevice and Mirrored, print a table
+  phalanx run -n 2 train.py          # run your script as 2 replica processes
+  phalanx bench --quick              # a short benchmark run (from a source checkout)
+  phalanx <command> --help           # a command's options
+
+documentation: README.md in the source repository"""
+
+
+def _version() -> str:
+    import platform
+
+    import torch
+
+    from phalanx import __version__
+
+    return f"phalanx {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx", formatter_class=_HelpFormatter, epilog=_TOP_EXAMPLES,
+        description="TensorFlow's tf.distribute strategies for PyTorch and Keras: launch a job, run the demo, "
+                    "or benchmark.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="cmd", metavar="{run,demo,bench}")
+
+    run = sub.add_parser("run", help="start the replica processes of a training script",
+                         description="Start the replica processes of a training script and supervise them: the "
+                                     "first failure is reported as the root cause and stops the others.",
+                         epilog=_RUN_EXAMPLES, formatter_class=_HelpFormatter)
+    run.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive, default=1, metavar="N",
+                     help="replica processes on this host (one per GPU, or CPU replicas)")
+    run.add_argument("--nnodes", type=_positive, default=1, metavar="N", help="number of hosts")
+    run.add_argument("--node-rank", type=int, default=0, metavar="K", help="this host's index, 0..nnodes-1")
+    run.add_argument("--master", type=_master, default=None, metavar="HOST:PORT",
+                     help="node 0's rendezvous address (needed with --nnodes > 1)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                     help="restart the whole group up to K times (with --ps: restart each failed worker up to K "
+                          "times)")
+    run.add_argument("--ps", type=int, default=0, metavar="M",
+                     help="parameter servers of a local ParameterServerStrategy cluster (with --workers)")
+    run.add_argument("--workers", type=int, default=0, metavar="N",
+                     help="workers of a local ParameterServerStrategy cluster (with --ps)")
     run.add_argument("--tls", action="store_true",
                      help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run")
-    run.add_argument("--log-dir", default=None, help="where per-replica logs go (default: a temp dir)")
-    run.add_argument("-m", dest="module", default=None, help="run a module (as `python -m`) instead of a script")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args)")
+    run.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
+                          "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)")
+    run.add_argument("--tee", action="store_true",
+                     help="also show every replica's output here, each line prefixed with the replica's name")
+    run.add_argument("-m", dest="module", default=None, metavar="MODULE",
+                     help="run a module (as python -m does) instead of a script")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
+                     help="the training script and its arguments")
     run.set_defaults(func=_run)
 
-    bench = sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a source checkout")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="options of python -m benchmarks, e.g. --rounds 3")
-    bench.set_defaults(func=_bench)
-
-    demo = sub.add_parser("demo", help="train the seed MLP on scikit-learn's digits under each strategy")
-    from phalanx.demo import add_arguments, main as demo_main
+    demo = sub.add_parser("demo", help="train a small MLP on scikit-learn's digits under each strategy",
+                          description="Train a small MLP (Dense 128 relu, Dropout 0.2, Dense 10) on scikit-learn's "
+                                      "bundled 8x8 digits under OneDeviceStrategy and MirroredStrategy and print a "
+                                      "table of epoch time, throughput and accuracy. Needs the demo extra.",
+                          epilog="examples:\n  phalanx demo\n  phalanx demo --strategy mirrored --replicas 2 "
+                                 "--epochs 5", formatter_class=_HelpFormatter)
+    from phalanx.demo import add_arguments
+    from phalanx.demo import main as demo_main
 
     add_arguments(demo)
     demo.set_defaults(func=demo_main)
+
+    # bench's options belong to python -m benchmarks: everything after `bench` is forwarded
+    # (see main), so `phalanx bench --help` shows the suite's own help.
+    bench = sub.add_parser("bench", add_help=False, help="run the benchmark suite from a source checkout "
+                           "(options: phalanx bench --help)")
+    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    from_command_line = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # forward everything verbatim: argparse would reorder or reject options
+        return _bench(argparse.Namespace(forwarded=argv[1:]))
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        print("\nphalanx: give a command: start with 'phalanx demo', or run your script with "
+              "'phalanx run -n 2 train.py'",
+              file=sys.stderr)
+        return 2
+    code = int(args.func(args) or 0)
+    if from_command_line and args.func is _run:
+        # The launcher is done (every replica has ended) but it imported torch with phalanx, whose
+        # interpreter teardown took seconds under load: the job's end would lag its exit status.
+        # Nothing is left to clean up, so end now.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ ORPHAN_TIMEOUT = 300.0  # a ps/worker task with no word from its coordinator exi
 WORKER_RECOVERY_TIMEOUT = 600.0  # the coordinator waits this long for any worker to come back
 SHM_TIMEOUT = 30.0  # a peer's turn in the shared-memory all-reduce
 GROUP_TIMEOUT = 60.0  # GroupSpec's default when a caller builds one by hand
+EXIT_TIMEOUT = 10.0  # the other replicas finish after replica 0 finished normally, or the job fails
+STOP_GRACE = 1.5  # a stopped replica, between SIGTERM/SIGINT and SIGKILL, when a job fails or is interrupted
+PREEMPTION_GRACE = 30.0  # replicas save after the launcher received SIGTERM
+KEEP_RUNS = 10  # run directories kept under the log root
+CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's clock
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -67,9 +72,15 @@ class Settings:
         host_id: PHALANX_HOST_ID, what makes processes "the same host" (default: the hostname).
         bind_address: PHALANX_BIND_ADDRESS, overrides the host a parameter-server task listens on.
         cluster_secret: PHALANX_CLUSTER_SECRET (never shown in ``repr``).
-        log_root: PHALANX_LOG_ROOT, where replicas' log files go.
+        log_root: PHALANX_LOG_ROOT, where run directories (replicas' log files) go.
+        keep_runs: PHALANX_KEEP_RUNS, run directories kept under the log root (older ones deleted).
+        exit_timeout: PHALANX_EXIT_TIMEOUT, seconds the other replicas get once replica 0 finished.
+        stop_grace: PHALANX_STOP_GRACE, seconds a replica gets between SIGTERM/SIGINT and SIGKILL.
+        preemption_grace: PHALANX_PREEMPTION_GRACE, seconds replicas get to save after SIGTERM.
         restart_count: PHALANX_RESTART_COUNT, set by the launcher on a restarted job.
         checkpoint_fault: PHALANX_CHECKPOINT_FAULT, fault injection for checkpoint tests.
+        clock_skew: PHALANX_CLOCK_SKEW, seconds a signed frame's time may differ from the receiver's.
+        tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -84,8 +95,16 @@ class Settings:
     bind_address: str | None = field(default=None, metadata={"env": "PHALANX_BIND_ADDRESS"})
     cluster_secret: str | None = field(default=None, repr=False, metadata={"env": "PHALANX_CLUSTER_SECRET"})
     log_root: str | None = field(default=None, metadata={"env": "PHALANX_LOG_ROOT"})
+    keep_runs: int = field(default=KEEP_RUNS, metadata={"env": "PHALANX_KEEP_RUNS"})
+    exit_timeout: float = field(default=EXIT_TIMEOUT, metadata={"env": "PHALANX_EXIT_TIMEOUT"})
+    stop_grace: float = field(default=STOP_GRACE, metadata={"env": "PHALANX_STOP_GRACE"})
+    preemption_grace: float = field(default=PREEMPTION_GRACE, metadata={"env": "PHALANX_PREEMPTION_GRACE"})
     restart_count: int = field(default=0, metadata={"env": "PHALANX_RESTART_COUNT"})
     checkpoint_fault: str | None = field(default=None, metadata={"env": "PHALANX_CHECKPOINT_FAULT"})
+    clock_skew: float = field(default=CLOCK_SKEW, metadata={"env": "PHALANX_CLOCK_SKEW"})
+    tls_cert: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CERT"})
+    tls_key: str | None = field(default=None, metadata={"env": "PHALANX_TLS_KEY"})
+    tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -180,14 +181,21 @@ class ReplicaContext:
         return (str(self._strategy.extended.local_device),)
 
     def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
-        """Reduces ``value`` (a nested structure of tensors) across all replicas; same on each."""
+        """Reduces ``value`` (a nested structure of tensors) across all replicas; same on each.
+
+        ``options`` is accepted for TF compatibility and has no effect (a warning says so).
+        """
+        if options is not None:
+            warnings.warn("ReplicaContext.all_reduce(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         op = ReduceOp.from_any(reduce_op)
         leaves, spec = nest.flatten_with_spec(value)
         tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
         return nest.unflatten(self._strategy.extended.all_reduce(tensors, op), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
-        """Concatenates every replica's ``value`` along ``axis``, in replica order."""
+        """Concatenates every replica's ``value`` along ``axis``, in replica order (``options``: no effect)."""
+        if options is not None:
+            warnings.warn("ReplicaContext.all_gather(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         return nest.map_structure(lambda t: self._strategy.extended.all_gather(t, axis), value)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -22,11 +22,13 @@ STRATEGIES = ("one_device", "mirrored")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all")
-    parser.add_argument("--replicas", type=int, default=2, help="CPU replicas for MirroredStrategy (default 2)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="the GLOBAL batch size (default 64)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
+                        help="which strategy to train under (all: one after the other, then a table)")
+    parser.add_argument("--replicas", type=int, default=2, metavar="N", help="CPU replicas for MirroredStrategy")
+    parser.add_argument("--epochs", type=int, default=10, metavar="N", help="training epochs per strategy")
+    parser.add_argument("--batch-size", type=int, default=64, metavar="B",
+                        help="the GLOBAL batch size, split among the replicas")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the split, the weights and dropout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 

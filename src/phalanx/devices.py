@@ -8,7 +8,12 @@ Example:
     >>> from phalanx.devices import canonicalize
     >>> canonicalize("/job:localhost/replica:0/task:0/device:CPU:1")
     LogicalDevice(type='cpu', index=1)
-    >>> canonicalize("/gpu:1").torch_device
+    >>> canonicalize("cpu:1").torch_device  # every logical CPU device computes on torch's CPU
+    device(type='cpu')
+
+A GPU name is checked against the visible GPUs (needs two GPUs, so not run as a doctest)::
+
+    >>> canonicalize("/gpu:1").torch_device  # doctest: +SKIP
     device(type='cuda', index=1)
 """
 
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import InvalidDeviceError
+from phalanx.errors import DeviceNotFoundError, InvalidDeviceError
 
 _HINT = "use a TF name ('/cpu:0', '/gpu:1', '/job:worker/task:0/device:GPU:0') or a torch name ('cpu', 'cuda:0')"
 _TF_DEVICE = re.compile(r"(?:^|/)device:(?P<type>[A-Za-z]+):(?P<index>\d+)$")
@@ -48,8 +53,9 @@ def canonicalize(device: Any) -> LogicalDevice:
     """Parses a device given as a string or :class:`torch.device`.
 
     Raises:
-        InvalidDeviceError: the name is malformed, names an unknown device type, or names a GPU
-            that this host does not have.
+        InvalidDeviceError: the name is malformed or names an unknown device type.
+        DeviceNotFoundError: (an :class:`InvalidDeviceError`) the name is valid but this host does
+            not have the GPU it names.
     """
     if isinstance(device, LogicalDevice):
         return device
@@ -67,10 +73,19 @@ def canonicalize(device: Any) -> LogicalDevice:
     else:
         raise InvalidDeviceError(device, hint=_HINT)
     if dev_type == "cuda" and index >= torch.cuda.device_count():
-        raise InvalidDeviceError(
-            device, hint=f"this host has {torch.cuda.device_count()} visible GPU(s); " + _HINT
-        )
+        raise DeviceNotFoundError(device, available=torch.cuda.device_count(),
+                                  hint=_absent_gpu_hint(torch.cuda.device_count()))
     return LogicalDevice(dev_type, index)
+
+
+def _absent_gpu_hint(gpus: int) -> str:
+    """What to use instead of an absent GPU: the GPUs this host has, or the CPU when it has none."""
+    if gpus:
+        last = f"..'/gpu:{gpus - 1}'" if gpus > 1 else ""
+        return (f"use '/gpu:0'{last} (torch: 'cuda:0'{last.replace('/gpu', 'cuda')}); CUDA_VISIBLE_DEVICES "
+                "decides which GPUs this process sees")
+    return ("use the CPU: 'cpu', or CPU replicas 'cpu:0', 'cpu:1', ... for several replicas; for GPUs, install a "
+            "CUDA build of torch and check CUDA_VISIBLE_DEVICES (torch.cuda.is_available() is False here)")
 
 
 def default_devices() -> list[LogicalDevice]:

@@ -35,6 +35,16 @@ class InvalidDeviceError(PhalanxError, ValueError):
         super().__init__(f"Unknown device {device!r}.", hint=hint)
 
 
+class DeviceNotFoundError(InvalidDeviceError):
+    """A well-formed device name for a device this host does not have (e.g. ``'/gpu:7'`` on 2 GPUs)."""
+
+    def __init__(self, device: Any, *, available: int, hint: str | None = None) -> None:
+        self.available = available
+        what = f"{available} visible GPU(s)" if available else "no visible GPU"
+        PhalanxError.__init__(self, f"Device {device!r} is not present: this host has {what}.", hint=hint)
+        self.device = device
+
+
 class BatchSizeError(PhalanxError, ValueError):
     """A global batch that cannot be split across the replicas."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
@@ -36,8 +37,8 @@ from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParameterError
-from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 from phalanx.nn import loss_scale_watch
+from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
@@ -198,6 +199,11 @@ class StrategyExtended:
         return self._step
 
     @property
+    def is_asynchronous(self) -> bool:
+        """Whether workers train independently (parameter servers) rather than in lockstep."""
+        return False
+
+    @property
     def communicator(self) -> Any:
         """The communicator behind the collectives (:mod:`phalanx.comm`), for tools and benchmarks."""
         return self._comm
@@ -264,10 +270,9 @@ class StrategyExtended:
         return self._local_device.torch_device
 
     # ---------------------------------------------------------------- variables
-    def _variable_scope(self, owner: object) -> variables.capture:
+    def _variable_scope(self, owner: object, default_device: bool = True) -> variables.capture:
         return variables.capture(variables.Capture(owner, self._torch_device, self._on_new_parameter,
-                                                   self._on_new_buffer))
-
+                                                   self._on_new_buffer), default_device)
     def _on_new_parameter(self, param: torch.nn.Parameter) -> None:
         if self._created.get(id(param)) is param:
             return  # registered again (Keras re-registers a built model's variables)
@@ -585,6 +590,12 @@ def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
     return ref() if ref is not None else None
 
 
+def _ignored(api: str, parameter: str) -> None:
+    """Warns that a parameter accepted for TF signature parity has no effect here."""
+    warnings.warn(f"{api}({parameter}=...) is accepted for TensorFlow compatibility and has no effect in phalanx",
+                  UserWarning, stacklevel=3)
+
+
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
 _LIVE: list[weakref.ref] = []
 _LIVE_LOCK = threading.Lock()
@@ -672,12 +683,15 @@ class Strategy:
         Args:
             fn: the replica function, e.g. one training step.
             args, kwargs: its arguments; distributed values are replaced by this replica's part.
+            options: accepted for TF compatibility; has no effect (a warning says so).
 
         Raises:
             NotCallableError: ``fn`` is not callable.
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        if options is not None:
+            _ignored("Strategy.run", "options")
         fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
         if not isinstance(args, (tuple, list)):
             args = (args,)
@@ -697,7 +711,7 @@ class Strategy:
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
             ext._before_run()  # friend
-            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self), \
+            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self, default_device=False), \
                     global_batch.using(info), loss_scale_watch(ext._reducer, ext._comm.world_size):  # friend
                 # friend: the first step watches for parameters no scope synchronised
                 result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)
@@ -713,8 +727,11 @@ class Strategy:
     def _wrap_local(self, structure: Any) -> Any:
         if self.num_replicas_in_sync == 1:
             return structure
+        # The repr of a PerReplica then says which replica it holds and of how many.
+        ids, n = (getattr(self._extended, "replica_id", 0),), self.num_replicas_in_sync
         return nest.map_structure(
-            lambda v: v if isinstance(v, DistributedValues) or v is None else PerReplica((v,)), structure)
+            lambda v: v if isinstance(v, DistributedValues) or v is None
+            else PerReplica((v,), replica_ids=ids, num_replicas=n), structure)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this worker's replicas, in replica order (``tf.distribute``'s definition).

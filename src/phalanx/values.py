@@ -46,10 +46,24 @@ class DistributedValues:
         values: the per-replica components held by this process, in local replica order.
     """
 
-    def __init__(self, values: Sequence[Any]) -> None:
+    def __init__(self, values: Sequence[Any], *, replica_ids: Sequence[int] | None = None,
+                 num_replicas: int | None = None) -> None:
+        """Wraps this process's replica values.
+
+        Args:
+            values: one value per local replica.
+            replica_ids: the global replica id of each value (default 0, 1, ...); shown by ``repr``.
+            num_replicas: the number of replicas in sync across the job, when known; ``repr`` then
+                says how many of them are held here.
+        """
         if not isinstance(values, (tuple, list)) or not values:
             raise TypeError(f"{type(self).__name__} needs a non-empty tuple of values; received {values!r}")
         self._values = tuple(values)
+        self._replica_ids = tuple(replica_ids) if replica_ids is not None else tuple(range(len(self._values)))
+        if len(self._replica_ids) != len(self._values):
+            raise TypeError(f"{type(self).__name__}: {len(self._values)} values but replica_ids "
+                            f"{self._replica_ids!r}")
+        self._num_replicas = num_replicas
 
     @property
     def values(self) -> tuple[Any, ...]:
@@ -66,8 +80,12 @@ class DistributedValues:
         return len(self._values)
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
-        return f"{type(self).__name__}:{{{body}}}"
+        # Only this process's replicas are held here; say so, so that `PerReplica({0: 1.5})` on a
+        # 2-replica job is not read as the whole value.
+        body = "{" + ", ".join(f"{i}: {v!r}" for i, v in zip(self._replica_ids, self._values)) + "}"
+        if self._num_replicas is not None and self._num_replicas > len(self._values):
+            return f"{type(self).__name__}(local replicas {body} of {self._num_replicas})"
+        return f"{type(self).__name__}({body})"
 
 
 class PerReplica(DistributedValues):

@@ -2,7 +2,8 @@
 
 torch calls a global *registration hook* whenever a module registers a parameter or buffer;
 plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs
-one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only while a capture is active in the current thread
+one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only
+while a capture is active in the current thread
 (a context variable says which), and only for modules created under that capture's strategy.
 Nothing is monkey-patched and nothing outside a scope is touched.
 """
@@ -87,17 +88,20 @@ class capture:  # lower case: used like a function, ``with capture(spec):``
     """Calls ``spec.on_parameter`` / ``spec.on_buffer`` for every tensor registered under
     ``spec.owner``'s scope.
 
-    Tensors are created on ``spec.device`` (``torch.device`` as a context manager sets the default
-    device for factory functions); stragglers created elsewhere are moved there. A class rather
-    than a ``@contextmanager`` generator because ``strategy.run`` enters a capture on every step.
+    With ``default_device`` (``scope()``), tensors are created on ``spec.device`` (``torch.device``
+    as a context manager sets the default device for factory functions); in every case, parameters
+    and buffers registered elsewhere are moved there. A class rather than a ``@contextmanager``
+    generator because ``strategy.run`` enters a capture on every step.
     """
 
     __slots__ = ("_spec", "_device", "_token")
 
-    def __init__(self, spec: Capture) -> None:
+    def __init__(self, spec: Capture, default_device: bool = True) -> None:
         self._spec = spec
-        # The default-device mode intercepts every torch call; on the CPU it would only cost time.
-        self._device = torch.device(spec.device) if spec.device.type != "cpu" else None
+        # The default-device mode intercepts every torch call: on the CPU it would only cost time,
+        # and inside every `run` it cost a GPU step 25-35 % (small CNN on an H100, measured), so
+        # `run` relies on the registration hooks alone to place new parameters and buffers.
+        self._device = torch.device(spec.device) if spec.device.type != "cpu" and default_device else None
 
     def __enter__(self) -> None:
         _install()

@@ -12,10 +12,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the strategy matrix
 
-import strategies  # noqa: E402
-
 import phalanx as px  # noqa: E402
 from phalanx.errors import BatchSizeError, ContextError  # noqa: E402
+
+import strategies  # noqa: E402
 
 out_dir, n = sys.argv[1], int(sys.argv[2])
 strategy = strategies.make("mirrored_cpu", n)
@@ -103,7 +103,9 @@ with strategy.scope():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 def train(b):
     loss = px.nn.compute_average_loss(model(b).pow(2).sum(1))
-    opt.zero_grad(); loss.backward(); opt.step()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
     return loss
 # Different data per replica: one pipeline per process (the same global batches are what
 # experimental_distribute_dataset requires, and it would report different ones).

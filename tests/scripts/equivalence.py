@@ -16,9 +16,9 @@ import torch
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the strategy matrix
 
-import strategies  # noqa: E402
-
 import phalanx as px  # noqa: E402
+
+import strategies  # noqa: E402
 
 STEPS, GLOBAL_BATCH, FEATURES = 20, 24, 10
 

@@ -7,14 +7,23 @@ so a torch that changed one fails there first, with the shim's name).
 from __future__ import annotations
 
 import datetime
+import functools
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.nest walks structures with it
 
-__all__ = ["compile_falls_back_per_frame", "gloo_options", "nccl_options", "pytree", "queue_backward_callback",
-           "version_counter"]
+__all__ = [
+    "compile_falls_back_per_frame",
+    "gloo_options",
+    "nccl_options",
+    "pytree",
+    "queue_backward_callback",
+    "untraced",
+    "version_counter",
+]
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -32,9 +41,30 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     ``Variable._execution_engine.queue_callback``: the hook DDP, DeepSpeed and FSDP use to act
     once every gradient of a backward pass is ready. Must be called during a backward pass.
     """
-    # torch.compiler.disable: a compiled step's backward runs with torch.compile's frame hook set;
-    # the callback (collectives, waits) must run as plain Python, never be traced into graphs.
-    torch.autograd.Variable._execution_engine.queue_callback(torch.compiler.disable(callback))
+    # A compiled step's backward runs with torch.compile's frame hook set: the callback
+    # (collectives, waits) must run as plain Python, never be traced into graphs.
+    torch.autograd.Variable._execution_engine.queue_callback(untraced(callback))
+
+
+def untraced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, never traced by torch.compile (``torch.compiler.disable``, torch 2.1 to 2.15).
+
+    ``torch.compiler.disable`` imports torch.compile's machinery, 3 to 5 s per process here, and sets
+    ``TORCHINDUCTOR_CACHE_DIR`` in the environment: the wrapper takes it only once
+    ``torch._dynamo`` has been imported by someone, i.e. once something may be compiled.
+    """
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 def gloo_options(timeout: datetime.timedelta, bind_addr: str) -> Any:

@@ -58,6 +58,10 @@ class ClusterResolver(abc.ABC):
         ('w1:2222', 3)
     """
 
+    #: Whether :meth:`cluster_spec` names every task. torchrun's and PyTorchJob's variables name
+    #: only the master, so their resolver's spec is partial and this task need not appear in it.
+    lists_every_task: bool = True
+
     def __init__(
         self,
         task_type: str | None = None,

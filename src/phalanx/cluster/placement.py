@@ -8,6 +8,7 @@ nodes are the synchronous tasks in the order ``chief`` (if any), then ``worker``
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import socket
 from dataclasses import asdict, dataclass
@@ -107,6 +108,36 @@ def own_address_for(master_addr: str) -> str:
             return str(probe.getsockname()[0])
     except (OSError, IndexError, UnicodeError):
         return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP) resolves to a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError):
+        return host.strip("[]") in ("localhost", "127.0.0.1", "::1")
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def resolve_address(host: str) -> str | None:
+    """The first IP ``host`` resolves to, or None when it does not resolve."""
+    try:
+        return str(socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]).split("%")[0]
+    except (OSError, IndexError, UnicodeError):
+        return None
+
+
+def host_address() -> str | None:
+    """The non-loopback IP this host's name resolves to (a pod's IP in Kubernetes), else None."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    for info in infos:
+        address = info[4][0].split("%")[0]
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
 
 
 def check_local_layout(local_world_size: Any, local_rank: Any) -> None:

@@ -12,7 +12,14 @@ import os
 from collections.abc import Mapping
 
 from phalanx.cluster.base import ClusterResolver, env_int, format_master_url
-from phalanx.cluster.placement import TaskPlacement, check_local_layout, own_address_for
+from phalanx.cluster.placement import (
+    TaskPlacement,
+    check_local_layout,
+    host_address,
+    is_loopback,
+    own_address_for,
+    resolve_address,
+)
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.errors import ClusterSpecError
 
@@ -36,6 +43,8 @@ class TorchElasticClusterResolver(ClusterResolver):
         >>> p.task_name, p.rank, p.node_rank, p.num_nodes, p.master_port
         ('worker:1', 3, 1, 2, 29400)
     """
+
+    lists_every_task = False  # the variables name only the master
 
     def __init__(self, *, environ: Mapping[str, str] | None = None, rpc_layer: str | None = None) -> None:
         env = os.environ if environ is None else environ
@@ -90,6 +99,16 @@ class TorchElasticClusterResolver(ClusterResolver):
             lws, lr = local_world_size, local_rank
             check_local_layout(lws, lr)
             rank, world = self._rank * lws + lr, self._world_size * lws
+        master = self._master_addr
+        if self._num_nodes > 1:
+            # PyTorchJob gives its master pod MASTER_ADDR=localhost and the others the master's
+            # service name. Listening on loopback would shut the other nodes out, so the master
+            # node listens on (and its processes meet at) its host name's address, the pod's IP in
+            # Kubernetes; the other nodes resolve the name, so every node names the master alike.
+            if is_loopback(master):
+                master = (host_address() if self._node_rank == 0 else None) or master
+            else:
+                master = resolve_address(master) or master
         return TaskPlacement(
             "worker",
             self._node_rank,
@@ -99,7 +118,7 @@ class TorchElasticClusterResolver(ClusterResolver):
             lws,
             self._node_rank,
             self._num_nodes,
-            self._master_addr,
+            master,
             self._master_port,
-            own_address_for(self._master_addr),
+            own_address_for(master),
         )

@@ -144,6 +144,9 @@ class GroupSpec:
     timeout: float = 60.0  # every collective
     rendezvous_timeout: float = 60.0
     fingerprint: tuple[tuple[str, Any], ...] = ()  # extra fields that must agree (cluster spec)
+    # Keys of this communicator in the job's store. A program's second strategy runs on the same
+    # processes, store and port as its first: the prefix keeps their rendezvous apart.
+    store_prefix: str = ""
 
     def name(self, rank: int) -> str:
         label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"
@@ -197,6 +200,9 @@ class LocalCommunicator:
         return None
 
 
+_JOB_STORES: dict[tuple[str, int, bool], Any] = {}  # (master address, port, serves it) -> store
+
+
 class ProcessGroupCommunicator:
     """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
 
@@ -220,9 +226,19 @@ class ProcessGroupCommunicator:
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me)
-        self._store = rendezvous.connect_store(
-            rank=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr, master_port=spec.master_port,
-            bind_addr=spec.bind_addr, timeout=spec.rendezvous_timeout, master_task=spec.name(0), task=me)
+        # One store (one listening port) per job and process, shared by the program's strategies;
+        # each strategy's keys live under its own prefix (a program may create several).
+        key = (spec.master_addr, spec.master_port, spec.rank == 0)
+        if key not in _JOB_STORES:
+            if not _JOB_STORES:
+                atexit.register(_JOB_STORES.clear)  # after every communicator closed (LIFO)
+            _JOB_STORES[key] = rendezvous.connect_store(
+                rank=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
+                master_port=spec.master_port, bind_addr=spec.bind_addr, timeout=spec.rendezvous_timeout,
+                master_task=spec.name(0), task=me)
+        self._store = _JOB_STORES[key]
+        if spec.store_prefix:
+            self._store = dist.PrefixStore(spec.store_prefix, self._store)
         fingerprint = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
                        **dict(spec.fingerprint)}
         self._peers = rendezvous.exchange(self._store, rank=spec.rank, world_size=spec.world_size,

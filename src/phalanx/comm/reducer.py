@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from phalanx._compat.torch import queue_backward_callback
+from phalanx._compat.torch import queue_backward_callback, untraced
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -109,7 +109,8 @@ class GradientReducer:
         self._buckets.append(_Bucket(params))
         for pos, p in enumerate(params):
             self._where[id(p)] = (index, pos)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            # untraced: the hook runs inside a compiled step's backward; never trace the collectives
+            self._hooks.append(p.register_post_accumulate_grad_hook(untraced(self._on_grad)))
             self._hooks.append(p.register_hook(self._before_accumulate(p)))
 
     def _before_accumulate(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
@@ -140,7 +141,6 @@ class GradientReducer:
             self.sync = previous
 
     # ---------------------------------------------------------------------------- backward
-    @torch.compiler.disable  # runs inside a compiled step's backward: never trace the collectives
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self.enabled:
             return

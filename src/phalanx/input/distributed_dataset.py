@@ -268,7 +268,8 @@ class DistributedDataset:
             first = False
             start, end = slice_bounds(size, num, index)
             yield nest.map_structure(
-                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, element), size
+                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t,  # noqa: B023 - applied now
+                element), size
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended

@@ -3,7 +3,8 @@
 Every replica runs ``fit`` (one process per replica), so every replica has the callbacks the
 program passed. Two kinds need care:
 
-* **Writers** (``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger``, ``RemoteMonitor``,
+* **Writers** (``ModelCheckpoint``, ``TensorBoard`` (Keras' and :class:`TensorBoard`, phalanx's
+  torch-backend one, importable from here), ``CSVLogger``, ``RemoteMonitor``,
   ``BackupAndRestore``, the progress bar) run on the chief only, so no two processes write the
   same file. The others get the rest of the list; ``History`` stays everywhere (the logs it
   records are the same on every replica).
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from phalanx._compat import keras as compat_keras
+from phalanx.keras.tensorboard import TensorBoard
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ CHIEF_ONLY: tuple[type, ...] = tuple(
     c for c in (getattr(_cb, name, None) for name in
                 ("ModelCheckpoint", "TensorBoard", "CSVLogger", "RemoteMonitor", "ProgbarLogger", "BackupAndRestore",
                  "OrbaxCheckpoint"))
-    if c is not None)
+    if c is not None) + (TensorBoard,)
 
 # Callbacks that may change the training state at train begin (restore a backup), on the chief.
 RESTORING: tuple[type, ...] = tuple(c for c in (getattr(_cb, "BackupAndRestore", None),) if c is not None)
@@ -65,7 +67,7 @@ _NEVER_STOP_MID_EPOCH: tuple[type, ...] = tuple(
                 ("ProgbarLogger", "History", "ModelCheckpoint", "TensorBoard", "CSVLogger", "RemoteMonitor",
                  "LearningRateScheduler", "ReduceLROnPlateau", "BackupAndRestore", "EarlyStopping",
                  "SwapEMAWeights", "OrbaxCheckpoint"))
-    if c is not None)
+    if c is not None) + (TensorBoard,)
 
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 

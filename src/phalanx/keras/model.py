@@ -63,12 +63,12 @@ import torch
 from phalanx import context, hooks, nest
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
-from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
-from phalanx.nn import mark_loss_scaled
+from phalanx.errors import InputMismatchError, PhalanxError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
 from phalanx.keras.discovery import distributed_model
+from phalanx.nn import mark_loss_scaled
 from phalanx.strategy import register_scope_enter_hook
 from phalanx.values import ReduceOp
 
@@ -142,7 +142,7 @@ def distribute(model: Any, strategy: "Strategy | None" = None) -> Any:
                                      f"it cannot also be distributed by {strategy!r}.",
                                      hint="create the model again inside the new strategy's scope")
         return model
-    DistributedModel(model, strategy)
+    adapter_for(model, strategy)
     return model
 
 
@@ -150,7 +150,7 @@ def _on_module_registered(module: torch.nn.Module, name: str, submodule: torch.n
     if not (isinstance(module, keras.Model) and context.has_strategy() and context.in_cross_replica_context()):
         return
     strategy = context.get_strategy()
-    adapted = distributed_model(module) or DistributedModel(module, strategy)
+    adapted = distributed_model(module) or adapter_for(module, strategy)
     if submodule is not None and adapted.strategy is strategy:
         # Registered in this scope, these parameters were captured (and will be synchronised)
         # by the strategy itself; the first step need not broadcast them again.
@@ -200,21 +200,24 @@ class _Step:
 
 
 # ---------------------------------------------------------------------------------- the adapter
+def adapter_for(model: Any, strategy: "Strategy") -> "DistributedModel":
+    """Adapts ``model`` to ``strategy``: chosen once, by the kind of training the strategy does."""
+    if strategy.extended.is_asynchronous:
+        return PsAdapter(model, strategy)
+    return SyncAdapter(model, strategy)
+
+
 class DistributedModel:
     """A Keras model's fit / evaluate / predict under a strategy; see the module docstring.
 
-    Created by the scope (or :func:`distribute`); reach it with ``distributed_model(model)``.
+    Created by the scope (or :func:`distribute`) through :func:`adapter_for`, as a
+    :class:`SyncAdapter` (synchronous strategies) or a :class:`PsAdapter` (parameter servers);
+    reach it with ``distributed_model(model)``.
     """
 
     def __init__(self, model: Any, strategy: "Strategy") -> None:
         self._model_ref = weakref.ref(model)
         self.strategy = strategy
-        self._grad_scale = _GRAD_SCALES.setdefault(strategy, _GradScale())
-        self._synced: dict[int, torch.Tensor] = {}
-        self._decorrelated = False
-        self._checks_left = 0
-        self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
-        self._writing = False
         discovery.attach(model, self)
         for method in ("fit", "evaluate", "predict"):
             wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
@@ -255,35 +258,8 @@ class DistributedModel:
         return bool(self._ext.should_checkpoint)
 
     # ------------------------------------------------------------------------------ public methods
-    @property
-    def _on_parameter_servers(self) -> bool:
-        from phalanx.strategies.parameter_server import ParameterServerExtended
-
-        return isinstance(self._ext, ParameterServerExtended)
-
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
-        call, arguments = self._bind(type(model).fit, model, args, kwargs)
-        if self._on_parameter_servers:
-            from phalanx.keras import parameter_server
-
-            return parameter_server.fit(self, arguments)
-        user = _flat_callbacks(arguments.get("callbacks"))
-        if isinstance(arguments.get("callbacks"), keras.callbacks.CallbackList):
-            # The caller built the list: keep it, and make sure it ends with one coordinator.
-            cbl = arguments["callbacks"]
-            cbl.callbacks = [cb for cb in cbl.callbacks if not isinstance(cb, px_callbacks.Coordinator)]
-            coordinator = px_callbacks.Coordinator(self.strategy, cbl.callbacks)
-            coordinator.set_model(model)
-            cbl.callbacks.append(coordinator)
-        else:
-            arguments["callbacks"] = px_callbacks.for_replica(user, self.is_chief) + [
-                px_callbacks.Coordinator(self.strategy, user)]
-        if not self.is_chief:
-            arguments["verbose"] = 0
-        self._prepare()
-        self._stat_vars = None
-        return call(arguments)
+        raise NotImplementedError
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_inference(type(self.model).evaluate, args, kwargs)
@@ -292,20 +268,13 @@ class DistributedModel:
         return self._run_inference(type(self.model).predict, args, kwargs)
 
     def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        model = self.model
-        call, arguments = self._bind(method, model, args, kwargs)
-        if self._on_parameter_servers:
-            # On the chief's copy, after pulling the servers' values (TF's inline evaluation).
-            self._ext.pull_variables()
-            return call(arguments)
-        passed = arguments.get("callbacks")
-        if not isinstance(passed, keras.callbacks.CallbackList):  # fit's own list when validating
-            if passed is not None:
-                arguments["callbacks"] = px_callbacks.for_replica(_flat_callbacks(passed), self.is_chief)
-            if not self.is_chief:
-                arguments["verbose"] = 0
-        self._prepare()
-        return call(arguments)
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Adapts Keras' step functions (again after ``compile`` reset them); nothing by default."""
+
+    def _mark_synced(self, params: Any) -> None:
+        """Notes parameters the strategy's scope captured (and synchronises); nothing by default."""
 
     def _write_once(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``model.<method>(path)`` once per path: the chief writes, and a replica that was given a
@@ -354,12 +323,73 @@ class DistributedModel:
 
         return call, dict(bound.arguments)
 
+
+class PsAdapter(DistributedModel):
+    """Under ParameterServerStrategy: the chief schedules ``fit``'s steps on the workers
+    (:mod:`phalanx.keras.parameter_server`); ``evaluate`` and ``predict`` run Keras' own steps
+    on the chief's copy after pulling the servers' values (TF's inline evaluation)."""
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        from phalanx.keras import parameter_server
+
+        model = self.model
+        _, arguments = self._bind(type(model).fit, model, args, kwargs)
+        return parameter_server.fit(self, arguments)
+
+    def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        call, arguments = self._bind(method, self.model, args, kwargs)
+        self._ext.pull_variables()
+        return call(arguments)
+
+
+class SyncAdapter(DistributedModel):
+    """Under a synchronous strategy: Keras' step functions run inside ``strategy.run`` on each
+    replica's slice of the global batch, with gradient scaling, metric merging, statistics
+    averaging and lazy-variable synchronisation (see the module docstring)."""
+
+    def __init__(self, model: Any, strategy: "Strategy") -> None:
+        self._grad_scale = _GRAD_SCALES.setdefault(strategy, _GradScale())
+        self._synced: dict[int, torch.Tensor] = {}
+        self._decorrelated = False
+        self._checks_left = 0
+        self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
+        super().__init__(model, strategy)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        call, arguments = self._bind(type(model).fit, model, args, kwargs)
+        user = _flat_callbacks(arguments.get("callbacks"))
+        if isinstance(arguments.get("callbacks"), keras.callbacks.CallbackList):
+            # The caller built the list: keep it, and make sure it ends with one coordinator.
+            cbl = arguments["callbacks"]
+            cbl.callbacks = [cb for cb in cbl.callbacks if not isinstance(cb, px_callbacks.Coordinator)]
+            coordinator = px_callbacks.Coordinator(self.strategy, cbl.callbacks)
+            coordinator.set_model(model)
+            cbl.callbacks.append(coordinator)
+        else:
+            arguments["callbacks"] = px_callbacks.for_replica(user, self.is_chief) + [
+                px_callbacks.Coordinator(self.strategy, user)]
+        if not self.is_chief:
+            arguments["verbose"] = 0
+        self._prepare()
+        self._stat_vars = None
+        return call(arguments)
+
+    def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        call, arguments = self._bind(method, self.model, args, kwargs)
+        passed = arguments.get("callbacks")
+        if not isinstance(passed, keras.callbacks.CallbackList):  # fit's own list when validating
+            if passed is not None:
+                arguments["callbacks"] = px_callbacks.for_replica(_flat_callbacks(passed), self.is_chief)
+            if not self.is_chief:
+                arguments["verbose"] = 0
+        self._prepare()
+        return call(arguments)
+
     # ------------------------------------------------------------------------------ step functions
     def _prepare(self) -> None:
         """Wraps the step functions Keras made (again after ``compile`` reset them)."""
         model = self.model
-        if self._on_parameter_servers:
-            return  # the chief runs Keras' own steps for evaluate/predict; fit schedules its steps
         self._checks_left = 2  # look for lazily built variables at the first two steps
         self._adapt_optimizer(getattr(model, "optimizer", None))
         for kind in _KINDS:
@@ -426,7 +456,8 @@ class DistributedModel:
             versions = [version_counter(v.value) for v in candidates]
         logs = self._run_local(raw, step, step.share)
         if versions is not None:
-            changed = torch.tensor([float(version_counter(v.value) != before) for v, before in zip(candidates, versions)])
+            changed = torch.tensor([float(version_counter(v.value) != before)
+                                    for v, before in zip(candidates, versions)])
             changed = self._ext.all_reduce([changed], ReduceOp.SUM)[0] if len(candidates) else changed
             self._stat_vars = [v for v, c in zip(candidates, changed.tolist()) if c > 0]
         stat_vars = self._stat_vars or []

@@ -253,7 +253,7 @@ class _ArrayBatches:
             order = rng.permutation(n) if self.shuffle else np.arange(n)
             for start in range(0, n, self.batch_size):
                 idx = order[start:start + self.batch_size]
-                yield keras.tree.map_structure(lambda a: np.asarray(a)[idx], self.arrays)
+                yield keras.tree.map_structure(lambda a: np.asarray(a)[idx], self.arrays)  # noqa: B023 - applied now
 
 
 def _arrays_fn(arrays: tuple, batch_size: int, shuffle: bool) -> Callable[[Any], Any]:

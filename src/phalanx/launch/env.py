@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
 
 from phalanx.errors import ClusterSpecError
 
@@ -43,7 +43,7 @@ class ReplicaEnv:
         return {PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "ReplicaEnv | None":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaEnv | None:
         """The replica identity in ``environ``, or None when this process was not launched by phalanx."""
         environ = os.environ if environ is None else environ
         if PREFIX + "RANK" not in environ:
@@ -74,46 +74,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def install_error_recorder() -> None:
-    """In a replica started by ``phalanx run``: write uncaught exceptions to torch elastic's error file.
-
-    The launcher reads these files to name the first failure (with its traceback) as the root cause.
-    """
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        return
-    import sys
-
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    previous = sys.excepthook
-    if getattr(previous, "_phalanx", False):
-        return
-
-    def hook(kind, value, tb):  # noqa: ANN001
-        try:
-            _record_atomically(ErrorHandler(), value)
-        finally:
-            previous(kind, value, tb)
-
-    hook._phalanx = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _record_atomically(handler: Any, error: BaseException) -> None:
-    """Writes elastic's error file whole or not at all.
-
-    The launcher reads the file as soon as any replica has exited, and stops the rest with
-    SIGTERM; a replica caught halfway through writing left a truncated file, on which torch
-    elastic's own parser raised and brought the launcher down. So: write a temporary file in
-    elastic's format, then rename it into place.
-    """
-    path = os.environ["TORCHELASTIC_ERROR_FILE"]
-    temporary = f"{path}.{os.getpid()}.tmp"
-    os.environ["TORCHELASTIC_ERROR_FILE"] = temporary
-    try:
-        handler.record_exception(error)
-        os.replace(temporary, path)
-    finally:
-        os.environ["TORCHELASTIC_ERROR_FILE"] = path

@@ -1,30 +1,41 @@
 """``phalanx run``: start the replica processes of a job on this host and supervise them.
 
-Process management is torch.distributed.elastic's (``start_processes``): per-process log files,
-error files written by the replicas, and termination of the survivors when one fails. phalanx
-adds the replica identity (:class:`~phalanx.launch.env.ReplicaEnv`), the "root cause" report
-(the earliest failure, with its rank, exit code and traceback tail) and whole-group restarts.
+A configuration of :mod:`phalanx.launch.supervisor`: replica 0 (of node 0) writes to this
+terminal untouched, exactly as ``python train.py`` would; the others write to
+``LOGDIR/<run-id>/replica_<k>.log`` (``--tee`` shows them here too, prefixed). phalanx adds the
+replica identity (:class:`~phalanx.launch.env.ReplicaEnv`), whole-group restarts, and the exit
+rules every launcher shares:
+
+* a replica that fails, or an interrupt, ends the whole job at once, with the root cause printed
+  once and a non-zero exit code;
+* a replica still running ``PHALANX_EXIT_TIMEOUT`` seconds after replica 0 finished normally is a
+  failure: it is named, its stack is shown, and the job exits 1 (the launcher says that it waits);
+* SIGTERM to the launcher (preemption) reaches every replica, which get
+  ``PHALANX_PREEMPTION_GRACE`` seconds to save; a job whose replicas exit with 42 after saving is
+  restarted without using up ``--max-restarts``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
-from torch.distributed.elastic.multiprocessing.api import SignalException
-
+from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.self_launch import default_log_dir
+from phalanx.launch.supervisor import (
+    Exit,
+    Interrupted,
+    RunDirectory,
+    Supervisor,
+    Task,
+    forwarded_signals,
+    stop_on_signal,
+    wait_for_the_rest,
+)
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
 MAX_PREEMPTION_RESTARTS = 100
-PREEMPTION_GRACE_S = 30.0  # how long replicas get to save after the launcher is told to stop
 
 
 @dataclass(frozen=True)
@@ -37,8 +48,10 @@ class JobSpec:
         nnodes, node_rank, master_addr, master_port: the multi-host layout (1 node by default).
         max_restarts: how many times the whole group is restarted after a failure (with ``ps``:
             how many times each failed worker is restarted).
+        log_dir: the log root (run directories go inside); default ``PHALANX_LOG_ROOT`` or a temp dir.
         ps, workers: when ``ps > 0``, start a parameter-server cluster instead (one chief,
             ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
+        tee: show every replica's output on this terminal, each line prefixed with its name.
         tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
     """
 
@@ -52,50 +65,8 @@ class JobSpec:
     log_dir: str = ""
     ps: int = 0
     workers: int = 0
+    tee: bool = False
     tls: bool = False
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-    except OSError:
-        return ""
-
-
-_CONSEQUENCES = ("PeerUnavailableError", "CollectiveTimeoutError")
-
-
-def _is_consequence(failure: Any) -> bool:
-    """Whether a failure only followed another's: the replica reported losing a peer, or it was
-    still running (e.g. exiting) when torch elastic stopped the group with SIGTERM."""
-    if failure.exitcode == -signal.SIGTERM:
-        return True
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    message = data.get("message")
-    text = message.get("message", "") if isinstance(message, dict) else str(message or "")
-    return any(name in text for name in _CONSEQUENCES)
-
-
-def _root_cause(result, spec: JobSpec) -> tuple[int, str]:
-    # Replicas record their uncaught exception (with a timestamp) in elastic's error file; the
-    # earliest one is the root cause. A consequence (a replica that saw its peer disappear, or that
-    # elastic stopped after another failed) never is when any other failure is there: timestamps
-    # have one-second resolution, and a replica still exiting gets SIGTERM once a peer has exited.
-    rank, failure = min(result.failures.items(), key=lambda kv: (_is_consequence(kv[1]), kv[1].timestamp, kv[0]))
-    global_rank = spec.node_rank * spec.nproc + rank
-    detail = ""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    message = data.get("message")
-    if isinstance(message, dict) and message.get("message"):
-        detail = f"error: {message['message']}\n"
-    log_tail = _tail(result.stderrs.get(rank, ""), 12) or _tail(result.stdouts.get(rank, ""), 12)
-    detail += f"last lines of its log:\n{log_tail}" if log_tail else ""
-    code = failure.exitcode
-    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    text = (f"phalanx: root cause (first failure): worker:{spec.node_rank} local rank {rank} "
-            f"(global rank {global_rank}, pid {failure.pid}) failed with {how}\n{detail}")
-    return (code if code > 0 else 1), text
 
 
 def run_job(spec: JobSpec) -> int:
@@ -104,77 +75,84 @@ def run_job(spec: JobSpec) -> int:
         from phalanx.ps.launcher import ClusterJob, run_cluster
 
         return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir,
-                                      tls=spec.tls))
-    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    log_dir = spec.log_dir or default_log_dir(run_id)
-    os.makedirs(log_dir, exist_ok=True)
-    print(f"phalanx: {spec.nproc} replica(s) on this host; logs in {log_dir}", file=sys.stderr, flush=True)
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):  # noqa: ANN001
-        stop["signal"] = signum
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        attempt = failures = preemptions = 0
-        while True:
-            code = _run_attempt(spec, run_id, log_dir, attempt)
-            if code == 0:
-                return 0
-            attempt += 1
-            # A preempted job (every replica saved and asked for a restart) did not fail: it does
-            # not use up --max-restarts, though a bound keeps a job that always asks from looping.
-            if code == RESTART_EXIT_CODE and preemptions < MAX_PREEMPTION_RESTARTS:
-                preemptions += 1
-                print("phalanx: the job saved and asked to be restarted (preemption); restarting",
-                      file=sys.stderr, flush=True)
-                continue
-            if failures >= spec.max_restarts:
-                return code
-            failures += 1
-            print(f"phalanx: restarting the job (restart {failures} of {spec.max_restarts})",
-                  file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        return 128 + (stop["signal"] or signal.SIGINT)
-    except SignalException as e:  # torch elastic's own handler fired while its processes ran
-        return 128 + int(e.sigval)
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+                                      tee=spec.tee, tls=spec.tls))
+    run = RunDirectory(spec.log_dir or None).create()
+    sup = Supervisor(tee=spec.tee)
+    here = "every replica writes here, prefixed" if spec.tee else (
+        "replica 0 writes here; " if spec.node_rank == 0 else "")
+    sup.say(f"{spec.nproc} replica(s) on this host; {here}logs in {run.path}")
+    with forwarded_signals():
+        try:
+            attempt = failures = preemptions = 0
+            while True:
+                code = _run_attempt(spec, sup, run, attempt)
+                if code == 0:
+                    return 0
+                attempt += 1
+                # A preempted job (every replica saved and asked for a restart) did not fail: it does
+                # not use up --max-restarts, though a bound keeps a job that always asks from looping.
+                if code == RESTART_EXIT_CODE and preemptions < MAX_PREEMPTION_RESTARTS:
+                    preemptions += 1
+                    sup.say("the job saved and asked to be restarted (preemption); restarting")
+                    continue
+                if failures >= spec.max_restarts:
+                    return code
+                failures += 1
+                sup.say(f"restarting the job (restart {failures} of {spec.max_restarts})")
+        except Interrupted as e:
+            return stop_on_signal(sup, e.signum)
 
 
-def _run_attempt(spec: JobSpec, run_id: str, log_dir: str, attempt: int) -> int:
+def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
     port = spec.master_port or free_port(spec.master_addr)
     world = spec.nproc * spec.nnodes
-    envs, args = {}, {}
+    tasks = []
     for local in range(spec.nproc):
-        env = ReplicaEnv(rank=spec.node_rank * spec.nproc + local, world_size=world, local_rank=local,
-                         local_world_size=spec.nproc, master_addr=spec.master_addr, master_port=port,
-                         node_rank=spec.node_rank, num_nodes=spec.nnodes, run_id=run_id, log_dir=log_dir)
-        envs[local] = {**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1"}
-        args[local] = tuple(spec.command)
-    # Replica 0 of the first node writes to the terminal (and its log); the others only to logs.
-    tee = {r: (Std.ALL if r == 0 and spec.node_rank == 0 else Std.NONE) for r in range(spec.nproc)}
-    redirects = {r: Std.ALL for r in range(spec.nproc)}
-    ctx = start_processes(name=f"phalanx-{attempt}", entrypoint=sys.executable, args=args, envs=envs,
-                          logs_specs=DefaultLogsSpecs(log_dir=os.path.join(log_dir, f"attempt_{attempt}"),
-                                                      redirects=redirects, tee=tee))
+        rank = spec.node_rank * spec.nproc + local
+        env = ReplicaEnv(rank=rank, world_size=world, local_rank=local, local_world_size=spec.nproc,
+                         master_addr=spec.master_addr, master_port=port, node_rank=spec.node_rank,
+                         num_nodes=spec.nnodes, run_id=run.run_id, log_dir=run.path)
+        to_terminal = rank == 0 and not spec.tee  # replica 0 writes to the terminal, untouched
+        tasks.append(Task(name=f"replica {rank}", command=(sys.executable, *spec.command),
+                          env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt)},
+                          log_path=None if to_terminal else run.log_path(f"replica_{rank}"),
+                          error_path=run.error_path(f"replica_{rank}"), done_path=run.done_path(f"replica_{rank}"),
+                          info=f"node {spec.node_rank}, local rank {local}"))
+    return tasks
+
+
+def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int) -> int:
+    sup.forget_exits()
+    started = [sup.start(task) for task in _tasks(spec, run, attempt)]
+    primary = started[0] if spec.node_rank == 0 else None  # replica 0 lives on node 0
+    exits: list[Exit] = []
     try:
         while True:
-            result = ctx.wait(timeout=0.1, period=0.05)
-            if result is None:
-                continue
-            if not result.is_failed():
+            for ended in sup.poll():
+                exits.append(ended)
+                if ended.failed:
+                    return _fail(sup, exits, ended)
+                if primary is not None and ended.task is primary.task:
+                    return wait_for_the_rest(sup)  # the others must finish too, and soon
+            if sup.failing():  # a replica recorded an uncaught exception and is tearing down
+                return _fail(sup, exits, None)
+            if not sup.alive():
                 return 0
-            code, text = _root_cause(result, spec)
-            print(text, file=sys.stderr, flush=True)
-            return code
-    except (KeyboardInterrupt, SignalException):
-        # This launcher is being stopped (SIGTERM: preemption, SIGINT: Ctrl-C). Pass the notice on,
-        # so replicas with a PreemptionCheckpointHandler can agree on a step and save, then wait for
-        # them a bounded time before killing what is left.
-        ctx.close(death_sig=signal.SIGTERM, timeout=PREEMPTION_GRACE_S)
+            time.sleep(0.05)
+    except Interrupted:
+        raise  # the caller forwards the signal and gives the replicas their grace period
+    except BaseException:
+        sup.kill()  # nothing of this attempt outlives a launcher error
         raise
-    finally:
-        ctx.close(death_sig=signal.SIGKILL)
+
+
+def _fail(sup: Supervisor, exits: list[Exit], first: Exit | None) -> int:
+    """A replica failed: stop the rest and print the root cause once; returns the exit status."""
+    if first is not None and first.code == RESTART_EXIT_CODE:
+        # A preempted replica saved and asked for a restart; its peers are finishing their own
+        # saves: let them end by themselves before stopping anything.
+        sup.wait_any(sup.alive(), settings.preemption_grace())
+    exits.extend(sup.stop_after_failure())
+    cause = sup.report_root_cause(exits)
+    assert cause is not None
+    return cause.status or 1

@@ -1,34 +1,39 @@
 """``python train.py`` with a multi-replica strategy: the script starts its other replicas itself.
 
-The process the user started becomes replica 0. It runs the same command again for replicas
-1..N-1 with their identity in the environment (:class:`~phalanx.launch.env.ReplicaEnv`), sends
-their output to per-replica log files, and watches them: if one fails, the others are stopped and
-its log's tail is printed as the root cause. Children die with the parent (``PR_SET_PDEATHSIG``),
-so an interrupted job leaves no process behind.
+A configuration of :mod:`phalanx.launch.supervisor`. The process the user started becomes
+replica 0 and keeps its terminal; it runs the same command again for replicas 1..N-1 with their
+identity in the environment (:class:`~phalanx.launch.env.ReplicaEnv`), their output in
+``LOGDIR/<run-id>/replica_<k>.log``. The replicas are started once per program: a second
+multi-replica strategy (TF's tutorials create several) runs on the same processes
+(:func:`launch`).
+
+Exit rules, the same as ``phalanx run``'s:
+
+* a replica that fails ends the job: the others are stopped, the root cause is printed once, and
+  replica 0 exits 1 (at its next collective, or a moment later);
+* an uncaught exception or a Ctrl-C on replica 0 stops the others at once;
+* when replica 0 finishes normally it waits for the others, saying so after a second; one still
+  running after ``PHALANX_EXIT_TIMEOUT`` seconds is named with its stack, and replica 0 exits 1.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
+import contextlib
+import gc
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
 
 from phalanx.errors import LaunchError
 from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
-_GRACE = 5.0  # seconds the main thread gets to raise its own error after a replica died
-
-
-def _die_with_parent() -> None:
-    # prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel kills the child when its parent exits.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+_MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
+_job: ReplicaLauncher | None = None
+_job_lock = threading.Lock()
 
 
 def _script_command() -> list[str]:
@@ -49,104 +54,130 @@ def _script_command() -> list[str]:
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
 
-def default_log_dir(run_id: str) -> str:
-    base = os.environ.get("PHALANX_LOG_ROOT") or os.path.join(tempfile.gettempdir(), "phalanx-logs")
-    return os.path.join(base, run_id)
+def current_job() -> ReplicaLauncher | None:
+    """The replicas this process started (it is their replica 0), if any."""
+    return _job
+
+
+def launch(world_size: int) -> ReplicaLauncher:
+    """Starts replicas 1..world_size-1 of this script, or returns those started before.
+
+    Raises:
+        LaunchError: replicas were started already for another number of replicas.
+    """
+    global _job
+    with _job_lock:
+        if _job is None:
+            _job = ReplicaLauncher(world_size)
+        elif _job.world_size != world_size:
+            raise LaunchError(f"This program already runs {_job.world_size} replica processes; a strategy over "
+                              f"{world_size} devices cannot run on them.",
+                              hint=f"give every multi-replica strategy of the program {_job.world_size} devices")
+        return _job
 
 
 class ReplicaLauncher:
     """Starts and supervises replicas 1..N-1 of the current script; this process is replica 0."""
 
     def __init__(self, world_size: int, quiet: bool = False) -> None:
+        self.world_size = world_size
         self.command = _script_command()
-        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self.log_dir = default_log_dir(self.run_id)
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.run = RunDirectory().create()
+        self.run_id, self.log_dir = self.run.run_id, self.run.path
         self.env = ReplicaEnv(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
                               master_addr="127.0.0.1", master_port=free_port(), run_id=self.run_id,
                               log_dir=self.log_dir)
-        self.children: dict[int, subprocess.Popen] = {}
-        self._stopping = threading.Event()
-        self._reported = False
+        self.supervisor = Supervisor()
+        self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
+        self._main_exiting = threading.Event()
+        self._own_failure = False
+        self._lock = threading.Lock()
         for rank in range(1, world_size):
-            child_env = dict(os.environ)
-            child_env.update(ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank}).to_environ())
-            child_env["PYTHONUNBUFFERED"] = "1"
-            log = open(self.log_path(rank), "wb")  # noqa: SIM115 - the child owns it from here
-            try:
-                self.children[rank] = subprocess.Popen(self.command, env=child_env, stdout=log,
-                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                       preexec_fn=_die_with_parent)
-            finally:
-                log.close()
+            identity = ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank})
+            self.supervisor.start(Task(name=f"replica {rank}", command=tuple(self.command),
+                                       env=identity.to_environ(), log_path=self.run.log_path(f"replica_{rank}"),
+                                       error_path=self.run.error_path(f"replica_{rank}"),
+                                       done_path=self.run.done_path(f"replica_{rank}"),
+                                       info=f"local rank {rank}"))
         if not quiet:
-            print(f"phalanx: started replicas 1..{world_size - 1}; their output is in {self.log_dir}",
-                  file=sys.stderr, flush=True)
+            self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
+        self._install_excepthook()
         atexit.register(self.finish)
         self._watcher = threading.Thread(target=self._watch, name="phalanx-replica-watcher", daemon=True)
         self._watcher.start()
 
     def log_path(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"replica_{rank}.log")
+        return self.run.log_path(f"replica_{rank}")
 
-    def _tail(self, rank: int, lines: int = 15) -> str:
-        try:
-            with open(self.log_path(rank), "rb") as f:
-                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-        except OSError:
-            return "(no log)"
+    # ------------------------------------------------------------------ failures
+    def _myself(self, code: int, message: str) -> Exit:
+        task = Task(name="replica 0", command=tuple(self.command), log_path=None, info="local rank 0")
+        return Exit(task, os.getpid(), code, len(self.supervisor.exits), False, message, int(time.time()))
 
-    def _report(self, rank: int, code: int) -> None:
-        if self._reported:
-            return
-        self._reported = True
-        print(f"\nphalanx: root cause (first failure): replica {rank} (pid {self.children[rank].pid}) "
-              f"exited with code {code}. Last lines of {self.log_path(rank)}:\n{self._tail(rank)}\n",
-              file=sys.stderr, flush=True)
+    def _install_excepthook(self) -> None:
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            try:
+                previous(kind, value, tb)
+            finally:
+                code = -signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1
+                self._abort(self._myself(code, f"{kind.__name__}: {value}"))
+
+        sys.excepthook = hook
+
+    def _abort(self, mine: Exit) -> None:
+        """Replica 0 ends with an error: stop the others now and name the first failure."""
+        self._main_exiting.set()
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self._ended.set()
+            self._own_failure = True  # Python's own exit status (1, or 130 for Ctrl-C) stands
+        self.supervisor.stop_after_failure()
+        self.supervisor.report_root_cause([*self.supervisor.exits, mine])
 
     def _watch(self) -> None:
-        while not self._stopping.wait(0.1):
-            for rank, proc in self.children.items():
-                code = proc.poll()
-                if code not in (None, 0):
-                    self._report(rank, code)
-                    self._terminate()
-                    # The main thread usually fails on its own at the next collective; if it is
-                    # blocked somewhere that cannot notice, end the process so the job never hangs.
-                    if not self._stopping.wait(_GRACE):
-                        print("phalanx: replica 0 is stopping because a peer failed", file=sys.stderr, flush=True)
-                        os._exit(1)
+        while not self._ended.wait(0.05):
+            ended = self.supervisor.poll()
+            if not any(e.failed for e in ended) and not self.supervisor.failing():
+                continue
+            with self._lock:
+                if self._ended.is_set():
                     return
-
-    def _terminate(self) -> None:
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 3
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def finish(self, timeout: float = 60.0) -> None:
-        """At exit: waits for the replicas to end; a failed replica makes this process fail too."""
-        if self._stopping.is_set():
+                self._ended.set()
+            self.supervisor.stop_after_failure()
+            self.supervisor.report_root_cause()
+            # Replica 0 may fail on its own at its next collective (its traceback then follows);
+            # if it is busy elsewhere or blocked where it cannot notice, end it now: the job
+            # never outlives its error.
+            if not self._main_exiting.wait(_MAIN_GRACE_S):
+                self.supervisor.say("replica 0 stops because another replica failed")
+                _exit(1)
             return
-        self._stopping.set()
-        deadline = time.monotonic() + timeout
-        failed = None
-        for rank, proc in self.children.items():
-            try:
-                code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            if code not in (0, None) and failed is None:
-                failed = (rank, code)
-        self._terminate()
-        if failed is not None:
-            self._report(*failed)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os._exit(1)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """At exit: waits (bounded, and saying so) for the replicas; any failure makes this process fail."""
+        self._main_exiting.set()
+        with self._lock:
+            failed_before = self._ended.is_set()
+            self._ended.set()
+        if failed_before:
+            if self._own_failure:
+                # The job has failed and every replica is stopped: leave the objects of this process
+                # to the OS rather than to a final collection over torch's and Keras' (which took
+                # seconds on a loaded machine), so the job ends when its error is out.
+                gc.freeze()
+                return
+            _exit(1)  # another replica failed: never exit 0, whatever replica 0 did after
+        if wait_for_the_rest(self.supervisor) != 0:
+            _exit(1)
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
+            stream.flush()
+    os._exit(code)
+

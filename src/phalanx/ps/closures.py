@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 
 class RemoteValue:
-    """The result of a scheduled function, available once it has run (``tf.distribute.experimental.coordinator.RemoteValue``)."""
+    """The result of a scheduled function, available once it has run.
+
+    (``tf.distribute.experimental.coordinator.RemoteValue``.)
+    """
 
     def __init__(self, coordinator: ClusterCoordinator, name: str) -> None:
         self._coordinator = coordinator
@@ -56,7 +59,8 @@ class RemoteValue:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._event.wait(0.05):
-            self._coordinator._check_progress()  # friend: ps.coordinator. A failed parameter server; no worker for too long
+            # friend: ps.coordinator. A failed parameter server; no worker for too long.
+            self._coordinator._check_progress()  # friend
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{self._name} did not finish within {timeout}s")
         if self._error is not None:
@@ -106,10 +110,11 @@ class PerWorkerDataset(_Resource):
         return PerWorkerIterator(self)
 
     def build(self) -> PerWorkerDataset:
+        """This dataset (TF's ``PerWorkerDataset.build()``: the workers build theirs when a function needs it)."""
         return self
 
     def meta(self, blob_index: int) -> dict[str, Any]:
-        return {"kind": "dataset", "id": self.id, "blob": blob_index}
+        return {"kind": self.kind, "id": self.id, "blob": blob_index}
 
 
 class PerWorkerIterator(_Resource):
@@ -125,7 +130,7 @@ class PerWorkerIterator(_Resource):
         return [self.dataset, self]
 
     def meta(self, blob_index: int) -> dict[str, Any]:
-        return {"kind": "iterator", "id": self.id, "dataset": self.dataset.id}
+        return {"kind": self.kind, "id": self.id, "dataset": self.dataset.id}
 
     def __next__(self) -> Any:
         raise TypeError("a per-worker iterator is consumed on the workers: pass it to a function given to "

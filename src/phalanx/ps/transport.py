@@ -431,7 +431,7 @@ class InProcessTransport:
             raise TransportError(fault, f"injected {fault}")
         if service is None:
             raise TransportError("unavailable", f"nothing serves {address}")
-        if service.NAME != service_name or method not in service.METHODS:
+        if service_name != service.NAME or method not in service.METHODS:
             raise TransportError("unimplemented", "Method not found!")
         try:
             return list(service.handle(method, chunks, "inproc"))

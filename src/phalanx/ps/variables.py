@@ -126,7 +126,7 @@ class ShardIO:
             tensors = [shard_view(values[i].detach(), specs[i].shards[j]) for i, j in items]
             calls.append((self.tasks[ps], "create", header, tensors))
         existing: set[str] = set()
-        for (ps, items), reply in zip(groups.items(), call_all(calls)):
+        for (_, items), reply in zip(groups.items(), call_all(calls)):
             found = set(reply.header.get("existing", []))
             existing |= {specs[i].name for i, j in items if specs[i].shards[j].key in found}
         return existing
@@ -137,7 +137,7 @@ class ShardIO:
         calls = [(self.tasks[ps], "read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
                  for ps, items in groups.items()]
         with torch.no_grad():
-            for (ps, items), reply in zip(groups.items(), call_all(calls)):
+            for (_, items), reply in zip(groups.items(), call_all(calls)):
                 for (i, j), value in zip(items, reply.tensors):
                     dst = shard_view(targets[i].data, specs[i].shards[j])
                     dst.copy_(value.reshape(dst.shape))
@@ -193,7 +193,7 @@ class ShardIO:
         calls = [(self.tasks[ps], "opt_read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
                  for ps, items in groups.items()]
         parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        for (ps, items), reply in zip(groups.items(), call_all(calls)):
+        for (_, items), reply in zip(groups.items(), call_all(calls)):
             tensors = iter(reply.tensors)
             for (i, j), state in zip(items, reply.header["states"]):
                 parts[(i, j)] = {name: next(tensors) for name in state["names"]}
@@ -261,7 +261,8 @@ class RemoteVariable:
         self._io.assign([self._spec], [torch.as_tensor(value, dtype=self.dtype).reshape(self._spec.shape)])
 
     def __repr__(self) -> str:
-        return f"RemoteVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device!r})"
+        return (f"RemoteVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device!r})")
 
 
 class ShardedVariable:

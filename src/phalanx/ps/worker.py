@@ -3,8 +3,9 @@
 For each scheduled function (one at a time):
 
 1. The request's signature (over every byte) and freshness are checked
-   (:class:`phalanx.ps.service.SignedService`); only then is the function unpickled. References in it resolve to this worker's objects: its copy of each variable, its
-   strategy, its per-worker datasets and iterators.
+   (:class:`phalanx.ps.service.SignedService`); only then is the function unpickled. References
+   in it resolve to this worker's objects: its copy of each variable, its strategy, its
+   per-worker datasets and iterators.
 2. The variables the function refers to are refreshed from the parameter servers.
 3. The function runs. When it calls ``optimizer.step()`` on an optimizer over those variables, a
    global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``,

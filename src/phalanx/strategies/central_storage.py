@@ -64,12 +64,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm.communicator import Handle
-from phalanx.config import settings
 from phalanx.comm.reducer import GradientReducer
+from phalanx.config import settings
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
-from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import SyncExtended, local_devices
+from phalanx.strategies.common import SyncExtended, job_env, local_devices
 from phalanx.strategy import Strategy, by_dtype, tf_device_name
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping
@@ -133,7 +132,7 @@ class CentralStorageExtended(SyncExtended):
     """
 
     def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
-        compute = local_devices(compute_devices, ReplicaEnv.from_environ(), "compute_devices")
+        compute = local_devices(compute_devices, job_env(), "compute_devices")
         if parameter_device is None:
             only_gpu = len(compute) == 1 and compute[0].type == "cuda"
             parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)

@@ -21,7 +21,8 @@ from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import GroupSpec, LocalCommunicator, ProcessGroupCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
-from phalanx.launch.env import ReplicaEnv, install_error_recorder
+from phalanx.launch import replica_hooks
+from phalanx.launch.env import ReplicaEnv
 from phalanx.strategy import StrategyExtended
 
 # Kept for code that imported them from here; the values live in phalanx.config.
@@ -69,6 +70,20 @@ def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -
     return parsed
 
 
+_generations: dict[tuple[str, int], int] = {}  # (master address, port) -> communicators created
+
+
+def job_env() -> ReplicaEnv | None:
+    """This process's replica identity: from its launcher, or as replica 0 of the replicas it started."""
+    env = ReplicaEnv.from_environ()
+    if env is None:
+        from phalanx.launch.self_launch import current_job
+
+        job = current_job()
+        env = job.env if job is not None else None
+    return env
+
+
 class SyncExtended(StrategyExtended):
     """Base of the synchronous strategies' machinery; subclasses call its steps in ``__init__``.
 
@@ -85,11 +100,12 @@ class SyncExtended(StrategyExtended):
         Raises:
             ClusterSpecError: the launcher started a different number of replicas than ``devices``.
         """
-        env = ReplicaEnv.from_environ()
+        env = job_env()
         if env is None and len(devices) > 1:
-            from phalanx.launch.self_launch import ReplicaLauncher
+            from phalanx.launch.self_launch import launch
 
-            self._launcher = ReplicaLauncher(len(devices))
+            # Once per program: a later multi-replica strategy runs on the replicas started for the first.
+            self._launcher = launch(len(devices))
             env = self._launcher.env
         if env is not None and env.local_world_size != len(devices):
             raise ClusterSpecError(what, [str(d) for d in devices],
@@ -107,10 +123,18 @@ class SyncExtended(StrategyExtended):
     def _build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
                             names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
                             backend: str = "gloo") -> Any:
-        """The communicator of this process: local for one replica, gloo/NCCL otherwise."""
-        install_error_recorder()
+        """The communicator of this process: local for one replica, gloo/NCCL otherwise.
+
+        The program's k-th multi-replica communicator of a job uses the job's store under its own
+        key prefix, so that strategies created one after another (or alive together) run on the
+        same processes; every process creates its strategies in the same order, so they agree on k.
+        """
+        replica_hooks.install()
         if env is None or env.world_size == 1:
             return LocalCommunicator()
+        job = (env.master_addr, env.master_port)
+        generation = _generations.get(job, 0)
+        _generations[job] = generation + 1
         settings = config.settings()
         spec = GroupSpec(
             rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
@@ -119,7 +143,7 @@ class SyncExtended(StrategyExtended):
             bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
             timeout=timeout or settings.collective_timeout,
             rendezvous_timeout=settings.rendezvous_timeout,
-            fingerprint=fingerprint)
+            fingerprint=fingerprint, store_prefix=f"strategy{generation}/" if generation else "")
         return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod

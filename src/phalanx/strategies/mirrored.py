@@ -21,8 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from phalanx.comm.cross_device_ops import CrossDeviceOps
-from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import SyncExtended, local_devices
+from phalanx.strategies.common import SyncExtended, job_env, local_devices
 from phalanx.strategy import Strategy, tf_device_name
 
 
@@ -35,7 +34,7 @@ class MirroredExtended(SyncExtended):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None) -> None:
-        local = local_devices(devices, ReplicaEnv.from_environ())
+        local = local_devices(devices, job_env())
         env = self._replica_env(local)
         local_rank = env.local_rank if env is not None else 0
         self._select_device(local[local_rank])

@@ -32,7 +32,7 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import SyncExtended
+from phalanx.strategies.common import SyncExtended, job_env
 from phalanx.strategy import InputSharding, Strategy, tf_device_name
 
 
@@ -97,10 +97,10 @@ class MultiWorkerMirroredExtended(SyncExtended):
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
         options = communication_options or CommunicationOptions()
-        env = ReplicaEnv.from_environ()
+        env = job_env()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_from_environment()
         spec = resolver.cluster_spec() if resolver is not None else None
-        if spec:
+        if spec and resolver.lists_every_task:  # a partial spec (torchrun) cannot list this task
             validate_cluster(spec, resolver.task_type, resolver.task_id, allow_ps=False)
         placement = _placement(resolver, env)
         if not placement.in_sync_group:
@@ -117,7 +117,7 @@ class MultiWorkerMirroredExtended(SyncExtended):
             raise ClusterSpecError("master_port", 0, "a multi-process job needs the chief's port",
                                    hint="set TF_CONFIG, MASTER_ADDR/MASTER_PORT, or use phalanx run")
         fingerprint: tuple[tuple[str, Any], ...] = tuple(sorted(placement.fingerprint().items()))
-        if spec:
+        if spec and resolver.lists_every_task:  # a partial spec names the master as each node sees it
             fingerprint += tuple((f"cluster.{job}", spec.job_tasks(job)) for job in ("chief", "worker")
                                  if job in spec.jobs)
         run_env = ReplicaEnv(placement.rank, placement.world_size, placement.local_rank, placement.local_world_size,

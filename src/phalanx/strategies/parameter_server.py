@@ -127,6 +127,11 @@ class ParameterServerExtended(StrategyExtended):
 
     # ---------------------------------------------------------------- the contract with the coordinator
     @property
+    def is_asynchronous(self) -> bool:
+        """True: each worker trains on its own batches; the servers apply updates as they come."""
+        return True
+
+    @property
     def rpc_timeout(self) -> float:
         """Seconds before a call to a task counts as failed."""
         return self._rpc_timeout
@@ -444,7 +449,6 @@ class ParameterServerExtended(StrategyExtended):
         else:
             service = WorkerService(self._task_id, len(self._cluster.task_indices("worker")), strategy, self._io,
                                     self._secret, on_shutdown=stop.set)
-        self._service = service
         server = self._transport.serve(address, service)
         orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())

@@ -1,0 +1,134 @@
+"""What a replica installs in itself so that its supervisor can report on it and never orphan it.
+
+Called once per process when a strategy builds its communicator (:func:`install`):
+
+* **Error file.** An uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` in torch
+  elastic's format (whole or not at all), from which the supervisor names the root cause.
+* **Stack dumps.** :mod:`faulthandler` on SIGUSR1 writes every thread's stack to stderr (the
+  replica's log), so a replica still running when replica 0 has finished can say where it is.
+* **Parent watch.** A daemon thread ends the process within half a second of its launcher's
+  death. ``PR_SET_PDEATHSIG`` already does that for children of phalanx's supervisor; the watch
+  also covers replicas that torchrun (torch elastic) started, and children whose starting thread
+  is not the one that dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+_WATCH_PERIOD = 0.25  # seconds
+_installed = False
+
+
+def install() -> None:
+    """Installs the three hooks above in this process, once; a no-op outside a launched job."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    install_error_recorder()
+    _install_stack_dump()
+    _watch_parent()
+    _mark_done_at_exit()
+
+
+def _mark_done_at_exit() -> None:
+    """Tells the supervisor when the program has finished: the interpreter's own teardown (a final
+    garbage collection over torch and Keras) took more than 10 s on a loaded machine, and a replica
+    in it is not "still running" its program."""
+    path = os.environ.get("PHALANX_DONE_FILE")
+    if not path:
+        return
+
+    def mark() -> None:
+        try:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
+
+    atexit.register(mark)  # registered now, so it runs after the communicators' handlers (LIFO)
+
+
+def install_error_recorder() -> None:
+    """Writes uncaught exceptions to torch elastic's error file, where the supervisor reads them."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    previous = sys.excepthook
+    if getattr(previous, "_phalanx", False):
+        return
+
+    def hook(kind, value, tb):
+        # The traceback first: the supervisor acts on the error file at once, and the log's
+        # tail must already hold the traceback when it reports.
+        try:
+            previous(kind, value, tb)
+            sys.stderr.flush()
+        finally:
+            _record_atomically(ErrorHandler(), value)
+
+    hook._phalanx = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _record_atomically(handler: Any, error: BaseException) -> None:
+    """Writes elastic's error file whole or not at all.
+
+    The supervisor reads the file as soon as the replica has exited; a replica stopped halfway
+    through writing left a truncated file. So: write a temporary file in elastic's format, then
+    rename it into place.
+    """
+    path = os.environ["TORCHELASTIC_ERROR_FILE"]
+    temporary = f"{path}.{os.getpid()}.tmp"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = temporary
+    try:
+        handler.record_exception(error)
+        os.replace(temporary, path)
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
+
+
+def _install_stack_dump() -> None:
+    if "PHALANX_PARENT_PID" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not a launched replica: leave the user's signals alone
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return  # the program handles SIGUSR1 itself
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _parent_to_watch() -> int | None:
+    raw = os.environ.get("PHALANX_PARENT_PID")
+    if raw and raw.isdigit():
+        # Only a direct child watches: a program the replica starts inherits the variable.
+        return int(raw) if os.getppid() == int(raw) else None
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun's agent: our parent
+        return os.getppid()
+    return None
+
+
+def _watch_parent() -> None:
+    parent = _parent_to_watch()
+    if parent is None or parent <= 1:
+        return
+
+    def watch() -> None:
+        stop = threading.Event()
+        while not stop.wait(_WATCH_PERIOD):
+            if os.getppid() != parent:
+                try:
+                    sys.stderr.write(f"phalanx: the launcher (pid {parent}) is gone; this replica stops\n")
+                    sys.stderr.flush()
+                finally:
+                    os._exit(1)
+
+    threading.Thread(target=watch, name="phalanx-parent-watch", daemon=True).start()

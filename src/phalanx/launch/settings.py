@@ -1,0 +1,42 @@
+"""The launchers' view of :mod:`phalanx.config`: each setting read when asked for.
+
+A launcher runs for the whole job, and a test or a user may set a variable just before starting
+one, so these read a fresh :func:`phalanx.config.settings` snapshot each time (a malformed value
+is a :class:`~phalanx.errors.ClusterSpecError` naming the variable and the value).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from phalanx import config
+from phalanx.errors import ClusterSpecError
+
+
+def log_root() -> str:
+    """Where run directories go: ``PHALANX_LOG_ROOT``, else ``<temp dir>/phalanx-logs``."""
+    return config.settings().log_root or os.path.join(tempfile.gettempdir(), "phalanx-logs")
+
+
+def keep_runs() -> int:
+    """How many run directories the log root keeps (``PHALANX_KEEP_RUNS``, at least 1)."""
+    keep = config.settings().keep_runs
+    if keep < 1:
+        raise ClusterSpecError("PHALANX_KEEP_RUNS", keep, "must be at least 1 (the run being started)")
+    return keep
+
+
+def exit_timeout() -> float:
+    """Seconds the other replicas get to finish once replica 0 has finished normally."""
+    return config.settings().exit_timeout
+
+
+def stop_grace() -> float:
+    """Seconds between the polite signal and SIGKILL when a failed or interrupted job is stopped."""
+    return config.settings().stop_grace
+
+
+def preemption_grace() -> float:
+    """Seconds replicas get to save after the launcher was told to stop with SIGTERM."""
+    return config.settings().preemption_grace

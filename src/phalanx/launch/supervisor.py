@@ -1,0 +1,675 @@
+"""The one supervisor under every launcher: start tasks, watch them, stop them, name the root cause.
+
+Self-launch (``python train.py`` with a multi-replica strategy), ``phalanx run -n N`` and the
+parameter-server cluster (``phalanx run --ps P --workers W``) are configurations of this module,
+as torchrun and horovodrun are configurations of their single cores. What they share:
+
+* **Tasks.** A :class:`Task` is a name, a command, the environment it adds and where its output
+  goes. A task with no ``log_path`` writes straight to this process's terminal (replica 0, the
+  chief): its output is byte for byte what ``python train.py`` prints, Keras progress bars
+  included. The others write to ``LOGDIR/<run-id>/<task>.log`` (:class:`RunDirectory`);
+  ``tee=True`` also shows every task's lines on the terminal, prefixed with its name.
+* **Die with the parent.** Every child gets ``PR_SET_PDEATHSIG`` (SIGKILL) from the kernel when
+  the thread that started it ends, and a parent watch (:mod:`phalanx.launch.replica_hooks`) once
+  it runs phalanx: ``kill -9`` of a launcher leaves no replica behind.
+* **Signals.** Children run in their own process group, so a Ctrl-C at the terminal reaches the
+  supervisor alone, which forwards it once to every task (:meth:`Supervisor.stop`: the signal,
+  a grace period, then SIGKILL).
+* **One root-cause format** (:func:`root_cause`), after torch elastic's ``ChildFailedError``: the
+  first failure across tasks, with the error its process recorded in torch elastic's error-file
+  format (``TORCHELASTIC_ERROR_FILE``) and the tail of its log. A task that only lost a peer, or
+  that the supervisor itself stopped, is never the cause when another failure is there.
+
+Example::
+
+    >>> import sys
+    >>> sup = Supervisor()
+    >>> run = sup.start(Task(name="hello", command=(sys.executable, "-c", "print('hi')"), log_path=None))
+    >>> sup.wait(run, timeout=30)
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from phalanx.launch import settings
+
+__all__ = [
+    "Exit",
+    "RunDirectory",
+    "Running",
+    "Supervisor",
+    "Task",
+    "describe_exit_code",
+    "new_run_id",
+    "prune_runs",
+    "root_cause",
+    "tail",
+    "wait_for_the_rest",
+]
+
+_RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+_MARKER = ".supervisor"  # in a run directory: the pid of the supervisor that writes there
+# Errors a replica raises when it only saw a peer disappear: a consequence, never a root cause.
+_CONSEQUENCES = ("PeerUnavailableError", "CollectiveTimeoutError")
+
+FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish exiting by itself
+_PR_SET_PDEATHSIG = 1
+try:  # resolved before any fork: the child calls the function pointer and nothing else
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the parent watch alone covers the children
+    _prctl = None
+
+
+# ----------------------------------------------------------------------------- run directories
+def new_run_id() -> str:
+    """A run id that sorts by start time: ``20260101-120000-1a2b3c``."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prune_runs(root: str, keep: int, *, current: str | None = None) -> list[str]:
+    """Deletes the oldest run directories under ``root`` so that ``keep`` remain; returns them.
+
+    Only directories named like a run id are touched, never one whose supervisor still runs.
+    """
+    try:
+        names = sorted(n for n in os.listdir(root) if _RUN_ID.match(n) and os.path.isdir(os.path.join(root, n)))
+    except OSError:
+        return []
+    removed = []
+    for name in names[: max(0, len(names) - keep)]:
+        path = os.path.join(root, name)
+        if name == current:
+            continue
+        try:
+            with open(os.path.join(path, _MARKER)) as f:
+                if _pid_alive(int(f.read().strip() or 0)):
+                    continue
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class RunDirectory:
+    """``LOGDIR/<run-id>/``: one run's logs (``<task>.log``) and error files (``<task>.error.json``).
+
+    Args:
+        root: the log root; default :func:`phalanx.launch.settings.log_root`.
+        run_id: default a fresh :func:`new_run_id`.
+    """
+
+    def __init__(self, root: str | None = None, run_id: str | None = None) -> None:
+        self.root = os.path.abspath(root or settings.log_root())
+        self.run_id = run_id or new_run_id()
+        self.path = os.path.join(self.root, self.run_id)
+
+    def create(self) -> RunDirectory:
+        """Creates the directory and prunes the oldest ones (``PHALANX_KEEP_RUNS``)."""
+        keep = settings.keep_runs()
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, _MARKER), "w") as f:
+            f.write(str(os.getpid()))
+        prune_runs(self.root, keep, current=self.run_id)
+        return self
+
+    def log_path(self, stem: str) -> str:
+        return os.path.join(self.path, f"{stem}.log")
+
+    def error_path(self, stem: str) -> str:
+        return os.path.join(self.path, f"{stem}.error.json")
+
+    def done_path(self, stem: str) -> str:
+        return os.path.join(self.path, f".{stem}.done")
+
+
+def tail(path: str | None, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log file ('' when there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    # A progress bar rewrites its line with carriage returns: keep what the line showed last.
+    text = [line.rsplit(b"\r", 1)[-1] if line.rstrip(b"\r") else line for line in data.splitlines()]
+    return b"\n".join(text[-lines:]).decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- tasks
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One process of a job.
+
+    Attributes:
+        name: how reports name it ("replica 1", "worker:0").
+        command: the full argv.
+        env: variables added to the supervisor's own environment.
+        log_path: where its stdout and stderr go; None: this process's terminal, untouched.
+        error_path: where it records an uncaught exception (torch elastic's error-file format).
+        done_path: where it marks that its program has finished (it is then only tearing down).
+        info: extra identity for reports ("node 0, local rank 1").
+    """
+
+    name: str
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: str | None = None
+    error_path: str | None = None
+    done_path: str | None = None
+    info: str = ""
+
+
+@dataclass
+class Running:
+    """A started task."""
+
+    task: Task
+    popen: subprocess.Popen
+    started: float
+    stopped_by_supervisor: bool = False
+    failed_at: float | None = None  # when its error file appeared (it is failing, maybe still exiting)
+    _pump: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def done(self) -> bool:
+        """Whether its program has finished (its exit handlers ran); it may still be tearing down."""
+        return bool(self.task.done_path) and os.path.exists(self.task.done_path)
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a task ended."""
+
+    task: Task
+    pid: int
+    code: int
+    order: int  # 0 for the first task seen ending, 1 for the next, ...
+    stopped_by_supervisor: bool = False
+    message: str = ""  # the error the process recorded, if any
+    timestamp: int = 0  # when (seconds since the epoch; from the error file when there is one)
+    stopped_while_failing: bool = False  # it recorded its error; the supervisor ended its teardown
+
+    @property
+    def failed(self) -> bool:
+        return self.code != 0
+
+    @property
+    def status(self) -> int:
+        """The shell exit status this end stands for (1 for an error ended by the supervisor)."""
+        return 1 if self.stopped_while_failing else exit_status(self.code)
+
+    @property
+    def consequence(self) -> bool:
+        """Whether this failure only followed another's (stopped by us, or lost a peer)."""
+        # Stopped by us means killed by our signal: one that was already exiting with its own code
+        # (a replica whose threads were still dying when a peer noticed) is not a consequence.
+        return (self.stopped_by_supervisor and self.code < 0) or any(name in self.message for name in _CONSEQUENCES)
+
+
+def describe_exit_code(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _read_error(path: str | None) -> tuple[str, int]:
+    """The message and timestamp a task recorded in its error file (torch elastic's format,
+    as ``ProcessFailure`` reads it; parsed here so that the supervisor need not import torch)."""
+    now = int(time.time())
+    if not path or not os.path.isfile(path):
+        return "", now
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        message = data["message"]
+        if isinstance(message, str):
+            return message, int(data.get("timestamp", now))
+        return str(message.get("message", "")), int(message.get("extraInfo", {}).get("timestamp", now))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # never take the supervisor down
+        return "", now
+
+
+def root_cause(exits: Iterable[Exit]) -> Exit | None:
+    """The first failure: not a consequence if any other is there, then the earliest."""
+    failed = [e for e in exits if e.failed]
+    if not failed:
+        return None
+    return min(failed, key=lambda e: (e.consequence, e.timestamp, e.order))
+
+
+def _who(task: Task, pid: int) -> str:
+    return f"{task.name} ({task.info + ', ' if task.info else ''}pid {pid})"
+
+
+def format_failure(exit: Exit, *, lines: int = 15) -> str:
+    """The report of one failed task: who, how, its recorded error and its log's last lines."""
+    how = "an uncaught exception" if exit.stopped_while_failing else describe_exit_code(exit.code)
+    text = f"{_who(exit.task, exit.pid)} failed: {how}\n"
+    log = tail(exit.task.log_path, 80)
+    start = log.rfind("Traceback (most recent call last):")
+    # The whole last traceback when there is one (it says where the replica was), else the tail.
+    log = log[start:] if start >= 0 else "\n".join(log.splitlines()[-lines:])
+    error = exit.message.strip().splitlines()[0] if exit.message.strip() else ""
+    if error and error not in log:  # the log's traceback already ends with it: say it once
+        text += f"error: {error}\n"
+    if log:
+        text += f"last lines of {exit.task.log_path}:\n{log}\n"
+    elif exit.task.log_path is None and not exit.message:
+        text += "(its output is above)\n"
+    return text
+
+
+# ----------------------------------------------------------------------------- the supervisor
+def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
+    # Its own process group: a Ctrl-C at the terminal reaches the supervisor, which forwards it once.
+    os.setpgid(0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class Supervisor:
+    """Starts tasks, watches them and stops them; the three launchers are configurations of it.
+
+    Args:
+        tee: also show every logged task's lines on this process's stdout, prefixed ``[name]``.
+        out: where the supervisor's own messages go (default stderr).
+    """
+
+    def __init__(self, *, tee: bool = False, out: IO[str] | None = None) -> None:
+        self.tee = tee
+        self._out = out
+        self._runs: list[Running] = []
+        self._exits: list[Exit] = []
+        self._lock = threading.Lock()
+        self._tee_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ messages
+    def say(self, text: str) -> None:
+        """Prints a supervisor message (prefixed ``phalanx:``)."""
+        out = self._out or sys.stderr
+        with contextlib.suppress(Exception):
+            out.write(f"phalanx: {text.rstrip()}\n")
+            out.flush()
+
+    # ------------------------------------------------------------------ starting
+    def start(self, task: Task) -> Running:
+        """Starts ``task`` (again, for a restart) and returns its handle."""
+        env = {**os.environ, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}
+        if task.error_path:
+            with contextlib.suppress(OSError):
+                os.unlink(task.error_path)
+            env["TORCHELASTIC_ERROR_FILE"] = task.error_path
+        if task.done_path:
+            with contextlib.suppress(OSError):
+                os.unlink(task.done_path)
+            env["PHALANX_DONE_FILE"] = task.done_path
+        piped = task.log_path is not None and self.tee
+        log = None
+        if task.log_path is not None:
+            env["PYTHONUNBUFFERED"] = "1"  # a log read while the job runs (or after a kill) is complete
+            log = open(task.log_path, "ab")  # noqa: SIM115 - the child owns it from here
+        stdout = subprocess.PIPE if piped else log
+        try:
+            popen = subprocess.Popen(list(task.command), env=env, stdout=stdout,
+                                     stderr=subprocess.STDOUT if log is not None else None,
+                                     stdin=subprocess.DEVNULL,
+                                     # Not thread-safe in general (PLW1509); this one calls only
+                                     # async-signal-safe functions, resolved before the fork.
+                                     preexec_fn=functools.partial(_child_setup, os.getpid()))  # noqa: PLW1509
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
+        run = Running(task, popen, time.monotonic())
+        if piped:
+            run._pump = threading.Thread(target=self._pump, args=(popen.stdout, log, task.name),
+                                         name=f"phalanx-tee-{task.name}", daemon=True)
+            run._pump.start()
+        elif log is not None:
+            log.close()
+        with self._lock:
+            self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
+        return run
+
+    def _pump(self, pipe: IO[bytes], log: IO[bytes] | None, name: str) -> None:
+        """``--tee``: copies a task's output to its log, and line by line, prefixed, to stdout."""
+        prefix, partial = f"[{name}] ".encode(), b""
+        out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        try:
+            while True:
+                chunk = os.read(pipe.fileno(), 65536)
+                if not chunk:
+                    break
+                if log is not None:
+                    log.write(chunk)
+                    log.flush()
+                *lines, partial = (partial + chunk).split(b"\n")
+                if lines and out is not None:
+                    with self._tee_lock:
+                        out.write(b"".join(prefix + line + b"\n" for line in lines))
+                        out.flush()
+            if partial and out is not None:
+                with self._tee_lock:
+                    out.write(prefix + partial + b"\n")
+                    out.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            pipe.close()
+            if log is not None:
+                log.close()
+
+    # ------------------------------------------------------------------ watching
+    @property
+    def runs(self) -> list[Running]:
+        with self._lock:
+            return list(self._runs)
+
+    def alive(self) -> list[Running]:
+        return [r for r in self.runs if r.popen.poll() is None]
+
+    def failing(self) -> list[Running]:
+        """Tasks that recorded an uncaught exception and have not exited yet (see :meth:`poll`)."""
+        return [r for r in self.alive() if r.failed_at is not None]
+
+    def poll(self) -> list[Exit]:
+        """The tasks that ended since the last call, in the order they were seen ending."""
+        ended = []
+        with self._lock:
+            runs = list(self._runs)
+        for run in runs:
+            code = run.popen.poll()
+            if code is None:
+                # A replica records its uncaught exception before it tears down (which can take
+                # seconds): that is when it fails, for the purpose of stopping the job.
+                if run.failed_at is None and run.task.error_path and os.path.exists(run.task.error_path):
+                    run.failed_at = time.monotonic()
+                continue
+            if run._pump is not None:
+                run._pump.join(timeout=2)
+            message, timestamp = _read_error(run.task.error_path) if code != 0 else ("", int(time.time()))
+            if run.failed_at is not None and code == 0:
+                code = 1  # it recorded an error, then exited 0 (sys.exit(0) in a finally, say)
+            with self._lock:
+                if run not in self._runs:
+                    continue
+                self._runs.remove(run)
+                exit = Exit(run.task, run.pid, code, len(self._exits), run.stopped_by_supervisor, message, timestamp,
+                            run.failed_at is not None and code < 0)
+                self._exits.append(exit)
+            ended.append(exit)
+        return ended
+
+    def forget_exits(self) -> None:
+        """Starts a new attempt: earlier ends no longer count for the root cause."""
+        with self._lock:
+            self._exits = []
+
+    @property
+    def exits(self) -> list[Exit]:
+        """Every task end seen so far."""
+        with self._lock:
+            return list(self._exits)
+
+    def wait(self, run: Running, timeout: float | None = None) -> int | None:
+        """Waits for one task; its exit code, or None if it still runs after ``timeout``."""
+        try:
+            return run.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait_any(self, runs: Sequence[Running], timeout: float, period: float = 0.05) -> bool:
+        """Waits until every one of ``runs`` has ended (True) or ``timeout`` passed (False)."""
+        deadline = time.monotonic() + timeout
+        while any(r.popen.poll() is None for r in runs):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(period)
+        return True
+
+    # ------------------------------------------------------------------ stopping
+    def signal_all(self, sig: int, runs: Sequence[Running] | None = None) -> None:
+        """Sends ``sig`` to every running task (each in its own process group)."""
+        for run in runs if runs is not None else self.alive():
+            # One that failed by itself stays a failure, not a consequence of being stopped.
+            run.stopped_by_supervisor = run.failed_at is None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(run.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, *,
+             runs: Sequence[Running] | None = None) -> None:
+        """Signal forwarding: ``sig`` to every task, ``grace`` seconds, then SIGKILL to what is left."""
+        runs = [r for r in (runs if runs is not None else self.alive()) if r.popen.poll() is None]
+        if not runs:
+            return
+        grace = settings.stop_grace() if grace is None else grace
+        self.signal_all(sig, runs)
+        try:
+            done = self.wait_any(runs, grace)
+        except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+            done = False
+        if not done:
+            self.kill(runs)
+
+    def stop_after_failure(self, grace: float | None = None) -> list[Exit]:
+        """A task failed: SIGTERM to the others at once, SIGKILL to what is left after ``grace``
+        seconds. A failing task (its error recorded, its traceback in its log) gets
+        :data:`FAILING_GRACE_S` to end its own teardown. Returns the exits seen meanwhile."""
+        grace = settings.stop_grace() if grace is None else grace
+        failing = self.failing()
+        others = [r for r in self.alive() if r not in failing]
+        self.signal_all(signal.SIGTERM, others)
+        try:
+            self.wait_any(self.alive(), min(grace, FAILING_GRACE_S))
+            self.kill(failing)
+            self.wait_any(self.alive(), max(0.0, grace - FAILING_GRACE_S))
+        finally:
+            self.kill()
+        return self.poll()
+
+    def kill(self, runs: Sequence[Running] | None = None) -> None:
+        for run in runs if runs is not None else self.alive():
+            run.stopped_by_supervisor = run.failed_at is None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                run.popen.kill()
+        for run in runs if runs is not None else self.runs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.popen.wait(timeout=5)
+
+    def dump_stacks(self, runs: Sequence[Running], settle: float = 1.0) -> dict[str, str]:
+        """Asks each task for its Python stack; returns what each wrote (or why there is none).
+
+        A replica registers :mod:`faulthandler` on SIGUSR1 (:mod:`phalanx.launch.replica_hooks`),
+        which writes every thread's stack to its log; py-spy is used where it is installed and the
+        task has no such handler. A task without either is not signalled (SIGUSR1 would kill it).
+        """
+        sizes, stacks = {}, {}
+        signalled = []
+        for run in runs:
+            path = run.task.log_path
+            sizes[run.task.name] = os.path.getsize(path) if path and os.path.exists(path) else 0
+            if _catches(run.pid, signal.SIGUSR1):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(run.pid, signal.SIGUSR1)
+                signalled.append(run)
+            elif shutil.which("py-spy"):
+                try:
+                    stacks[run.task.name] = subprocess.run(
+                        ["py-spy", "dump", "--pid", str(run.pid)], check=False, capture_output=True, text=True,
+                        timeout=10).stdout
+                except (OSError, subprocess.SubprocessError) as e:
+                    stacks[run.task.name] = f"(py-spy failed: {e})"
+            else:
+                stacks[run.task.name] = "(no stack: it has no SIGUSR1 stack-dump handler and py-spy is not installed)"
+        if signalled:
+            time.sleep(settle)
+        for run in signalled:
+            path = run.task.log_path
+            if path is None:
+                stacks[run.task.name] = "(its stack is above)"
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(sizes[run.task.name])
+                    stacks[run.task.name] = f.read().decode(errors="replace").strip() or "(no stack written)"
+            except OSError:
+                stacks[run.task.name] = "(no log)"
+        return stacks
+
+    # ------------------------------------------------------------------ reporting
+    def report_root_cause(self, exits: Iterable[Exit] | None = None) -> Exit | None:
+        """Prints the root-cause report once, in the one format; returns the failure it named."""
+        cause = root_cause(self.exits if exits is None else exits)
+        if cause is not None:
+            self.say("root cause (first failure): " + format_failure(cause))
+        return cause
+
+
+class Interrupted(Exception):
+    """The supervisor was told to stop (SIGTERM, SIGINT); ``signum`` says how."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def forwarded_signals() -> Iterator[None]:
+    """Turns SIGTERM/SIGINT to this process into :class:`Interrupted` in the main thread's loop."""
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def stop_on_signal(sup: Supervisor, signum: int) -> int:
+    """Forwards ``signum`` to every task, waits its grace period, kills the rest; the exit status."""
+    grace = settings.preemption_grace() if signum == signal.SIGTERM else settings.stop_grace()
+    name = signal.Signals(signum).name
+    sup.say(f"received {name}; passing it to {len(sup.alive())} task(s) (up to {grace:g} s before SIGKILL)")
+    # Ignore further signals while stopping: a second one must not abandon children half-stopped.
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sup.stop(signum, grace)
+    sup.poll()
+    return 128 + signum
+
+
+def lingering(runs: Sequence[Running]) -> list[Running]:
+    """Of ``runs``, those still running their program (not merely tearing down after it finished)."""
+    return [r for r in runs if not r.done]
+
+
+def wait_for_the_rest(sup: Supervisor, *, primary: str = "replica 0", notice_after: float = 2.0) -> int:
+    """After ``primary`` finished normally: the others get ``PHALANX_EXIT_TIMEOUT`` seconds to finish.
+
+    One still running its program after that is a failure: it is named with its stack (the root
+    cause), the rest are stopped, and the status is 1. The wait is announced after
+    ``notice_after`` seconds, never silent. A failure meanwhile is reported as usual. A task that
+    finished its program and is only tearing down is stopped without failing the job.
+
+    Returns:
+        0, or the exit status of the failure.
+    """
+    limit = settings.exit_timeout()
+    start = time.monotonic()
+    noticed = False
+    while True:
+        ended = sup.poll()
+        if any(e.failed for e in ended) or sup.failing():
+            sup.stop_after_failure()
+            cause = sup.report_root_cause()
+            return cause.status or 1 if cause is not None else 1
+        alive = sup.alive()
+        if not alive:
+            return 0
+        busy = lingering(alive)
+        waited = time.monotonic() - start
+        if busy and not noticed and waited >= notice_after:
+            noticed = True
+            sup.say(f"{primary} has finished; waiting up to {limit:g} s for "
+                    + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy) + " to finish")
+        if waited >= limit:
+            if not busy:
+                sup.say(", ".join(r.task.name for r in alive) + f" finished but still tore down {limit:g} s "
+                        "later; stopped")
+                sup.kill()
+                sup.poll()
+                return 0
+            stacks = sup.dump_stacks(busy)
+            first = busy[0]
+            sup.say(f"root cause (first failure): {_who(first.task, first.pid)} was still running {limit:g} s after "
+                    f"{primary} finished normally (blocked in a collective that {primary} never joined, or "
+                    f"a program that does more on some replicas). Where it was:\n"
+                    + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:]))
+            if len(busy) > 1:
+                sup.say("also still running: " + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy[1:]))
+            sup.stop(signal.SIGTERM)
+            sup.poll()
+            return 1
+        time.sleep(0.05)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (SigCgt in /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def exit_status(code: int) -> int:
+    """A shell exit status for a task's return code (128 + n for a signal)."""
+    return 128 - code if code < 0 else code
+

@@ -1,0 +1,135 @@
+"""The ``phalanx`` command as a user meets it: help, version, no subcommand, warnings, ``bench``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import phalanx
+from phalanx import cli
+
+from conftest import run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ["run", "demo"]
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], *([c] for c in COMMANDS)])
+def test_help_has_examples_and_defaults_and_no_rest_markup(capsys, argv):
+    text = _help(capsys, *argv)
+    assert "``" not in text and "`" not in text, text          # no raw reST or Markdown quoting
+    assert "examples:" in text, text
+    if argv:
+        assert "(default: " in text, text
+
+
+def test_run_help_shows_each_default(capsys):
+    text = _help(capsys, "run")
+    entries = {block.split()[0]: " ".join(block.split()) for block in text.split("\n  -")[1:]}
+    for option, default in [("n", "1"), ("-nnodes", "1"), ("-node-rank", "0"), ("-max-restarts", "0")]:
+        assert f"(default: {default})" in entries[option], entries[option]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"phalanx {phalanx.__version__} (torch "), out
+
+
+def test_no_subcommand_prints_help_and_a_hint(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: phalanx"), err
+    assert "phalanx demo" in err and "phalanx run -n 2 train.py" in err
+    assert "required: cmd" not in err
+
+
+def test_oversubscription_warning_names_the_cores(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    cores = len(os.sched_getaffinity(0))
+    assert cli._oversubscription_warning(cores) is None
+    warning = cli._oversubscription_warning(cores + 1)
+    assert f"-n {cores + 1} starts {cores + 1} CPU replicas on {cores} core(s)" in warning
+
+
+def test_oversubscription_warning_names_the_gpus(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert cli._oversubscription_warning(2) is None
+    assert "-n 3 starts 3 replicas on 2 GPU(s)" in cli._oversubscription_warning(3)
+
+
+def test_run_warns_when_n_exceeds_the_cores(tmp_path):
+    """The real command: more replicas than cores still runs, with the warning printed once."""
+    n = len(os.sched_getaffinity(0)) + 1
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint(f\"replica {os.environ.get('PHALANX_RANK')}\")\n")
+    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", str(n), str(script)], timeout=120,
+                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.logs()
+    assert result.output.count(f"warning: -n {n} starts {n} CPU replicas") == 1, result.output
+    assert "replica 0" in result.output
+
+
+def test_run_does_not_warn_within_the_cores(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "1", str(script)], timeout=120,
+                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.logs()
+    assert "warning" not in result.output, result.output
+
+
+# ------------------------------------------------------------------------------------ bench
+def test_bench_forwards_its_options():
+    """`phalanx bench --rounds 0` reaches the suite's own parser (it failed with `unrecognized arguments`)."""
+    proc = subprocess.run([sys.executable, "-m", "phalanx.cli", "bench", "--rounds", "0"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--rounds: must be a positive integer; received '0'" in proc.stderr, proc.stderr
+    help_ = subprocess.run([sys.executable, "-m", "phalanx.cli", "bench", "--help"], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+    assert help_.returncode == 0 and "--quick" in help_.stdout and "--out" in help_.stdout, help_.stdout
+
+
+def test_bench_default_output_is_outside_the_repository():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.__main__ import default_out_dir
+    finally:
+        sys.path.remove(str(ROOT))
+    out = default_out_dir().resolve()
+    assert ROOT not in out.parents and out.name.startswith("phalanx-bench-")
+
+
+def test_bench_quick_writes_where_asked_and_keeps_the_committed_results(tmp_path):
+    committed = ROOT / "benchmarks" / "results" / "latest.json"
+    before = hashlib.sha256(committed.read_bytes()).hexdigest()
+    # A relative --out is the user's directory, though the suite runs from the repository root.
+    result = run_job([sys.executable, "-m", "phalanx.cli", "bench", "--quick", "--rounds", "1", "--out", "mine"],
+                     timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    report = json.loads((tmp_path / "mine" / "latest.json").read_text())
+    assert report["quick"] is True and report["rounds"] == 1
+    assert set(report["throughput"]["ratios"]) == {"seed_mlp"}
+    ratios = report["throughput"]["ratios"]["seed_mlp"]
+    assert {"px_mirrored_vs_ddp", "px_mirrored_vs_local2", "ddp_vs_local2"} <= set(ratios)
+    assert all(r["median"] > 0 for r in ratios.values())
+    assert max(r["bytes"] for r in report["allreduce"]["rows"]) == 1 << 20
+    assert f"results: {tmp_path / 'mine' / 'latest.json'}" in result.output
+    assert hashlib.sha256(committed.read_bytes()).hexdigest() == before
+    print(f"\nphalanx bench --quick --rounds 1: {result.elapsed:.0f} s")

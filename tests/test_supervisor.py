@@ -1,0 +1,267 @@
+"""The one supervisor: output model, log layout, exit semantics and die-with-parent, under every launcher.
+
+Launchers: ``self`` is ``python job.py`` with a two-replica MirroredStrategy (the script starts
+replica 1 itself), ``run`` is ``phalanx run -n 2 job.py``. Times are measured from the fault
+(written by the replica as ``time.time()``) to the end of the launcher process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from phalanx.errors import ClusterSpecError
+from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause
+
+from conftest import _session_processes, run_job
+
+EXITS = Path(__file__).parent / "scripts" / "exits.py"
+BOUND = 2.0  # seconds: an error or interrupt anywhere ends the whole job within this
+
+
+def _cmd(launcher: str, *args: str) -> list[str]:
+    if launcher == "self":
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", *args]
+
+
+def _exits(launcher: str, tmp_path: Path, mode: str, **env: str) -> tuple:
+    res = run_job(_cmd(launcher, str(EXITS), str(tmp_path), mode), timeout=120, cwd=tmp_path, env=env)
+    return res, time.time()
+
+
+# ----------------------------------------------------------------------------- pure logic
+def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
+    """A replica that only lost a peer, or that the supervisor stopped, is not the root cause."""
+    def ended(name, code, order, timestamp, message="", stopped=False):
+        return Exit(Task(name=name, command=("x",)), 100 + order, code, order, stopped, message, timestamp)
+
+    peer_lost = ended("replica 0", 1, 0, 1000, "PeerUnavailableError: all-reduce on replica:0 failed")
+    died = ended("replica 1", 13, 1, 1000)
+    assert root_cause([peer_lost, died]) is died
+    stopped = ended("replica 0", -15, 0, 1000, stopped=True)  # still exiting when we stopped the group
+    preempted = ended("replica 1", 42, 1, 1000)
+    assert root_cause([stopped, preempted]) is preempted
+    bug = ended("replica 0", 1, 2, 1001, "ValueError: a bug in replica zero")
+    assert root_cause([bug, died]) is died  # earlier wins
+    assert root_cause([ended("replica 0", 0, 0, 1)]) is None
+    text = format_failure(bug)
+    assert "replica 0 (pid 102) failed: exit code 1" in text and "a bug in replica zero" in text
+    assert "killed by signal SIGTERM" in format_failure(stopped)
+
+
+def test_old_run_directories_are_pruned(tmp_path, monkeypatch):
+    old = [f"20250101-0000{i:02d}-abcdef" for i in range(12)]
+    for name in old:
+        (tmp_path / name).mkdir()
+    (tmp_path / old[0] / ".supervisor").write_text(str(os.getpid()))  # a live run: kept
+    (tmp_path / "mine").mkdir()  # not a run directory: never touched
+    monkeypatch.setenv("PHALANX_KEEP_RUNS", "3")
+    run = RunDirectory(str(tmp_path)).create()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([old[0], old[10], old[11], run.run_id, "mine"]), left
+    monkeypatch.setenv("PHALANX_KEEP_RUNS", "zero")
+    with pytest.raises(ClusterSpecError, match="PHALANX_KEEP_RUNS"):
+        RunDirectory(str(tmp_path)).create()
+
+
+# ----------------------------------------------------------------------------- output model
+KERAS_FIT = """
+    import keras, numpy as np, phalanx as px
+    keras.utils.set_random_seed(0)
+    strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+    print(f"hello from replica {strategy.extended.process_index}", flush=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    model.fit(x, x.sum(1, keepdims=True), epochs=2, batch_size=16, verbose=1)
+    print("trained", flush=True)
+"""
+
+
+def _screen(line: str) -> str:
+    """What a terminal shows for ``line``: Keras' bar redraws itself with backspaces and carriage
+    returns (how often depends on timing, so only the final picture can be compared)."""
+    cells: list[str] = []
+    cursor = 0
+    for ch in re.sub(r"\x1b\[[0-9;]*m", "", line):
+        if ch == "\r":
+            cursor = 0
+        elif ch == "\b":
+            cursor = max(0, cursor - 1)
+        else:
+            cells[cursor:cursor + 1] = [ch]
+            cursor += 1
+    return "".join(cells).rstrip()
+
+
+def _program_lines(output: str) -> list[str]:
+    """The program's own lines as seen on a terminal: supervisor messages dropped, timings masked."""
+    lines = [_screen(line) for line in output.splitlines() if not line.startswith("phalanx:")]
+    lines = [re.sub(r"\d+(\.\d+)?(ms|us|s)(/step)?", "T", line) for line in lines]
+    # Which step a bar last showed (and the running loss then) depends on when Keras redrew it.
+    lines = [re.sub(r"^\d+/(\d+) (━{20}) T T - loss: [\d.]+$", r"S/\1 \2 T T - loss: L", line) for line in lines]
+    # Keras itself sometimes draws an epoch's last frame once more on a line of its own.
+    return [line for i, line in enumerate(lines) if i == 0 or not (line.startswith("S/") and line == lines[i - 1])]
+
+
+def test_phalanx_run_output_is_python_train_py_output_and_logs_have_one_layout(tmp_path, script):
+    """Replica 0's output passes through untouched (Keras bar, no prefix) under both launchers;
+    replica 1's log is LOGDIR/<run-id>/replica_1.log under both, and its location printed once."""
+    job = script(KERAS_FIT)
+    direct = run_job([sys.executable, str(job)], timeout=180, cwd=tmp_path, log_dir=tmp_path / "direct")
+    launched = run_job(_cmd("run", str(job)), timeout=180, cwd=tmp_path, log_dir=tmp_path / "launched")
+    assert direct.returncode == 0 and launched.returncode == 0, direct.logs()[-3000:] + launched.logs()[-3000:]
+    assert "[phalanx" not in launched.output and "[replica" not in launched.output, launched.output
+    assert _program_lines(launched.output) == _program_lines(direct.output), (direct.output, launched.output)
+    assert "Epoch 2/2" in launched.output and "hello from replica 0" in launched.output
+    bars = [line for line in _program_lines(launched.output) if line.startswith("S/4 ")]
+    assert len(bars) == 2, launched.output  # one intact bar per epoch
+    for res in (direct, launched):
+        (run_dir,) = [p for p in res.log_dir.iterdir() if p.is_dir()]
+        assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run_dir.name)
+        assert sorted(p.name for p in run_dir.glob("*.log")) == ["replica_1.log"]
+        assert "hello from replica 1" in (run_dir / "replica_1.log").read_text()
+        assert res.output.count(str(run_dir)) == 1, res.output  # the location, printed once
+
+
+def test_tee_shows_every_replica_prefixed(tmp_path, script):
+    job = script("""
+        import phalanx as px
+        s = px.MirroredStrategy()
+        print(f"line from replica {s.extended.process_index}", flush=True)
+    """)
+    res = run_job([*_cmd("run", "--tee", str(job))], timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.logs()[-3000:]
+    for rank in (0, 1):
+        assert f"[replica {rank}] line from replica {rank}" in res.output.splitlines(), res.output
+
+
+# ----------------------------------------------------------------------------- exit semantics
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_error_on_another_replica_ends_the_job_within_two_seconds(tmp_path, launcher):
+    res, end = _exits(launcher, tmp_path, "peer_raises")
+    took = end - float((tmp_path / "t_fault").read_text())
+    print(f"\n{launcher}: replica 1 raised; job ended {took:.2f}s later with {res.returncode}")
+    assert res.returncode != 0, res.output
+    assert res.output.count("root cause") == 1, res.output
+    error_lines = [line for line in res.output.splitlines() if line.endswith("RuntimeError: boom on replica one")]
+    assert len(error_lines) == 1, res.output  # the cause, once
+    assert "replica 1" in res.output.split("root cause")[1]
+    assert took < BOUND, res.output
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_uncaught_exception_on_replica_0_only_ends_the_job_within_two_seconds(tmp_path, launcher):
+    res, end = _exits(launcher, tmp_path, "zero_raises")
+    took = end - float((tmp_path / "t_fault").read_text())
+    print(f"\n{launcher}: replica 0 raised; job ended {took:.2f}s later with {res.returncode}")
+    assert res.returncode != 0, res.output
+    assert "ValueError: boom on replica zero" in res.output and res.output.count("root cause") == 1, res.output
+    assert took < BOUND, res.output
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(tmp_path, launcher):
+    res, end = _exits(launcher, tmp_path, "peer_lingers", PHALANX_EXIT_TIMEOUT="3")
+    took = end - float((tmp_path / "t_done").read_text())
+    print(f"\n{launcher}: replica 0 finished, replica 1 blocked; job ended {took:.2f}s later with "
+          f"{res.returncode}:\n{res.output[-1500:]}")
+    assert res.returncode != 0, res.output
+    cause = res.output.split("root cause (first failure): ")[1]
+    assert cause.startswith("replica 1"), res.output
+    assert "lingering_collective" in cause, res.output  # where it was
+    if launcher == "self":  # replica 0 itself waits, and says so
+        assert "waiting up to 3 s for replica 1" in res.output, res.output
+    assert took < 3 + BOUND + 1.0, res.output  # the exit timeout, the stack dump, the stop
+
+
+def _start(launcher: str, tmp_path: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return subprocess.Popen(_cmd(launcher, str(EXITS), str(tmp_path), mode), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"ready_{r}").exists() for r in range(2)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    return [int((tmp_path / f"pid_{r}").read_text()) for r in range(2)]
+
+
+def _cleanup(proc: subprocess.Popen) -> None:
+    for p in _session_processes(proc.pid) if proc.poll() is None else []:
+        p.kill()
+    for p in psutil.Process().children(recursive=True):
+        p.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_sigint_to_replica_0_only_ends_the_job_within_two_seconds(tmp_path, launcher):
+    proc = _start(launcher, tmp_path, "zero_sleeps")
+    try:
+        pids = _wait_ready(proc, tmp_path)
+        sent = time.time()
+        os.kill(pids[0], signal.SIGINT)  # an IDE's stop button: replica 0's pid only
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job outlived SIGINT to replica 0 by 30 s")
+        took = time.time() - sent
+    finally:
+        _cleanup(proc)
+    print(f"\n{launcher}: SIGINT to replica 0; job ended {took:.2f}s later with {proc.returncode}")
+    assert proc.returncode != 0, out
+    assert "KeyboardInterrupt" in out and out.count("root cause") == 1, out
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert took < BOUND, out
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_kill_9_of_the_launcher_leaves_no_replica_alive(tmp_path, launcher):
+    proc = _start(launcher, tmp_path, "sleep")
+    try:
+        pids = _wait_ready(proc, tmp_path)
+        os.kill(proc.pid, signal.SIGKILL)  # phalanx run, or the self-launched replica 0
+        proc.wait()
+        time.sleep(BOUND)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        print(f"\n{launcher}: kill -9 of pid {proc.pid}; alive {BOUND}s later: {alive}")
+        assert not alive, [psutil.Process(p).cmdline() for p in alive]
+    finally:
+        for pid in [int(f.read_text()) for f in tmp_path.glob("pid_*")]:
+            if psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
+
+
+# ----------------------------------------------------------------------------- many strategies
+MANY = Path(__file__).parent / "scripts" / "many_strategies.py"
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_many_strategies_per_program_run_on_the_same_replicas(tmp_path, launcher):
+    """Mirrored twice (alive together, one scope at a time), CentralStorage, then Mirrored again
+    after the others were closed and collected: each trains a step on the same two processes."""
+    res = run_job(_cmd(launcher, str(MANY), str(tmp_path)), timeout=240, cwd=tmp_path,
+                  env={"PHALANX_RENDEZVOUS_TIMEOUT": "30", "PHALANX_COLLECTIVE_TIMEOUT": "30"})
+    assert res.returncode == 0, res.logs()[-6000:]
+    assert (tmp_path / "done").read_text() == "ok"
+    logs = res.logs()
+    tags = ["mirrored #1", "mirrored #2", "mirrored #1 again", "central storage", "mirrored #3"]
+    for rank in (0, 1):
+        lines = [line for line in logs.splitlines() if f"on replica {rank} of 2" in line]
+        assert [line.split(":")[0] for line in lines] == tags, logs[-4000:]
+        assert len({line.rsplit("pid ", 1)[1] for line in lines}) == 1, lines  # one process throughout
+    assert len(list(res.log_dir.rglob("replica_1.log"))) == 1  # replica 1 was started once
