@@ -168,7 +168,7 @@ def test_keras_metric_in_scheduled_functions_counts_on_the_parameter_servers():
             accuracy.update_state(labels, pred)
             seen.update_state(float(len(labels)))
 
-        for i in range(10):  # 10 batches of 4: 3 of each 4 right
+        for _ in range(10):  # 10 batches of 4: 3 of each 4 right
             coordinator.schedule(step, args=(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 1, 0, 1])))
         coordinator.join()
         assert float(seen.result()) == 40.0

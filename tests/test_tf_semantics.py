@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "tf_semantics.py"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 TUTORIALS = Path(__file__).parent.parent / "examples" / "tutorials"

@@ -33,7 +33,7 @@ test_images, test_labels = images[1500:], labels[1500:]
 # If the list of devices is not specified in the
 # `phalanx.MirroredStrategy` constructor, it will be auto-detected.
 strategy = phalanx.MirroredStrategy()
-print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+print(f'Number of devices: {strategy.num_replicas_in_sync}')
 
 BUFFER_SIZE = len(train_images)
 BATCH_SIZE_PER_REPLICA = 64
@@ -181,8 +181,7 @@ checkpoint.restore(phalanx.checkpoint.latest_checkpoint(checkpoint_dir))
 for images, labels in test_dataset:
   eval_step(images, labels)
 
-print('Accuracy after restoring the saved model without strategy: {}'.format(
-    eval_accuracy.result() * 100))
+print(f'Accuracy after restoring the saved model without strategy: {eval_accuracy.result() * 100}')
 restored_accuracy = float(eval_accuracy.result())
 
 # ---- Alternate ways of iterating over a dataset: using iterators

@@ -65,7 +65,7 @@ def get_dataset():
 
 # Create a MirroredStrategy.
 strategy = phalanx.MirroredStrategy()
-print("Number of devices: {}".format(strategy.num_replicas_in_sync))
+print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
 # Open a strategy scope.
 with strategy.scope():

@@ -31,7 +31,7 @@ mnist_train = (images[:1500], labels[:1500])
 mnist_test = (images[1500:], labels[1500:])
 
 strategy = phalanx.MirroredStrategy()
-print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+print(f'Number of devices: {strategy.num_replicas_in_sync}')
 
 BATCH_SIZE_PER_REPLICA = 64
 BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
@@ -70,7 +70,7 @@ def decay(epoch):
 
 class PrintLR(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
-    print('\nLearning rate for epoch {} is {}'.format(epoch + 1, float(model.optimizer.learning_rate)))
+    print(f'\nLearning rate for epoch {epoch + 1} is {float(model.optimizer.learning_rate)}')
 
 
 callbacks = [
@@ -84,7 +84,7 @@ history = model.fit(train_dataset, epochs=EPOCHS, callbacks=callbacks)
 
 model.load_weights(max(glob.glob(os.path.join(checkpoint_dir, "ckpt_*.weights.h5")), key=os.path.getmtime))
 eval_loss, eval_acc = model.evaluate(eval_dataset)
-print('Eval loss: {}, Eval accuracy: {}'.format(eval_loss, eval_acc))
+print(f'Eval loss: {eval_loss}, Eval accuracy: {eval_acc}')
 
 path = 'saved_model.keras'
 model.save(path)
@@ -95,7 +95,7 @@ unreplicated_model.compile(
     optimizer=keras.optimizers.Adam(),
     metrics=['accuracy'])
 eval_loss, eval_acc = unreplicated_model.evaluate(eval_dataset)
-print('Eval loss: {}, Eval Accuracy: {}'.format(eval_loss, eval_acc))
+print(f'Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}')
 
 with strategy.scope():
   replicated_model = keras.models.load_model(path)
@@ -104,7 +104,7 @@ with strategy.scope():
                            metrics=['accuracy'])
 
   eval_loss, eval_acc = replicated_model.evaluate(eval_dataset)
-  print('Eval loss: {}, Eval Accuracy: {}'.format(eval_loss, eval_acc))
+  print(f'Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}')
 
 # ---- checks (not in the tutorial): it trained correctly
 losses = history.history["loss"]

@@ -25,7 +25,6 @@ import socket
 os.environ.setdefault("KERAS_BACKEND", "torch")
 os.environ.setdefault("PHALANX_CLUSTER_SECRET", "tutorial-secret-0123456789abcdef")
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import phalanx  # noqa: E402

@@ -40,7 +40,6 @@ from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParamet
 from phalanx.nn import loss_scale_watch
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
-
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
 RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
 
@@ -364,7 +363,7 @@ class StrategyExtended:
         """Many :meth:`reduce_to` in one fused collective per dtype (TF's gradient packing)."""
         op = ReduceOp.from_any(reduce_op)
         if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("reduce_to / batch_reduce_to are cross-replica APIs and were called inside strategy.run.",
+            raise ContextError("reduce_to / batch_reduce_to are cross-replica APIs and were called inside run.",
                                hint="call them in ReplicaContext.merge_call's function, or outside run")
         pairs = list(value_destination_pairs)
         tensors = [torch.as_tensor(local_results(v)[0]) for v, _ in pairs]

@@ -80,7 +80,7 @@ def _():
     # every batch is drawn with the chief's seed, so the global batches agree.
     def batches():
         order = np.arange(16)
-        for k in range(4):
+        for _ in range(4):
             np.random.shuffle(order)
             yield torch.as_tensor(order[:4].copy(), dtype=torch.float32)
 
@@ -93,7 +93,7 @@ def _():
     # A generator with its own unseeded generator (OS entropy): cannot be aligned, must be detected.
     def batches():
         rng = np.random.default_rng()
-        for k in range(3):
+        for _ in range(3):
             yield torch.as_tensor(rng.permutation(16)[:4], dtype=torch.float32)
 
     for x in strategy.experimental_distribute_dataset(batches()):
@@ -133,8 +133,6 @@ def _():
     flat = torch.cat([v.value.detach().reshape(-1) for v in model.weights])
     checksums = strategy.gather(strategy.run(lambda: flat.double().sum().reshape(1)), axis=0).tolist()
     # The global metric values equal those computed from everything, on one device.
-    with torch.no_grad():
-        logits_all = model(x)
     local_count = float(accuracy.variables[1].value)  # this replica's own count, kept
     return {"checksums": checksums, "accuracy": float(accuracy.result()), "mean_loss": float(mean_loss.result()),
             "local_count": local_count, "count_after": float(accuracy.variables[1].value),

@@ -63,7 +63,7 @@ import torch
 from phalanx import context, hooks, nest
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
-from phalanx.errors import InputMismatchError, PhalanxError, StrategyScopeError, WriteError
+from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
@@ -218,6 +218,7 @@ class DistributedModel:
     def __init__(self, model: Any, strategy: "Strategy") -> None:
         self._model_ref = weakref.ref(model)
         self.strategy = strategy
+        self._writing = False  # inside the chief's own save: nested saves are not collective
         discovery.attach(model, self)
         for method in ("fit", "evaluate", "predict"):
             wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
@@ -282,7 +283,7 @@ class DistributedModel:
         that one; every replica returns once every file is complete."""
         model = self.model
         original = getattr(type(model), method)
-        if self._writing or self._num_replicas == 1 or self._on_parameter_servers or _in_chief_only_callback():
+        if self._writing or self._num_replicas == 1 or isinstance(self, PsAdapter) or _in_chief_only_callback():
             return original(model, *args, **kwargs)
         path = str(kwargs.get("filepath", args[0] if args else ""))
         digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
