@@ -41,6 +41,7 @@ def test_identity_and_run_values(api):
     for r, got in enumerate(results):
         assert got["rank"] == r and got["num_replicas"] == n and got["chief"] == (r == 0)
         assert got["run_type"] == "PerReplica" and got["local_id"] == r
+        assert got["local_ids"] == list(range(n)), "experimental_local_results: every replica of the host"
 
 
 def test_public_process_identity_outside_scope(api):

@@ -26,8 +26,19 @@ from phalanx.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from phalanx.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
+from phalanx.global_strategy import experimental_set_strategy
+from phalanx.input import (
+    AutoShardPolicy,
+    DistributedDataset,
+    DistributedIterator,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+)
+from phalanx.options import RunOptions
 from phalanx.process import barrier, is_chief, num_processes, process_index
+from phalanx.server import Server
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.mirrored import MirroredStrategy
 from phalanx.strategies.multi_worker_mirrored import (
@@ -51,4 +62,5 @@ __all__ = [
     "Strategy", "StrategyExtended", "ValueContext", "barrier", "checkpoint", "cluster_resolver", "compiled",
     "coordinator", "experimental", "function", "get_cross_replica_context", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "interactive", "is_chief", "nn", "num_processes", "process_index",
+    "DistributedDataset", "DistributedIterator", "RunOptions", "Server", "experimental_set_strategy",
 ]

@@ -183,6 +183,14 @@ class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
 
 
+class InputMismatchError(PhalanxError, RuntimeError):
+    """Replicas that must read the same global batches were fed different ones."""
+
+
+class WriteError(DistributedRuntimeError):
+    """The chief failed to write a file every replica waits for (``model.save`` under a strategy)."""
+
+
 class ReplicaDivergenceError(DistributedRuntimeError):
     """Replicas that must agree do not: a different step, global batch size, batch or parameters.
 

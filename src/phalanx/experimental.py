@@ -4,7 +4,7 @@ import sys as _sys
 
 from phalanx import coordinator
 from phalanx.checkpoint.preemption import PreemptionCheckpointHandler, TerminationConfig
-from phalanx.input.context import InputOptions
+from phalanx.input.context import InputOptions, ValueContext
 from phalanx.ps import partitioners
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.multi_worker_mirrored import (
@@ -22,4 +22,4 @@ _sys.modules[__name__ + ".partitioners"] = partitioners
 
 __all__ = ["CentralStorageStrategy", "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
            "InputOptions", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler",
-           "ReduceOp", "TerminationConfig", "coordinator", "partitioners"]
+           "ReduceOp", "TerminationConfig", "ValueContext", "coordinator", "partitioners"]

@@ -41,6 +41,9 @@ from phalanx.interactive import hooks as _interactive
 from phalanx.nn import loss_scale_watch
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
 
+# Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
+RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
+
 
 def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
     """TF's full name of ``device`` on ``task``, e.g. ``/job:localhost/replica:0/task:0/device:CPU:1``."""
@@ -112,6 +115,9 @@ class StrategyExtended:
         self._bucket_bytes = bucket_bytes
         self._new_params: list[torch.nn.Parameter] = []
         self._new_buffers: list[torch.Tensor] = []
+        # id -> tensor of every variable created under this strategy (variable_created_in_scope);
+        # by id, because tensors compare elementwise.
+        self._created: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._buffers: list[torch.Tensor] = []
         self._reducer: GradientReducer | None = None
         self._step = 0
@@ -244,7 +250,10 @@ class StrategyExtended:
         For variables built lazily, outside ``scope()`` (a Keras model built by its first step).
         Collective: every process calls it at the same point.
         """
-        self._new_params.extend(params)
+        for p in params:
+            if self._created.get(id(p)) is not p:  # not captured already (in scope or inside run)
+                self._created[id(p)] = p
+                self._new_params.append(p)
         self._sync_new_variables()
 
     # ---------------------------------------------------------------- the contract: checkpoints
@@ -262,8 +271,21 @@ class StrategyExtended:
 
     # ---------------------------------------------------------------- variables
     def _variable_scope(self, owner: object, default_device: bool = True) -> variables.capture:
-        return variables.capture(variables.Capture(owner, self._torch_device, self._new_params.append,
-                                                   self._new_buffers.append), default_device)
+        return variables.capture(variables.Capture(owner, self._torch_device, self._on_new_parameter,
+                                                   self._on_new_buffer), default_device)
+    def _on_new_parameter(self, param: torch.nn.Parameter) -> None:
+        if self._created.get(id(param)) is param:
+            return  # registered again (Keras re-registers a built model's variables)
+        self._created[id(param)] = param
+        self._new_params.append(param)
+        if context.get_replica_context() is not None:
+            # Created inside `run` (a model built lazily by its first call): synchronise it now,
+            # before this step's update makes the replicas' copies diverge (TF: one variable).
+            self._sync_new_variables()
+
+    def _on_new_buffer(self, buffer: torch.Tensor) -> None:
+        self._created[id(buffer)] = buffer
+        self._new_buffers.append(buffer)
 
     def _sync_new_variables(self) -> None:
         """Makes variables created since the last call identical everywhere and synchronised.
@@ -315,6 +337,61 @@ class StrategyExtended:
 
     def _after_run(self) -> None:
         """Hook for strategies that must settle state after each step (mirrored: nothing to do)."""
+
+    # ---------------------------------------------------------------- TF's library-author API
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` (a parameter, buffer or Keras variable) was created under this strategy."""
+        tensor = getattr(v, "value", v)
+        return self._created.get(id(tensor)) is tensor
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed container of ``value``: a variable is its own (one copy per process)."""
+        return value
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
+        """Scope in which new variables go where ``colocate_with_variable`` is: this replica's
+        device, where every variable of a process already lives (so it only checks its argument)."""
+        if not isinstance(getattr(colocate_with_variable, "value", colocate_with_variable), torch.Tensor):
+            raise TypeError(f"colocate_vars_with needs a variable; received {type(colocate_with_variable).__name__}")
+        return contextlib.nullcontext()
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: Any = None) -> Any:
+        """Reduces a per-replica ``value`` across all replicas (a collective); the result, the
+        same on every process, lies on the device of ``destinations`` (e.g. a variable)."""
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any, options: Any = None) -> list[Any]:
+        """Many :meth:`reduce_to` in one fused collective per dtype (TF's gradient packing)."""
+        op = ReduceOp.from_any(reduce_op)
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise ContextError("reduce_to / batch_reduce_to are cross-replica APIs and were called inside run.",
+                               hint="call them in ReplicaContext.merge_call's function, or outside run")
+        pairs = list(value_destination_pairs)
+        tensors = [torch.as_tensor(local_results(v)[0]) for v, _ in pairs]
+        reduced = self._all_reduce_tensors(tensors, op)
+        out = []
+        for (_, dest), t in zip(pairs, reduced):
+            dest_t = getattr(dest, "value", dest)
+            out.append(t.to(dest_t.device) if isinstance(dest_t, torch.Tensor) else t)
+        return out
+
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Runs ``fn(var, *args, **kwargs)`` on this process's copy of ``var`` (cross-replica context).
+
+        Every process holds one copy and runs the same update, so a mirrored variable stays
+        identical when the arguments are (e.g. the result of :meth:`reduce_to`).
+        """
+        if not callable(fn):
+            raise NotCallableError(fn)
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise ContextError("StrategyExtended.update is a cross-replica API and was called inside strategy.run.",
+                               hint="call it in ReplicaContext.merge_call's function")
+        local = lambda v: local_results(v)[0]  # noqa: E731
+        args, kwargs = nest.map_structure(local, tuple(args)), nest.map_structure(local, dict(kwargs or {}))
+        with torch.no_grad():
+            result = fn(var, *args, **kwargs)
+        return result if group else (result,)
 
     # ---------------------------------------------------------------- accumulation and consistency
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -425,6 +502,30 @@ class StrategyExtended:
                 out[i] = flat[offset:offset + n].view(tensors[i].shape)
                 offset += n
         return out  # type: ignore[return-value]
+
+    def _worker_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of ``value`` on this worker's replicas (gathered from their processes)."""
+        sharding = self.input_sharding
+        per_worker = self._comm.world_size // max(sharding.num_workers, 1)
+        if per_worker <= 1 or not isinstance(value, DistributedValues):
+            return local_results(value)
+        if not isinstance(value, PerReplica):
+            return local_results(value) * per_worker  # the same on every replica
+        mine = torch.as_tensor(value.values[0])
+        scalar = mine.dim() == 0
+        everyone = self._all_gather_list(mine.reshape(1) if scalar else mine)
+        first = sharding.worker_index * per_worker
+        parts = everyone[first:first + per_worker]
+        return tuple(p.reshape(()) if scalar else p for p in parts)
+
+    def _all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every replica's ``tensor`` (lengths along dimension 0 may differ), in replica order."""
+        sizes = [int(s) for s in self._comm.all_gather(torch.tensor([tensor.shape[0]]))]
+        longest = max(sizes)
+        if tensor.shape[0] < longest:
+            tensor = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+        parts = self._comm.all_gather(tensor.contiguous())
+        return [p[:n] for p, n in zip(parts, sizes)]
 
     def _all_gather(self, tensor: Any, axis: int) -> torch.Tensor:
         tensor = torch.as_tensor(local_results(tensor)[0])
@@ -603,6 +704,10 @@ class Strategy:
             local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
             args, kwargs = nest.map_structure(local, args), nest.map_structure(local, kwargs)
         _interactive.before_step()  # an interrupted notebook stops every replica at the same step
+        for observe in RUN_OBSERVERS:
+            observe(self, fn)
+        ext = self._extended
+
         ext._step += 1  # friend: Strategy and its StrategyExtended are one object in two parts (TF's pairing)
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
@@ -630,12 +735,23 @@ class Strategy:
             else PerReplica((v,), replica_ids=ids, num_replicas=n), structure)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The values of this process's replicas, as a tuple (one per local replica)."""
+        """The values of this worker's replicas, in replica order (``tf.distribute``'s definition).
+
+        A worker is a host of a single-host strategy, or one task of a multi-worker cluster; in
+        TF its replicas share one process. Here each replica is a process, so a per-replica
+        value's components on the other processes of this worker are gathered: with
+        ``MirroredStrategy`` over N devices every process gets all N values (the input
+        tutorial's recipe that puts predictions back in order sees every row). This is a
+        collective when the worker has more than one replica: call it on every replica, as
+        :meth:`reduce`. Mirrored values give N identical entries; other values ``(value,)``.
+        """
         leaves, spec = nest.flatten_with_spec(value)
         if not leaves:
             return (value,)
-        per_leaf = [local_results(v) for v in leaves]
-        return tuple(nest.unflatten([p[i] for p in per_leaf], spec) for i in range(len(per_leaf[0])))
+        per_leaf = [self._extended._worker_local_results(v) for v in leaves]
+        count = max(len(p) for p in per_leaf)
+        per_leaf = [p if len(p) == count else p * count for p in per_leaf]
+        return tuple(nest.unflatten([p[i] for p in per_leaf], spec) for i in range(count))
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Combines a per-replica value across all replicas (a collective: call it everywhere).

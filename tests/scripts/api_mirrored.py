@@ -28,7 +28,9 @@ px.barrier()
 # run returns per-replica values; replica ids
 ids = strategy.run(lambda: torch.tensor(px.get_replica_context().replica_id_in_sync_group))
 res["run_type"] = type(ids).__name__
-res["local_id"] = int(strategy.experimental_local_results(ids)[0])
+# TF: the values of this worker's replicas (all N here, one host), in replica order
+res["local_ids"] = [int(i) for i in strategy.experimental_local_results(ids)]
+res["local_id"] = int(strategy.experimental_local_results(ids)[rank])
 
 # reduce: SUM / MEAN, axis None and axis=0 with uneven per-replica lengths
 uneven = strategy.run(lambda: torch.arange(rank + 1, dtype=torch.float32) + 10 * rank)  # lengths 1, 2, 3...
@@ -57,20 +59,20 @@ def replica_fn():
     return s, m, g, merged
 
 s, m, g, merged = strategy.run(replica_fn)
-res["ctx_sum"] = strategy.experimental_local_results(s)[0].tolist()
-res["ctx_mean"] = float(strategy.experimental_local_results(m)[0])
-res["ctx_gather"] = strategy.experimental_local_results(g)[0].tolist()
-res["merge"] = float(strategy.experimental_local_results(merged)[0])
+res["ctx_sum"] = strategy.experimental_local_results(s)[rank].tolist()
+res["ctx_mean"] = float(strategy.experimental_local_results(m)[rank])
+res["ctx_gather"] = strategy.experimental_local_results(g)[rank].tolist()
+res["merge"] = float(strategy.experimental_local_results(merged)[rank])
 
 # values from function
 v = strategy.experimental_distribute_values_from_function(lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 7))
-res["values_fn"] = int(strategy.experimental_local_results(v)[0])
+res["values_fn"] = int(strategy.experimental_local_results(v)[rank])
 
 # distributed dataset: 5 rows then a final batch of 1 (smaller than N): nothing dropped, no hang
 x = torch.arange(6, dtype=torch.float32).unsqueeze(1)
 seen, totals = [], []
 for batch in strategy.experimental_distribute_dataset([x[:5], x[5:6]]):
-    local = strategy.experimental_local_results(batch)[0]
+    local = strategy.experimental_local_results(batch)[rank]
     seen.append(local.squeeze(1).tolist())
     totals.append(float(strategy.reduce("SUM", strategy.run(lambda b: b.sum(), args=(batch,)), axis=None)))
 res["dataset_slices"] = seen
@@ -105,7 +107,10 @@ def train(b):
     loss.backward()
     opt.step()
     return loss
-for b in strategy.experimental_distribute_dataset([torch.randn(8, 3) * (rank + 1) for _ in range(3)]):
+# Different data per replica: one pipeline per process (the same global batches are what
+# experimental_distribute_dataset requires, and it would report different ones).
+for b in strategy.distribute_datasets_from_function(
+        lambda ctx: [torch.randn(4, 3) * (ctx.input_pipeline_id + 1) for _ in range(3)]):
     strategy.run(train, args=(b,))
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 res["param_checksum"] = strategy.gather(strategy.run(lambda: flat.sum().reshape(1)), axis=0).tolist()

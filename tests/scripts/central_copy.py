@@ -52,7 +52,7 @@ for x, y in strategy.experimental_distribute_dataset(data()):
 outside = {k: v.detach().clone() for k, v in model.state_dict().items()}
 outside_on_central = all(p.data_ptr() == c for p, c in zip(params, central))
 computed = strategy.run(lambda: {k: v.detach().clone() for k, v in model.state_dict().items()})
-computed = strategy.experimental_local_results(computed)[0]
+computed = strategy.experimental_local_results(computed)[rank]
 torch.save({"computed": computed, "outside": outside, "reference": ref}, os.path.join(out, f"copy_{rank}.pt"))
 state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 with open(os.path.join(out, f"copy_{rank}.json"), "w") as f:

@@ -60,7 +60,8 @@ def step(x):
     return loss
 
 
-for x in strategy.experimental_distribute_dataset([torch.randn(6, 4096) for _ in range(2)]):
+_g = torch.Generator().manual_seed(0)  # the same global batches in every process
+for x in strategy.experimental_distribute_dataset([torch.randn(6, 4096, generator=_g) for _ in range(2)]):
     strategy.run(step, args=(x,))
 optimizer.zero_grad(set_to_none=True)
 after = job_pss()

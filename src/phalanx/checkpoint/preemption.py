@@ -50,10 +50,14 @@ class TerminationConfig:
             (e.g. a cloud metadata preemption notice). SIGTERM is always watched.
         exit_fn: called after the save instead of ``sys.exit(42)``.
         save_fn: called instead of ``manager.save()`` (on every process, at the agreed step).
+        grace_period: seconds between the notice and the kill (TF's). phalanx saves at the next
+            step all processes agree on, whatever the grace period, so it is kept for TF's
+            signature and not used.
     """
 
     termination_watcher_fn: Callable[[], bool] | None = None
     exit_fn: Callable[[], None] | None = None
+    grace_period: int | None = None
     save_fn: Callable[[], None] | None = None
 
 

@@ -2,6 +2,7 @@
 
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
 from phalanx.input.distributed_dataset import DatasetFromFunction, DistributedDataset, DistributedIterator
+from phalanx.input.spec import EmptyOptionalError, Optional, TensorSpec
 
-__all__ = ["AutoShardPolicy", "DatasetFromFunction", "DistributedDataset", "DistributedIterator", "InputContext",
-           "InputOptions", "InputReplicationMode", "ValueContext"]
+__all__ = ["AutoShardPolicy", "DatasetFromFunction", "DistributedDataset", "DistributedIterator", "EmptyOptionalError",
+           "InputContext", "InputOptions", "InputReplicationMode", "Optional", "TensorSpec", "ValueContext"]

@@ -16,18 +16,38 @@ Per-process pipelines (``distribute_datasets_from_function``) may run out at dif
 each step the processes agree collectively whether anyone still has data. Processes that ran out
 feed empty batches (shaped like their last one) until every pipeline is exhausted, so all
 replicas stop at the same step with identical parameters.
+
+Same global batches everywhere. Every process reads the dataset given to
+``experimental_distribute_dataset`` and keeps its slice, so every process must read the same
+global batches. An unseeded shuffle (``DataLoader(shuffle=True)``, ``random.shuffle`` or numpy in
+a generator) would shuffle differently in each process; so ``iter()`` and every batch of a pass
+are drawn with torch's, numpy's and Python's global random generators seeded from the chief (one
+seed per pass, sent once; batch ``i`` uses seed + i), and each process's own random state is given
+back afterwards. Randomness from elsewhere (a generator's own ``np.random.default_rng()``, data
+that depends on the process) cannot be aligned this way: the first global batches of every pass
+are compared across processes and a difference raises
+:class:`~phalanx.errors.InputMismatchError` on every replica.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
+import secrets
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from phalanx import global_batch, nest
-from phalanx.errors import BatchSizeError
+from phalanx.errors import BatchSizeError, InputMismatchError
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions
+from phalanx.input.spec import Optional, spec_of
+from phalanx.values import local_results
+
+# The first global batches of each pass that are compared across processes.
+CHECKED_BATCHES = 2
+_END = object()
 
 if TYPE_CHECKING:
     from phalanx.strategy import Strategy
@@ -71,24 +91,103 @@ class _Placer:
 
 
 class DistributedIterator:
-    """Iterator over per-replica batches; ``next()`` / ``get_next()`` as in TF."""
+    """Iterator over per-replica batches (``tf.distribute.DistributedIterator``).
+
+    ``next()`` / ``get_next()`` raise ``StopIteration`` at the end (TF: ``OutOfRangeError``);
+    ``get_next_as_optional()`` returns an :class:`~phalanx.input.spec.Optional` instead. The end is
+    the same step on every replica.
+    """
 
     def __init__(self, source: Iterator[Any], strategy: "Strategy") -> None:
         self._source = source
         self._strategy = strategy
+        self._peeked: Any = _END
+        self._spec: Any = None
 
     def __iter__(self) -> "DistributedIterator":
         return self
 
     def __next__(self) -> Any:
-        return next(self._source)
+        if self._peeked is not _END:
+            value, self._peeked = self._peeked, _END
+            return value
+        value = next(self._source)
+        if self._spec is None:
+            self._spec = _local_spec(value)
+        return value
 
     def get_next(self) -> Any:
         return next(self)
 
-    def get_next_as_optional(self) -> Any:
-        """The next element, or None at the end (TF returns an Optional)."""
-        return next(self._source, None)
+    def get_next_as_optional(self) -> Optional:
+        """The next element as an Optional that is empty at the end of the data."""
+        value = next(self, _END)
+        return Optional.empty() if value is _END else Optional.from_value(value)
+
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`~phalanx.input.spec.TensorSpec` structure of this replica's batches
+        (reads the first batch if none was read yet)."""
+        if self._spec is None and self._peeked is _END:
+            self._peeked = next(self._source, _END)
+            if self._peeked is not _END:
+                self._spec = _local_spec(self._peeked)
+        return self._spec
+
+
+def _local_spec(value: Any) -> Any:
+    return spec_of(nest.map_structure(lambda v: local_results(v)[0], value))
+
+
+def shared_seed(ext: Any) -> int | None:
+    """A seed drawn by the chief and sent to every process (a collective); None for one process."""
+    if ext.num_processes == 1:
+        return None
+    seed_t = torch.tensor([secrets.randbits(62) if ext.process_index == 0 else 0], dtype=torch.int64)
+    ext.broadcast([seed_t])
+    return int(seed_t[0])
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None) -> Iterator[None]:
+    """Inside, torch's (CPU), numpy's and Python's global generators draw from ``seed``; the
+    process's own random state is given back after. Nothing happens for ``seed=None``."""
+    if seed is None:
+        yield
+        return
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def _fingerprint(element: Any) -> float:
+    """A number that differs, with high probability, between two different batches (order included)."""
+    total = 0.0
+    for t in nest.flatten(element):
+        if isinstance(t, torch.Tensor) and t.numel():
+            flat = torch.nan_to_num(t.detach().reshape(-1)[:4096].to("cpu", torch.float64))
+            total += float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()) + t.numel()
+    return total
+
+
+def check_same_batch(ext: Any, element: Any, index: int) -> None:
+    """Raises :class:`InputMismatchError` on every replica if the processes' global batches differ."""
+    f = _fingerprint(element)
+    both = ext.communicator.all_reduce(torch.tensor([f, -f], dtype=torch.float64), "max").wait()
+    if float(both[0]) != -float(both[1]):
+        raise InputMismatchError(
+            f"The processes read different global batches (batch {index} of this pass; on "
+            f"{ext.process_name()} its fingerprint is {f:.6g}, the largest is {float(both[0]):.6g}).",
+            hint="every process must produce the same global batches: seed the shuffling (e.g. "
+                 "DataLoader(generator=torch.Generator().manual_seed(epoch))), or give each process its own "
+                 "data with distribute_datasets_from_function")
 
 
 class DistributedDataset:
@@ -124,11 +223,45 @@ class DistributedDataset:
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
 
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`~phalanx.input.spec.TensorSpec` structure of a replica's batch (reads one batch)."""
+        first = next(iter(self._dataset), _END)
+        return None if first is _END else spec_of(nest.map_structure(_to_tensor, first))
+
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """Folds ``reduce_func(state, per_replica_batch)`` over the dataset (TF's ``reduce``)."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def _passes(self) -> Iterator[Any]:
+        """The global batches of one pass, the same in every process (see the module docstring)."""
+        ext = self._strategy.extended
+        seed = shared_seed(ext)
+        with seeded(seed):
+            iterator = iter(self._dataset)
+        check = ext.num_processes > 1 and self._split[0] == self._strategy.num_replicas_in_sync
+        i = 0
+        while True:
+            # Each batch is drawn with the same seed in every process (seed + batch index), so
+            # random numbers a pipeline draws as it goes (a DataLoader's shuffle order, a
+            # generator's np.random) are the same everywhere.
+            with seeded(None if seed is None else seed + i + 1):
+                element = next(iterator, _END)
+            if element is _END:
+                return
+            element = nest.map_structure(_to_tensor, element)
+            if check and i < CHECKED_BATCHES:
+                check_same_batch(ext, element, i)
+            yield element
+            i += 1
+
     def _slices(self) -> Iterator[tuple[Any, int]]:
         num, index = self._split
         first = True
-        for element in self._dataset:
-            element = nest.map_structure(_to_tensor, element)
+        for element in self._passes():
             size = batch_size_of(element)
             if first and size < num:
                 raise BatchSizeError(size, num)
@@ -169,6 +302,12 @@ class DatasetFromFunction:
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self._generate(), self._strategy)
+
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`~phalanx.input.spec.TensorSpec` structure of this pipeline's batches (reads one)."""
+        first = next(iter(self._dataset), _END)
+        return None if first is _END else spec_of(nest.map_structure(_to_tensor, first))
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended

@@ -49,6 +49,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
 from phalanx.keras.callbacks import Coordinator  # noqa: E402
+from phalanx.keras.metrics import UnsupportedMetricError, observe_run  # noqa: E402
 from phalanx.keras.model import (  # noqa: E402
     DistributedModel,
     InputMismatchError,
@@ -58,7 +59,12 @@ from phalanx.keras.model import (  # noqa: E402
     distributed_model,
 )
 from phalanx.keras.parameter_server import DatasetCreator, UnsupportedOptimizerError  # noqa: E402
+from phalanx.strategy import RUN_OBSERVERS  # noqa: E402
+
+if observe_run not in RUN_OBSERVERS:
+    RUN_OBSERVERS.append(observe_run)  # metrics used in custom loops report global values
 
 __all__ = ["Coordinator", "DatasetCreator", "DistributedModel", "InputMismatchError", "SUPPORTED",
-           "PsAdapter", "SyncAdapter", "UnsupportedKerasError", "UnsupportedOptimizerError", "distribute",
+           "PsAdapter", "SyncAdapter", "UnsupportedKerasError", "UnsupportedMetricError",
+           "UnsupportedOptimizerError", "distribute",
            "distributed_model"]

@@ -36,6 +36,10 @@ Semantics (tf.keras under tf.distribute):
 * Non-trainable state a step updates (BatchNormalization's moving statistics) is averaged,
   weighted by each replica's share of the batch, so replicas stay identical.
 * ``predict`` gathers every replica's outputs in replica order: each input row once, in order.
+* ``save`` / ``save_weights`` / ``export`` write once: the chief writes, and every replica
+  returns when the file is complete (a failed write raises on every replica). A replica given
+  another path than the chief's (TF's multi-worker tutorial saves non-chief copies to temporary
+  paths) writes its own. Every replica must call them, as every replica runs the program.
 * A final batch smaller than the number of replicas leaves some replicas without rows. They run
   the step on a stand-in row with weight 0 (no gradient, no metric contribution), so every
   replica takes part in every collective and nothing hangs.
@@ -46,7 +50,9 @@ Semantics (tf.keras under tf.distribute):
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -57,7 +63,7 @@ import torch
 from phalanx import context, hooks, nest
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
-from phalanx.errors import PhalanxError, StrategyScopeError
+from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
@@ -70,10 +76,7 @@ if TYPE_CHECKING:
     from phalanx.strategy import Strategy
 
 _KINDS = ("train", "test", "predict")
-
-
-class InputMismatchError(PhalanxError, RuntimeError):
-    """Replicas were fed different global batches (the inputs differ between workers)."""
+_WRITERS = ("save", "save_weights", "export")
 
 
 class _GradScale:
@@ -215,12 +218,18 @@ class DistributedModel:
     def __init__(self, model: Any, strategy: "Strategy") -> None:
         self._model_ref = weakref.ref(model)
         self.strategy = strategy
+        self._writing = False  # inside the chief's own save: nested saves are not collective
         discovery.attach(model, self)
         for method in ("fit", "evaluate", "predict"):
             wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
                                                getattr(type(model), method))
             # object.__setattr__: an instance attribute, bypassing Keras' and torch's tracking.
             object.__setattr__(model, method, wrapper)
+        for method in _WRITERS:
+            if hasattr(type(model), method):
+                wrapper = functools.update_wrapper(functools.partial(self._write_once, method),
+                                                   getattr(type(model), method))
+                object.__setattr__(model, method, wrapper)
         # Also now, in case the model is adapted by its own first fit() (a model without input
         # shape, fitted inside the scope): that fit then takes phalanx's step functions.
         self._prepare()
@@ -267,6 +276,36 @@ class DistributedModel:
 
     def _mark_synced(self, params: Any) -> None:
         """Notes parameters the strategy's scope captured (and synchronises); nothing by default."""
+
+    def _write_once(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``model.<method>(path)`` once per path: the chief writes, and a replica that was given a
+        path of its own (TF's multi-worker pattern: non-chief workers save to temporary paths) writes
+        that one; every replica returns once every file is complete."""
+        model = self.model
+        original = getattr(type(model), method)
+        if self._writing or self._num_replicas == 1 or isinstance(self, PsAdapter) or _in_chief_only_callback():
+            return original(model, *args, **kwargs)
+        path = str(kwargs.get("filepath", args[0] if args else ""))
+        digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
+        chiefs = torch.tensor([digest if self.is_chief else 0], dtype=torch.int64)
+        self._ext.broadcast([chiefs])
+        result, error = None, None
+        if self.is_chief or int(chiefs[0]) != digest:
+            self._writing = True
+            try:
+                result = original(model, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+                error = e
+            finally:
+                self._writing = False
+        # Also the barrier: nobody returns before the files are complete.
+        failed = self._ext.all_reduce([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
+        if error is not None:
+            raise error
+        if float(failed[0]) > 0:
+            raise WriteError(f"model.{method}(...) failed on another replica; see its error (the chief's output "
+                             "or its replica log).", hint="the file may be missing or incomplete")
+        return result
 
     @staticmethod
     def _bind(method: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> tuple[Callable, dict]:
@@ -527,7 +566,8 @@ class SyncAdapter(DistributedModel):
         weights = model.weights
         new = [v.value for v in weights if id(v.value) not in self._synced]
         if new and self._num_replicas > 1:
-            # A collective: every replica reaches it at the same step.
+            # A collective: every replica reaches it at the same step. (Those the strategy
+            # captured, in scope or inside run, it synchronises itself: adopt_variables skips them.)
             self._ext.adopt_variables(p for p in new if isinstance(p, torch.nn.Parameter))
         for p in new:
             self._synced[id(p)] = p
@@ -554,6 +594,23 @@ class SyncAdapter(DistributedModel):
             if v.path.endswith("seed_generator_state") and not _is_float(v):
                 offset = torch.tensor([self._rank * 1_000_003, 0], dtype=v.value.dtype)
                 v.assign(v.value + offset)
+
+
+def _in_chief_only_callback(depth: int = 12) -> bool:
+    """Whether a writer callback that runs on the chief alone (ModelCheckpoint, ...) is calling.
+
+    Such a callback saves on the chief only, so its save must not wait for the other replicas.
+    Keras gives no other way to tell who called ``model.save``; saves are rare, so looking at the
+    callers' frames costs nothing that matters.
+    """
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), px_callbacks.CHIEF_ONLY):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _is_scalar(value: Any) -> bool:

@@ -75,8 +75,16 @@ class DatasetCreator:
             raise TypeError(f"DatasetCreator needs a callable; received {type(dataset_fn).__name__}")
         self.dataset_fn = dataset_fn
 
-    def __call__(self, *args: Any) -> Any:
-        return self.dataset_fn(*args)
+    def __call__(self, input_context: Any) -> Any:
+        """``dataset_fn(input_context)``, or ``dataset_fn()`` when it takes no argument."""
+        import inspect
+
+        try:
+            takes = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                        for p in inspect.signature(self.dataset_fn).parameters.values())
+        except (TypeError, ValueError):
+            takes = True
+        return self.dataset_fn(input_context) if takes else self.dataset_fn()
 
 
 # ---------------------------------------------------------------------------------- optimizer
@@ -186,6 +194,36 @@ def _send_updates_to_servers(optimizer: Any) -> None:
         run.service.push_gradients(list(grads), [v.value for v in trainable_variables], _PS_CONFIG[optimizer])
 
     object.__setattr__(optimizer, "apply", apply)
+
+
+_OPTIMIZER_KIND = "keras_optimizer"
+
+
+def optimizer_reference(optimizer: Any, extended: Any = None) -> tuple:
+    """What a scheduled function carries instead of a Keras optimizer of the chief.
+
+    On the worker it becomes an optimizer whose ``apply`` / ``apply_gradients`` send the gradients
+    to the parameter servers, which apply them with the ``torch.optim`` equivalent (learning rate
+    as it is when the function is scheduled; see :func:`torch_optimizer_config`).
+
+    Raises:
+        UnsupportedOptimizerError: the optimizer has no equivalent on the servers (at ``schedule``).
+    """
+    config = torch_optimizer_config(optimizer)
+    return (json.dumps(keras.optimizers.serialize(optimizer)), json.dumps(config))
+
+
+def resolve_optimizer(service: Any, payload: tuple, run: Any) -> Any:
+    """The worker's stand-in for the chief's Keras optimizer (built once per configuration)."""
+    config, server_config = payload
+    cache = service.extension_state(_OPTIMIZER_KIND)
+    optimizer = cache.get((config, server_config))
+    if optimizer is None:
+        optimizer = keras.optimizers.deserialize(json.loads(config))
+        _PS_CONFIG[optimizer] = json.loads(server_config)
+        _send_updates_to_servers(optimizer)
+        cache[(config, server_config)] = optimizer
+    return optimizer
 
 
 def train_step(model: Any, iterator: Any, optimizer_config: dict[str, Any]) -> tuple[dict[str, float], int]:
@@ -340,3 +378,6 @@ def _evaluate(model: Any, data: Any, batch_size: Any) -> dict[str, float]:
 # from its config and binds its variables to the servers', instead of unpickling a copy with its
 # weights every step.
 pickling.register_reference(_KIND, keras.Model, reference, resolve)
+# A Keras optimizer used in a scheduled function (a custom loop's apply_gradients) becomes, on the
+# worker, one that sends its gradients to the servers.
+pickling.register_reference(_OPTIMIZER_KIND, keras.optimizers.Optimizer, optimizer_reference, resolve_optimizer)

@@ -1,0 +1,83 @@
+"""Every public ``tf.distribute`` name of TF 2.21 exists in phalanx, or is a documented difference.
+
+The names are in tests/data/tf_distribute_names.txt (written from TF's API reference; TensorFlow
+is not needed); the differences, each with its reason, in tests/data/tf_distribute_differences.txt,
+and the README's "Porting from TensorFlow" section names each of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import phalanx
+
+DATA = Path(__file__).parent / "data"
+README = Path(__file__).parent.parent / "README.md"
+
+
+def _lines(name: str) -> list[str]:
+    return [ln.strip() for ln in (DATA / name).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def tf_names() -> list[str]:
+    return _lines("tf_distribute_names.txt")
+
+
+def differences() -> dict[str, str]:
+    out = {}
+    for line in _lines("tf_distribute_differences.txt"):
+        name, _, reason = line.partition(":")
+        out[name.strip()] = reason.strip()
+    return out
+
+
+def resolve(name: str) -> object:
+    """``phalanx.<name>``, attribute by attribute; raises AttributeError when absent."""
+    obj: object = phalanx
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def present(name: str) -> bool:
+    try:
+        resolve(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def test_names_list_is_tf_2_21_sized():
+    names = tf_names()
+    assert len(names) == len(set(names)), "a name is listed twice"
+    assert len(names) >= 130
+
+
+@pytest.mark.parametrize("name", tf_names())
+def test_tf_name_present_or_documented(name):
+    diffs = differences()
+    if name in diffs:
+        assert diffs[name], f"{name}: the documented difference gives no reason"
+        return
+    assert present(name), f"phalanx.{name} is missing and tests/data/tf_distribute_differences.txt does not say why"
+
+
+def test_documented_differences_are_real_and_in_readme():
+    names, diffs = set(tf_names()), differences()
+    assert set(diffs) <= names, f"differences for names TF does not have: {set(diffs) - names}"
+    stale = [n for n in diffs if present(n) and not diffs[n].startswith("present;")]
+    assert not stale, f"present now, so not missing: {stale} (start the reason with 'present;' for a behaviour difference)"
+    porting = README.read_text().split("## Porting from TensorFlow", 1)
+    assert len(porting) == 2, "README has no 'Porting from TensorFlow' section"
+    missing = [n for n in diffs if f"`{n}`" not in porting[1]]
+    assert not missing, f"README's porting table does not name: {missing}"
+
+
+def test_coverage_count():
+    """The number reported in the README (present / listed)."""
+    names = tf_names()
+    have = sum(present(n) for n in names)
+    text = README.read_text()
+    assert f"{have} of {len(names)}" in text, f"README should state the coverage: {have} of {len(names)}"
