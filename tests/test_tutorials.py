@@ -58,13 +58,9 @@ def test_custom_training(tmp_path):
     _mirrored(tmp_path, "custom_training.py")
 
 
-@pytest.mark.xfail(strict=True, reason="creates a MirroredStrategy in each section: needs several strategies "
-                   "in one program (helper `supervisor`, not on main yet)")
 def test_input(tmp_path):
     _mirrored(tmp_path, "input.py")
 
 
-@pytest.mark.xfail(strict=True, reason="run_training creates a MirroredStrategy per call: needs several "
-                   "strategies in one program (helper `supervisor`, not on main yet)")
 def test_keras_io_distributed_training(tmp_path):
     _mirrored(tmp_path, "keras_io_distributed_training.py")
