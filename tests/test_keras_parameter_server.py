@@ -130,7 +130,8 @@ def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_server
 
 
 def test_optimizer_mapping_and_refusals():
-    assert torch_optimizer_config(keras.optimizers.RMSprop(0.01, rho=0.8))["hyper"]["alpha"] == pytest.approx(0.8)
+    rmsprop = torch_optimizer_config(keras.optimizers.RMSprop(0.01, rho=0.8))
+    assert rmsprop["class"] == "KerasRMSprop" and rmsprop["hyper"]["rho"] == pytest.approx(0.8)
     adam = torch_optimizer_config(keras.optimizers.AdamW(0.002, weight_decay=0.01))
     assert adam["class"] == "AdamW" and adam["hyper"]["weight_decay"] == pytest.approx(0.01)
     with pytest.raises(UnsupportedOptimizerError, match="clipnorm"):
@@ -156,3 +157,25 @@ def test_input_without_length_needs_steps_per_epoch():
         history = model.fit(Batches(), epochs=2, steps_per_epoch=6, verbose=0)  # cycles over the 4 batches
         assert len(history.history["loss"]) == 2
         assert sum(s["updates"] for s in cluster.strategy.extended.parameter_server_stats()) == 2 * 6 * 4
+
+
+@pytest.mark.parametrize("momentum,centered", [(0.0, False), (0.9, False), (0.0, True)])
+def test_servers_rmsprop_is_keras_rmsprop_step_for_step(momentum, centered):
+    """torch.optim.RMSprop puts epsilon outside the square root and diverged where Keras' learns;
+    the servers run Keras' own update."""
+    from phalanx.ps.server import optimizer_class
+
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    grads = [torch.randn(5, 3) * 10 ** -k for k in range(6)]  # small gradients: where the two differ
+    variable = keras.Variable(start.numpy())
+    keras_opt = keras.optimizers.RMSprop(0.1, rho=0.9, momentum=momentum, centered=centered)
+    config = torch_optimizer_config(keras_opt)
+    param = torch.nn.Parameter(start.clone())
+    server_opt = optimizer_class(config["class"])([param], **config["hyper"])
+    for g in grads:
+        keras_opt.apply([g.clone()], [variable])
+        param.grad = g.clone()
+        server_opt.step()
+    keras_value = torch.as_tensor(np.asarray(variable.value.detach().cpu()))
+    assert torch.allclose(param.detach(), keras_value, atol=1e-6), (param, keras_value)

@@ -127,9 +127,11 @@ def torch_optimizer_config(optimizer: Any) -> dict[str, Any]:
             hyper["weight_decay"] = float(wd)
         return {"class": name, "hyper": hyper}
     if name == "RMSprop":
-        return {"class": "RMSprop", "hyper": {"lr": lr, "alpha": float(optimizer.rho), "eps": float(optimizer.epsilon),
-                                              "momentum": float(optimizer.momentum),
-                                              "centered": bool(optimizer.centered)}}
+        # Keras' update (epsilon inside the square root), not torch.optim.RMSprop's: see ps/optimizers.py.
+        return {"class": "KerasRMSprop", "hyper": {"lr": lr, "rho": float(optimizer.rho),
+                                                   "eps": float(optimizer.epsilon),
+                                                   "momentum": float(optimizer.momentum),
+                                                   "centered": bool(optimizer.centered)}}
     if name == "Adagrad":
         return {"class": "Adagrad", "hyper": {"lr": lr, "eps": float(optimizer.epsilon),
                                               "initial_accumulator_value":

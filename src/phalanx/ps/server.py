@@ -38,6 +38,7 @@ import torch
 
 from phalanx.ps import wire
 from phalanx.ps.client import PS_SERVICE
+from phalanx.ps.optimizers import SERVER_OPTIMIZERS
 from phalanx.ps.service import SignedService
 from phalanx.ps.transport import ServiceError
 
@@ -47,7 +48,10 @@ _REFUSED_OPTIMIZERS = {"LBFGS"}  # needs a closure that re-evaluates the loss: n
 
 
 def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimizer class called ``name``; nothing outside ``torch.optim`` is accepted."""
+    """The ``torch.optim`` optimizer class called ``name``, or one of phalanx's own
+    (:data:`phalanx.ps.optimizers.SERVER_OPTIMIZERS`); nothing else is accepted."""
+    if isinstance(name, str) and name in SERVER_OPTIMIZERS:
+        return SERVER_OPTIMIZERS[name]
     cls = getattr(torch.optim, name, None) if isinstance(name, str) and name.isidentifier() else None
     if (not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer) or cls is torch.optim.Optimizer
             or not cls.__module__.startswith("torch.optim") or name in _REFUSED_OPTIMIZERS):
