@@ -27,10 +27,11 @@ def main():
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g))
-               for _ in range(STEPS)]
+    batches = [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)) for _ in range(STEPS)
+    ]
     step_no = [0]
 
     def train_step(x, y):

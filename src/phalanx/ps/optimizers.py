@@ -24,8 +24,15 @@ class KerasRMSprop(torch.optim.Optimizer):
             squared mean gradient from the velocity.
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, rho: float = 0.9, eps: float = 1e-7, momentum: float = 0.0,
-                 centered: bool = False) -> None:
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        rho: float = 0.9,
+        eps: float = 1e-7,
+        momentum: float = 0.0,
+        centered: bool = False,
+    ) -> None:
         super().__init__(params, {"lr": lr, "rho": rho, "eps": eps, "momentum": momentum, "centered": centered})
 
     @torch.no_grad()
