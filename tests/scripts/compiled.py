@@ -71,11 +71,7 @@ def main():
         rank = 0
     else:
         strategy = strategy_for(kind, n)
-        rank = int(
-            strategy.experimental_local_results(
-                strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group)
-            )[0]
-        )
+        rank = px.process_index()
         torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
         with strategy.scope():
             model = make_model()

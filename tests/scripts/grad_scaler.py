@@ -54,8 +54,7 @@ def main():
         moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         record.append({"scale": float(scaler.get_scale()), "moved": moved})
         step_no[0] += 1
-    rank = strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group)
-    rank = int(strategy.experimental_local_results(rank)[0])
+    rank = px.process_index()
     with open(os.path.join(out, f"scaler_{rank}.json"), "w") as f:
         json.dump({"steps": record, "params": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
 

@@ -62,7 +62,7 @@ def main():
             "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
             "mwms": px.MultiWorkerMirroredStrategy,
         }[name]()
-        rank = px.process_index() if hasattr(px, "process_index") else int(os.environ.get("PHALANX_RANK", "0"))
+        rank = px.process_index()
     keras.utils.set_random_seed(1234 + 1000 * rank)  # the chief's initial weights must win
     if strategy is None:
         model = build(variant, name)
