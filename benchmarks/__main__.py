@@ -37,10 +37,26 @@ ROOT = HERE.parent
 
 THROUGHPUT_CONFIGS = {  # name -> how to launch it
     "px_mirrored": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored", m, out, "--seconds", s],
-    "px_mirrored_compiled": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_compiled", m,
-                                               out, "--seconds", s],
-    "px_mirrored_bf16": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_mirrored_bf16", m, out,
-                                           "--seconds", s],
+    "px_mirrored_compiled": lambda m, out, s: [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        "px_mirrored_compiled",
+        m,
+        out,
+        "--seconds",
+        s,
+    ],
+    "px_mirrored_bf16": lambda m, out, s: [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        "px_mirrored_bf16",
+        m,
+        out,
+        "--seconds",
+        s,
+    ],
     "px_mwms": lambda m, out, s: _run2("px_mwms", m, out, s),
     "ddp": lambda m, out, s: _run2("ddp", m, out, s),
     "local2": lambda m, out, s: _run2("local2", m, out, s),
@@ -48,25 +64,50 @@ THROUGHPUT_CONFIGS = {  # name -> how to launch it
 }
 if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pip install tensorflow-cpu
     for _tf in ("tf_mirrored", "tf_mwms"):
-        THROUGHPUT_CONFIGS[_tf] = (lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m,
-                                                                out, "--seconds", s])(_tf)
+        THROUGHPUT_CONFIGS[_tf] = (
+            lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m, out, "--seconds", s]
+        )(_tf)
 
-RATIOS = [("px_mirrored", "ddp"), ("px_mwms", "ddp"), ("px_mirrored", "local2"), ("px_mwms", "local2"),
-          ("ddp", "local2"), ("px_mirrored", "one_process"), ("px_mirrored_compiled", "px_mirrored"),
-          ("px_mirrored_bf16", "px_mirrored"), ("px_mirrored_compiled", "local2"), ("px_mirrored", "tf_mirrored"),
-          ("px_mirrored_compiled", "tf_mirrored"), ("px_mwms", "tf_mwms")]
+RATIOS = [
+    ("px_mirrored", "ddp"),
+    ("px_mwms", "ddp"),
+    ("px_mirrored", "local2"),
+    ("px_mwms", "local2"),
+    ("ddp", "local2"),
+    ("px_mirrored", "one_process"),
+    ("px_mirrored_compiled", "px_mirrored"),
+    ("px_mirrored_bf16", "px_mirrored"),
+    ("px_mirrored_compiled", "local2"),
+    ("px_mirrored", "tf_mirrored"),
+    ("px_mirrored_compiled", "tf_mirrored"),
+    ("px_mwms", "tf_mwms"),
+]
 
 
 def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
-    return [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "-m", "benchmarks.worker", config, model, out,
-            "--seconds", seconds]
+    return [
+        sys.executable,
+        "-m",
+        "phalanx.cli",
+        "run",
+        "-n",
+        "2",
+        "-m",
+        "benchmarks.worker",
+        config,
+        model,
+        out,
+        "--seconds",
+        seconds,
+    ]
 
 
 def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled configs compile for minutes
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("OMP_NUM_THREADS", None)
-    subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        cmd, cwd=ROOT, env=env, timeout=timeout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     with open(out) as f:
         return json.load(f)
 
@@ -82,8 +123,7 @@ def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float) 
                 for c in order:
                     out = os.path.join(tmp, f"{c}-{m}-{r}.json")
                     results[m][c].append(_job(configs[c](m, out, str(seconds)), out)["samples_per_s"])
-                    print(f"  round {r + 1}/{rounds} {m:<10} {c:<14} {results[m][c][-1]:>10.0f} samples/s",
-                          flush=True)
+                    print(f"  round {r + 1}/{rounds} {m:<10} {c:<14} {results[m][c][-1]:>10.0f} samples/s", flush=True)
     return results
 
 
@@ -94,12 +134,16 @@ def _overhead(models: list[str], rounds: int, seconds: float) -> dict:
         for r in range(rounds):
             for m in models:
                 out = os.path.join(tmp, f"overhead-{m}-{r}.json")
-                pair = _job([sys.executable, "-m", "benchmarks.worker", "overhead_pair", m, out, "--seconds",
-                             str(seconds)], out)
+                pair = _job(
+                    [sys.executable, "-m", "benchmarks.worker", "overhead_pair", m, out, "--seconds", str(seconds)], out
+                )
                 for c in results[m]:
                     results[m][c].append(pair[c])
-                print(f"  round {r + 1}/{rounds} {m:<10} px_one_device {pair['px_one_device']:>9.0f}  "
-                      f"raw {pair['raw']:>9.0f} samples/s", flush=True)
+                print(
+                    f"  round {r + 1}/{rounds} {m:<10} px_one_device {pair['px_one_device']:>9.0f}  "
+                    f"raw {pair['raw']:>9.0f} samples/s",
+                    flush=True,
+                )
     return results
 
 
@@ -128,8 +172,12 @@ def chart(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     models = list(report["throughput"]["ratios"])
-    keys = [("px_mirrored_vs_ddp", "Mirrored / DDP"), ("px_mwms_vs_ddp", "MWMS / DDP"),
-            ("px_mirrored_vs_local2", "Mirrored / no-comm ceiling"), ("ddp_vs_local2", "DDP / no-comm ceiling")]
+    keys = [
+        ("px_mirrored_vs_ddp", "Mirrored / DDP"),
+        ("px_mwms_vs_ddp", "MWMS / DDP"),
+        ("px_mirrored_vs_local2", "Mirrored / no-comm ceiling"),
+        ("ddp_vs_local2", "DDP / no-comm ceiling"),
+    ]
     width = 0.2
     for i, (key, label) in enumerate(keys):
         vals = [report["throughput"]["ratios"][m][key]["median"] for m in models]
@@ -143,8 +191,12 @@ def chart(report: dict, path: Path) -> None:
     sizes = [r["bytes"] for r in rows]
     axes[1].loglog(sizes, [r["phalanx_busbw_gbps"] for r in rows], "o-", label="phalanx")
     axes[1].loglog(sizes, [r["gloo_busbw_gbps"] for r in rows], "s-", label="raw gloo")
-    axes[1].axhline(report["allreduce"]["memory_bandwidth_gbps"] / 2, color="gray", linestyle="--",
-                    label="memory copy bandwidth / 2")
+    axes[1].axhline(
+        report["allreduce"]["memory_bandwidth_gbps"] / 2,
+        color="gray",
+        linestyle="--",
+        label="memory copy bandwidth / 2",
+    )
     axes[1].set_xlabel("bytes")
     axes[1].set_ylabel("bus bandwidth (GB/s)")
     axes[1].set_title("All-reduce, 2 processes")
@@ -159,26 +211,41 @@ def default_out_dir() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                     description="The side-by-side benchmark suite (also run by 'phalanx bench'): "
-                                     "every configuration is a real job, compared in interleaved rounds.",
-                                     epilog=__doc__[__doc__.index("Examples::"):].replace("::", ":"),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=_positive, default=None,
-                        help="interleaved rounds per configuration (default: 3; 1 with --quick)")
-    parser.add_argument("--seconds", type=float, default=None,
-                        help="timed seconds per job (default: 2.0; 0.3 with --quick)")
-    parser.add_argument("--models", default=None,
-                        help=f"comma list of {','.join(MODELS)} (default: all; seed_mlp with --quick)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The side-by-side benchmark suite (also run by 'phalanx bench'): "
+        "every configuration is a real job, compared in interleaved rounds.",
+        epilog=__doc__[__doc__.index("Examples::") :].replace("::", ":"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="interleaved rounds per configuration (default: 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="timed seconds per job (default: 2.0; 0.3 with --quick)"
+    )
+    parser.add_argument(
+        "--models", default=None, help=f"comma list of {','.join(MODELS)} (default: all; seed_mlp with --quick)"
+    )
     parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead (default: none)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory for latest.json and latest.png (default: a new "
-                             "phalanx-bench-<timestamp> directory in the temporary directory; "
-                             "benchmarks/results updates the committed figures)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run in under a minute: the seed MLP under Mirrored, DDP and the "
-                             "no-communication ceiling, short jobs, all-reduce up to 1 MB, no chart; its "
-                             "ratios are too noisy to quote")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for latest.json and latest.png (default: a new "
+        "phalanx-bench-<timestamp> directory in the temporary directory; "
+        "benchmarks/results updates the committed figures)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run in under a minute: the seed MLP under Mirrored, DDP and the "
+        "no-communication ceiling, short jobs, all-reduce up to 1 MB, no chart; its "
+        "ratios are too noisy to quote",
+    )
     return parser
 
 
@@ -199,41 +266,70 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS)}")
     skip = set(filter(None, args.skip.split(",")))
     if skip - {"throughput", "allreduce", "overhead"}:
-        parser.error(f"--skip: unknown part(s) {sorted(skip - {'throughput', 'allreduce', 'overhead'})}; "
-                     "choose from throughput,allreduce,overhead")
+        parser.error(
+            f"--skip: unknown part(s) {sorted(skip - {'throughput', 'allreduce', 'overhead'})}; "
+            "choose from throughput,allreduce,overhead"
+        )
     out_dir = (args.out or default_out_dir()).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"results go to {out_dir}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
-    report: dict = {"machine": {"cpus": os.cpu_count()}, "rounds": args.rounds, "started": time.ctime(),
-                    "quick": args.quick}
+    report: dict = {
+        "machine": {"cpus": os.cpu_count()},
+        "rounds": args.rounds,
+        "started": time.ctime(),
+        "quick": args.quick,
+    }
     start = time.monotonic()
     if "throughput" not in skip:
         print("throughput (samples/s):", flush=True)
         # --quick times only the headline comparison (Mirrored against DDP and the ceiling).
-        configs = ({c: THROUGHPUT_CONFIGS[c] for c in ("px_mirrored", "ddp", "local2")} if args.quick
-                   else THROUGHPUT_CONFIGS)
+        configs = (
+            {c: THROUGHPUT_CONFIGS[c] for c in ("px_mirrored", "ddp", "local2")} if args.quick else THROUGHPUT_CONFIGS
+        )
         raw = _interleaved(configs, models, args.rounds, args.seconds)
-        ratios = {m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
-                  for m in models}
+        ratios = {
+            m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
+            for m in models
+        }
         report["throughput"] = {"samples_per_s": raw, "ratios": ratios}
     if "allreduce" not in skip:
         print("all-reduce:", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "allreduce.json")
             sizes = ["--max-bytes", str(1 << 20)] if args.quick else []
-            rows = _job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "-m", "benchmarks.allreduce", out,
-                  "--rounds", str(args.rounds if args.quick else max(3, args.rounds)), *sizes], out, timeout=600)
+            rows = _job(
+                [
+                    sys.executable,
+                    "-m",
+                    "phalanx.cli",
+                    "run",
+                    "-n",
+                    "2",
+                    "-m",
+                    "benchmarks.allreduce",
+                    out,
+                    "--rounds",
+                    str(args.rounds if args.quick else max(3, args.rounds)),
+                    *sizes,
+                ],
+                out,
+                timeout=600,
+            )
         report["allreduce"] = {"rows": rows, "memory_bandwidth_gbps": memory_bandwidth_gbps()}
         for r in rows:
-            print(f"  {r['bytes']:>10} B  phalanx {r['phalanx_us']:>9.1f} us {r['phalanx_busbw_gbps']:>6.2f} GB/s   "
-                  f"gloo {r['gloo_us']:>9.1f} us {r['gloo_busbw_gbps']:>6.2f} GB/s   ratio {r['ratio_busbw']:.2f}x")
+            print(
+                f"  {r['bytes']:>10} B  phalanx {r['phalanx_us']:>9.1f} us {r['phalanx_busbw_gbps']:>6.2f} GB/s   "
+                f"gloo {r['gloo_us']:>9.1f} us {r['gloo_busbw_gbps']:>6.2f} GB/s   ratio {r['ratio_busbw']:.2f}x"
+            )
     if "overhead" not in skip:
         print("OneDeviceStrategy overhead:", flush=True)
         mlps = [m for m in models if m.endswith("mlp")]
         raw = _overhead(mlps, args.rounds, args.seconds)
-        report["overhead"] = {"samples_per_s": raw,
-                              "ratios": {m: _ratio(raw[m]["px_one_device"], raw[m]["raw"]) for m in mlps}}
+        report["overhead"] = {
+            "samples_per_s": raw,
+            "ratios": {m: _ratio(raw[m]["px_one_device"], raw[m]["raw"]) for m in mlps},
+        }
     report["elapsed_s"] = time.monotonic() - start
     (out_dir / "latest.json").write_text(json.dumps(report, indent=1))
     print(summary(report))

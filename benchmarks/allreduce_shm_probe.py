@@ -59,14 +59,17 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
     times: dict[tuple[str, int], list[float]] = {}
     foreign: list[float] = []
     try:
-        iters = {(name, size): _calibrate(fn, torch.ones(size // 4))  # also warms up
-                 for size in sizes for name, fn in impls.items()}
+        iters = {
+            (name, size): _calibrate(fn, torch.ones(size // 4))  # also warms up
+            for size in sizes
+            for name, fn in impls.items()
+        }
         for rnd in range(rounds):
             dist.barrier()
             wall0, cpu0, busy0 = time.perf_counter(), time.process_time(), _busy_seconds()
             for size in sizes:
                 t = torch.rand(size // 4)
-                for name in (list(impls) if rnd % 2 == 0 else list(impls)[::-1]):
+                for name in list(impls) if rnd % 2 == 0 else list(impls)[::-1]:
                     fn, n = impls[name], iters[(name, size)]
                     fn(t)
                     dist.barrier()
@@ -88,8 +91,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, que
         dist.destroy_process_group()
 
 
-def measure(sizes: list[int] = SIZES, rounds: int = 15, world: int = 2,
-            max_foreign: float = 0.10) -> list[dict]:
+def measure(sizes: list[int] = SIZES, rounds: int = 15, world: int = 2, max_foreign: float = 0.10) -> list[dict]:
     """Measures shm vs gloo all-reduce, interleaved in rounds; returns one dict per size.
 
     Rounds in which other processes used more than ``max_foreign`` of the host's CPU are
@@ -102,8 +104,7 @@ def measure(sizes: list[int] = SIZES, rounds: int = 15, world: int = 2,
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, sizes, rounds, queue))
-             for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, sizes, rounds, queue)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -124,12 +125,18 @@ def measure(sizes: list[int] = SIZES, rounds: int = 15, world: int = 2,
         shm = [times[("shm", size)][i] for i in keep]
         gloo = [times[("gloo", size)][i] for i in keep]
         ms, mg = statistics.median(shm), statistics.median(gloo)
-        rows.append({
-            "bytes": size, "shm_us": ms * 1e6, "gloo_us": mg * 1e6,
-            "shm_busbw_GBps": size / ms * factor / 1e9, "gloo_busbw_GBps": size / mg * factor / 1e9,
-            "speedup": statistics.median(g / s for g, s in zip(gloo, shm)),
-            "rounds": len(keep), "foreign_pct": 100 * statistics.median(foreign[i] for i in keep),
-        })
+        rows.append(
+            {
+                "bytes": size,
+                "shm_us": ms * 1e6,
+                "gloo_us": mg * 1e6,
+                "shm_busbw_GBps": size / ms * factor / 1e9,
+                "gloo_busbw_GBps": size / mg * factor / 1e9,
+                "speedup": statistics.median(g / s for g, s in zip(gloo, shm)),
+                "rounds": len(keep),
+                "foreign_pct": 100 * statistics.median(foreign[i] for i in keep),
+            }
+        )
     return rows
 
 
@@ -139,12 +146,16 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes (float32)")
     args = parser.parse_args()
     rows = measure(args.sizes, args.rounds)
-    print(f"2 processes, float32, {rows[0]['rounds']}/{args.rounds} rounds used "
-          f"(median foreign CPU load {rows[0]['foreign_pct']:.1f}%); busbw in GB/s")
+    print(
+        f"2 processes, float32, {rows[0]['rounds']}/{args.rounds} rounds used "
+        f"(median foreign CPU load {rows[0]['foreign_pct']:.1f}%); busbw in GB/s"
+    )
     print(f"{'bytes':>10} {'shm us':>10} {'gloo us':>10} {'shm busbw':>10} {'gloo busbw':>10} {'speedup':>8}")
     for r in rows:
-        print(f"{r['bytes']:>10} {r['shm_us']:>10.1f} {r['gloo_us']:>10.1f} "
-              f"{r['shm_busbw_GBps']:>10.2f} {r['gloo_busbw_GBps']:>10.2f} {r['speedup']:>7.2f}x")
+        print(
+            f"{r['bytes']:>10} {r['shm_us']:>10.1f} {r['gloo_us']:>10.1f} "
+            f"{r['shm_busbw_GBps']:>10.2f} {r['gloo_busbw_GBps']:>10.2f} {r['speedup']:>7.2f}x"
+        )
 
 
 if __name__ == "__main__":

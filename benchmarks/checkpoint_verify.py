@@ -64,10 +64,14 @@ def main() -> None:
             for name in t:
                 times[name].append(t[name])
             ratios.append(t["verified"] / t["bare"])
-    result = {"checkpoint_mb": args.mb, "rounds": args.rounds,
-              "bare_restore_s_median": statistics.median(times["bare"]),
-              "restore_or_initialize_s_median": statistics.median(times["verified"]),
-              "ratio_median": statistics.median(ratios), "ratios": ratios}
+    result = {
+        "checkpoint_mb": args.mb,
+        "rounds": args.rounds,
+        "bare_restore_s_median": statistics.median(times["bare"]),
+        "restore_or_initialize_s_median": statistics.median(times["verified"]),
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

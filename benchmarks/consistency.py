@@ -120,7 +120,10 @@ def main() -> None:
     if ext.should_checkpoint:
         step_s = statistics.median(off_times)
         result = {
-            "model": "seed_mlp 784-128-10", "replicas": 2, "global_batch": GLOBAL, "rounds": args.rounds,
+            "model": "seed_mlp 784-128-10",
+            "replicas": 2,
+            "global_batch": GLOBAL,
+            "rounds": args.rounds,
             "steps_per_round": args.steps,
             "step_ms_guard_off": round(step_s * 1e3, 4),
             "step_ms_guard_on": round(statistics.median(on_times) * 1e3, 4),

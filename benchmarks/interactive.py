@@ -60,8 +60,12 @@ def _median_ms(values: list[float]) -> float:
 
 
 def measure(method: str, cells: int, rounds: int) -> dict:
-    env = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PHALANX_INTERACTIVE_START": method,
-           "PHALANX_LOG_ROOT": tempfile.mkdtemp(prefix="phalanx-bench-logs-")}
+    env = {
+        "KERAS_BACKEND": "torch",
+        "OMP_NUM_THREADS": "1",
+        "PHALANX_INTERACTIVE_START": method,
+        "PHALANX_LOG_ROOT": tempfile.mkdtemp(prefix="phalanx-bench-logs-"),
+    }
     kernel = _Kernel(env)
     try:
         kernel.timed(PRELUDE)
@@ -75,10 +79,14 @@ def measure(method: str, cells: int, rounds: int) -> dict:
             kernel.timed("strategy.close()")
             alone += [kernel.timed("x = 1") for _ in range(cells)]
             kernel.timed("strategy = phalanx.MirroredStrategy(['cpu:0', 'cpu:1'])")
-        return {"start_s": round(start, 3), "one_device_strategy_cell_s": round(one, 3),
-                "cell_before_strategy_ms": _median_ms(before), "cell_without_replicas_ms": _median_ms(alone),
-                "cell_with_replicas_ms": _median_ms(after),
-                "per_cell_overhead_ms": round(_median_ms(after) - _median_ms(alone), 2)}
+        return {
+            "start_s": round(start, 3),
+            "one_device_strategy_cell_s": round(one, 3),
+            "cell_before_strategy_ms": _median_ms(before),
+            "cell_without_replicas_ms": _median_ms(alone),
+            "cell_with_replicas_ms": _median_ms(after),
+            "per_cell_overhead_ms": round(_median_ms(after) - _median_ms(alone), 2),
+        }
     finally:
         kernel.close()
 

@@ -11,13 +11,25 @@ def make_model(name: str) -> torch.nn.Module:
     if name == "seed_mlp":  # the notebook's 784-128-10
         return torch.nn.Sequential(torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     if name == "large_mlp":
-        return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                   torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        return torch.nn.Sequential(
+            torch.nn.Linear(784, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 10),
+        )
     if name == "cnn":
         return torch.nn.Sequential(
-            torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(), torch.nn.Linear(32 * 7 * 7, 10))
+            torch.nn.Unflatten(1, (1, 28, 28)),
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32 * 7 * 7, 10),
+        )
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 

@@ -47,8 +47,13 @@ BATCH, IN, HIDDEN, OUT = 64, 256, 512, 10
 
 
 def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
 
 
 def _batches(seed: int, n: int = 16) -> list:
@@ -84,8 +89,9 @@ def sync_job(out: str, seconds: float, with_slow: bool) -> None:
             for x, y in data:
                 strategy.run(step, args=(x, y))
                 steps += 1
-            flag = strategy.reduce("MEAN", strategy.run(lambda: torch.tensor(float(time.perf_counter() - start
-                                                                                      >= seconds))), axis=None)
+            flag = strategy.reduce(
+                "MEAN", strategy.run(lambda: torch.tensor(float(time.perf_counter() - start >= seconds))), axis=None
+            )
             if float(flag) > 0:  # every process stops at the same step
                 return steps / (time.perf_counter() - start)
 
@@ -214,16 +220,24 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
     procs, tasks = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tls_env = generate_local(tmp)
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "PHALANX_CLUSTER_SECRET": secret, "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "PHALANX_CLUSTER_SECRET": secret,
+            "OMP_NUM_THREADS": "1",
+        }
         try:
             for mode in WIRE_CONFIGS:
                 address = f"127.0.0.1:{free_port('127.0.0.1')}"
-                procs[mode] = subprocess.Popen([sys.executable, "-m", "benchmarks.ps", "job", "wire_server", address,
-                                                mode], cwd=ROOT, env={**env, **(tls_env if mode == "tls" else {})})
+                procs[mode] = subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.ps", "job", "wire_server", address, mode],
+                    cwd=ROOT,
+                    env={**env, **(tls_env if mode == "tls" else {})},
+                )
                 transport = GrpcTransport(tls=TlsConfig.from_env(tls_env) if mode == "tls" else None)
-                tasks[mode] = RemoteTask("ps", 0, address, transport, secret.encode(), rpc_timeout=30.0,
-                                         sender="chief:0")
+                tasks[mode] = RemoteTask(
+                    "ps", 0, address, transport, secret.encode(), rpc_timeout=30.0, sender="chief:0"
+                )
             grad = torch.randn(n)
             config = {"class": "SGD", "hyper": {"lr": 1e-6}}
             for mode, task in tasks.items():
@@ -249,10 +263,10 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
             def step(task) -> None:
                 flat.copy_(task.call("read", {"keys": ["w"]}).tensors[0])
                 if compute:
-                    params = flat[:2 * width * hidden].view(2, hidden, width).detach().requires_grad_()
+                    params = flat[: 2 * width * hidden].view(2, hidden, width).detach().requires_grad_()
                     out = torch.relu(x @ params[0].t()) @ params[1]
                     torch.nn.functional.mse_loss(out, y).backward()
-                    grad[:params.numel()] = params.grad.reshape(-1)
+                    grad[: params.numel()] = params.grad.reshape(-1)
                 task.call("apply", {"keys": ["w"], "group_of": [0], "optimizers": [config]}, [grad])
 
             import psutil
@@ -288,7 +302,9 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
                     p.kill()
     ratio = lambda a, b: [x / y for x, y in zip(per_round[a], per_round[b])]  # noqa: E731
     summary = {
-        "mb_of_gradients_per_step": mb, "rounds": rounds, "seconds_per_round": seconds,
+        "mb_of_gradients_per_step": mb,
+        "rounds": rounds,
+        "seconds_per_round": seconds,
         "step": "read, forward+backward of an MLP (batch 64), apply" if compute else "read, apply (no compute)",
         "steps_per_s_median": {m: statistics.median(v) for m, v in per_round.items()},
         "signing_every_byte_cost": 1 - statistics.median(ratio("signed", "head_only")),
@@ -310,8 +326,16 @@ def _run(cmd: list[str], timeout: float = 150) -> None:
     # One thread per process everywhere: workers of both kinds compute alike, and on a small host
     # several multi-threaded processes oversubscribe the cores (10x slower steps measured on 2 cores).
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}")
 
@@ -340,12 +364,18 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=1))
         for k, v in result["steps_per_s_median"].items():
             print(f"{k:<12}{v:>10.1f} steps/s ({args.mb:g} MB of gradients per step)")
-        print(f"signing every byte costs {100 * result['signing_every_byte_cost']:.1f}% of step throughput "
-              f"(rounds: {100 * result['signing_cost_spread'][0]:.1f}% to {100 * result['signing_cost_spread'][1]:.1f}%)")
-        print(f"TLS costs {100 * result['tls_cost']:.1f}% (rounds: {100 * result['tls_cost_spread'][0]:.1f}% to "
-              f"{100 * result['tls_cost_spread'][1]:.1f}%)")
-        print(f"in CPU time per step (client + server): signing every byte {100 * result['signing_every_byte_cpu_cost']:.1f}%,"
-              f" TLS {100 * result['tls_cpu_cost']:.1f}%")
+        print(
+            f"signing every byte costs {100 * result['signing_every_byte_cost']:.1f}% of step throughput "
+            f"(rounds: {100 * result['signing_cost_spread'][0]:.1f}% to {100 * result['signing_cost_spread'][1]:.1f}%)"
+        )
+        print(
+            f"TLS costs {100 * result['tls_cost']:.1f}% (rounds: {100 * result['tls_cost_spread'][0]:.1f}% to "
+            f"{100 * result['tls_cost_spread'][1]:.1f}%)"
+        )
+        print(
+            f"in CPU time per step (client + server): signing every byte {100 * result['signing_every_byte_cpu_cost']:.1f}%,"
+            f" TLS {100 * result['tls_cpu_cost']:.1f}%"
+        )
         print(f"wrote {out}")
         return 0
     args.out = args.out or str(HERE / "results" / "ps.json")
@@ -383,12 +413,18 @@ def main(argv: list[str] | None = None) -> int:
         "sync_scaling_2_over_1": rows["sync_2"] / rows["sync_1"],
         "sync_scaling_3_over_1": rows["sync_3"] / rows["sync_1"],
     }
-    result = {"machine": {"cpus": os.cpu_count()}, "started": time.ctime(started), "seconds_per_measurement":
-              args.seconds, "batch_per_worker": BATCH, "model": f"MLP {IN}-{HIDDEN}-{HIDDEN}-{OUT}",
-              "worker_steps_per_s": {k: v for k, v in rows.items() if not k.endswith("sleep_s")},
-              "samples_per_s": {k: v * BATCH for k, v in rows.items() if not k.endswith("sleep_s")},
-              "straggler_sleep_s": {"sync": rows["sync_slow_sleep_s"], "async": rows["async_slow_sleep_s"]},
-              "ratios": ratios, "wall_s": time.time() - started}
+    result = {
+        "machine": {"cpus": os.cpu_count()},
+        "started": time.ctime(started),
+        "seconds_per_measurement": args.seconds,
+        "batch_per_worker": BATCH,
+        "model": f"MLP {IN}-{HIDDEN}-{HIDDEN}-{OUT}",
+        "worker_steps_per_s": {k: v for k, v in rows.items() if not k.endswith("sleep_s")},
+        "samples_per_s": {k: v * BATCH for k, v in rows.items() if not k.endswith("sleep_s")},
+        "straggler_sleep_s": {"sync": rows["sync_slow_sleep_s"], "async": rows["async_slow_sleep_s"]},
+        "ratios": ratios,
+        "wall_s": time.time() - started,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'configuration':<30}{'worker steps/s':>16}{'samples/s':>12}")

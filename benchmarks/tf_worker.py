@@ -26,12 +26,21 @@ def build(name: str):
     if name == "seed_mlp":
         layers = [keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)]
     elif name == "large_mlp":
-        layers = [keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1024, activation="relu"),
-                  keras.layers.Dense(10)]
+        layers = [
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
     else:
-        layers = [keras.layers.Reshape((28, 28, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                  keras.layers.MaxPooling2D(), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-                  keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)]
+        layers = [
+            keras.layers.Reshape((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
     return keras.Sequential([keras.Input((784,)), *layers])
 
 
@@ -72,8 +81,9 @@ def main() -> None:
 
     def replica_step(xb, yb):
         with tf.GradientTape() as tape:
-            per_example = tf.keras.losses.sparse_categorical_crossentropy(yb, model(xb, training=True),
-                                                                          from_logits=True)
+            per_example = tf.keras.losses.sparse_categorical_crossentropy(
+                yb, model(xb, training=True), from_logits=True
+            )
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -95,8 +105,9 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"rank": 0, "steps": steps, "seconds": elapsed,
-                       "samples_per_s": steps * GLOBAL_BATCH / elapsed}, f)
+            json.dump(
+                {"rank": 0, "steps": steps, "seconds": elapsed, "samples_per_s": steps * GLOBAL_BATCH / elapsed}, f
+            )
 
 
 def _launch_two_workers() -> None:
@@ -111,10 +122,16 @@ def _launch_two_workers() -> None:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     workers = [f"127.0.0.1:{p}" for p in ports]
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tf_worker", *sys.argv[1:]],
-                              env={**os.environ, "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
-                                                                          "task": {"type": "worker", "index": i}})})
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.tf_worker", *sys.argv[1:]],
+            env={
+                **os.environ,
+                "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
+            },
+        )
+        for i in range(2)
+    ]
     try:
         codes = [p.wait(timeout=300) for p in procs]
     finally:

@@ -88,9 +88,13 @@ def run_torch(kind: str, model_name: str, seconds: float) -> dict:
     if kind in ("ddp", "local2", "raw"):
         torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['PHALANX_MASTER_ADDR']}:"
-                                f"{os.environ['PHALANX_MASTER_PORT']}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{os.environ['PHALANX_MASTER_ADDR']}:{os.environ['PHALANX_MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     torch.manual_seed(0)
     model = make_model(model_name)
     if kind == "ddp":
@@ -108,8 +112,10 @@ def run_torch(kind: str, model_name: str, seconds: float) -> dict:
         if world > 1:
             dist.barrier()
 
-    data = [(x[rank * local_batch:(rank + 1) * local_batch], y[rank * local_batch:(rank + 1) * local_batch])
-            for x, y in batches(GLOBAL_BATCH, 20)]
+    data = [
+        (x[rank * local_batch : (rank + 1) * local_batch], y[rank * local_batch : (rank + 1) * local_batch])
+        for x, y in batches(GLOBAL_BATCH, 20)
+    ]
     steps, elapsed = _timed(step, data, seconds, sync)
     if world > 1:
         dist.destroy_process_group()
@@ -151,8 +157,7 @@ def run_overhead_pair(model_name: str, seconds: float) -> dict:
 
     raw_data = batches(GLOBAL_BATCH, 20)
     px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(raw_data)]
-    runs = {"px_one_device": (px_step, px_data),
-            "raw": (raw_step, raw_data)}
+    runs = {"px_one_device": (px_step, px_data), "raw": (raw_step, raw_data)}
     for step, data in runs.values():  # warm-up
         for x, y in data[:5]:
             step(x, y)

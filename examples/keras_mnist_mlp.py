@@ -45,34 +45,34 @@ import phalanx.keras  # noqa: E402,F401  (Keras models built in strategy.scope()
 def load_data():
     """The bundled digits as MNIST's ``load_data()`` returns them: 28x28 uint8 images, int labels."""
     digits = load_digits()
-    images = np.kron(digits.images, np.ones((3, 3)))                          # 8x8 -> 24x24
-    images = np.pad(images, ((0, 0), (2, 2), (2, 2))) * (255.0 / 16.0)        # -> 28x28, 0..255
+    images = np.kron(digits.images, np.ones((3, 3)))  # 8x8 -> 24x24
+    images = np.pad(images, ((0, 0), (2, 2), (2, 2))) * (255.0 / 16.0)  # -> 28x28, 0..255
     images, labels = images.astype(np.uint8), digits.target.astype(np.uint8)
     return (images[:1500], labels[:1500]), (images[1500:], labels[1500:])
 
 
 # DATASET PREPROCESSING
 (X_train, y_train), (X_test, y_test) = load_data()
-X_train = X_train/255.0
+X_train = X_train / 255.0
 print(X_train.shape)
-X_train = X_train.reshape(-1, 28*28)
-X_test = X_test.reshape(-1, 28*28)
+X_train = X_train.reshape(-1, 28 * 28)
+X_test = X_test.reshape(-1, 28 * 28)
 
 # DEFINING A NON DISTIBUTED MODEL (NORMAL MODEL)
 model_normal = keras.Sequential()
-model_normal.add(keras.layers.Dense(units=128, activation='relu', input_shape=(784,)))
+model_normal.add(keras.layers.Dense(units=128, activation="relu", input_shape=(784,)))
 model_normal.add(keras.layers.Dropout(rate=0.2))
-model_normal.add(keras.layers.Dense(units=10, activation='softmax'))
-model_normal.compile(optimizer='adam', loss='sparse_categorical_crossentropy', metrics=['sparse_categorical_accuracy'])
+model_normal.add(keras.layers.Dense(units=10, activation="softmax"))
+model_normal.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"])
 
 # DISTRIBUTED MODEL
 distribute = strategy_from_flags(__doc__)
 with distribute.scope():
-  model_dis = keras.Sequential()
-  model_dis.add(keras.layers.Dense(units=128, activation='relu', input_shape=(784,)))
-  model_dis.add(keras.layers.Dropout(rate=0.2))
-  model_dis.add(keras.layers.Dense(units=10, activation='softmax'))
-  model_dis.compile(optimizer='adam', loss='sparse_categorical_crossentropy', metrics=['sparse_categorical_accuracy'])
+    model_dis = keras.Sequential()
+    model_dis.add(keras.layers.Dense(units=128, activation="relu", input_shape=(784,)))
+    model_dis.add(keras.layers.Dropout(rate=0.2))
+    model_dis.add(keras.layers.Dense(units=10, activation="softmax"))
+    model_dis.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"])
 
 # SPEED TEST - NORMAL VS DISTRIBUTED MODEL
 start_time = time.time()

@@ -40,7 +40,7 @@ from strategy_flag import strategy_from_flags  # noqa: E402
 
 import phalanx.keras  # noqa: E402,F401  (Keras models built in strategy.scope() train distributed)
 
-N_TRAIN_EXAMPLES = 1024*1024
+N_TRAIN_EXAMPLES = 1024 * 1024
 N_FEATURES = 10
 SIZE_BATCHES = 256
 
@@ -48,20 +48,21 @@ SIZE_BATCHES = 256
 x = np.random.random((N_TRAIN_EXAMPLES, N_FEATURES))
 y = np.random.randint(2, size=(N_TRAIN_EXAMPLES, 1))
 x = torch.as_tensor(x, dtype=torch.float32)
-print (x)
-dataset = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.as_tensor(y)),
-                                      batch_size=SIZE_BATCHES, shuffle=True)
+print(x)
+dataset = torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(x, torch.as_tensor(y)), batch_size=SIZE_BATCHES, shuffle=True
+)
 
 # this is the distribution strategy
 distribution = strategy_from_flags(__doc__)
 
 # this piece of code is distributed to multiple GPUs
 with distribution.scope():
-  model = keras.Sequential()
-  model.add(keras.layers.Dense(16, activation='relu', input_shape=(N_FEATURES,)))
-  model.add(keras.layers.Dense(1, activation='sigmoid'))
-  optimizer = keras.optimizers.SGD(0.2)
-  model.compile(loss='binary_crossentropy', optimizer=optimizer)
+    model = keras.Sequential()
+    model.add(keras.layers.Dense(16, activation="relu", input_shape=(N_FEATURES,)))
+    model.add(keras.layers.Dense(1, activation="sigmoid"))
+    optimizer = keras.optimizers.SGD(0.2)
+    model.compile(loss="binary_crossentropy", optimizer=optimizer)
 
 model.summary()
 

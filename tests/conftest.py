@@ -40,7 +40,9 @@ def _hygiene():
     env_after.pop("PYTEST_CURRENT_TEST", None)
     env_before.pop("PYTEST_CURRENT_TEST", None)
     assert env_after == env_before, "test leaked environment variables: " + str(
-        {k for k in env_before.keys() ^ env_after.keys()} | {k for k in env_before if env_after.get(k, env_before[k]) != env_before[k]})
+        {k for k in env_before.keys() ^ env_after.keys()}
+        | {k for k in env_before if env_after.get(k, env_before[k]) != env_before[k]}
+    )
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         extra = [t for t in threading.enumerate() if t.ident not in threads_before and not t.daemon and t.is_alive()]
@@ -76,16 +78,25 @@ def _session_processes(pid: int) -> list[psutil.Process]:
     return found
 
 
-def run_job(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None,
-            log_dir: Path | None = None) -> JobResult:
+def run_job(
+    cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None, log_dir: Path | None = None
+) -> JobResult:
     """Runs ``cmd`` in its own session; on timeout dumps every process's stack, kills all, fails."""
     log_dir = log_dir or (cwd / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("PYTEST_CURRENT_TEST", None)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -109,8 +120,9 @@ def run_job(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | 
     return JobResult(proc.returncode, out, log_dir, time.monotonic() - start)
 
 
-def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cwd: Path,
-             wait_for: list[int] | None = None) -> list[JobResult]:
+def run_jobs(
+    jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cwd: Path, wait_for: list[int] | None = None
+) -> list[JobResult]:
     """Runs several commands at once (e.g. one per TF_CONFIG task) under one hard deadline.
 
     ``wait_for`` names the jobs whose end is awaited (default: all); the rest are killed after.
@@ -122,8 +134,20 @@ def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cw
         out = open(cwd / f"job_{i}.out", "w")  # noqa: SIM115
         full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_root / str(i)), "PYTHONUNBUFFERED": "1", **env}
         full_env.pop("PYTEST_CURRENT_TEST", None)
-        procs.append((subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True), out))
+        procs.append(
+            (
+                subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=full_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                ),
+                out,
+            )
+        )
     ended = {}
     try:
         awaited = set(range(len(procs)) if wait_for is None else wait_for)
@@ -151,8 +175,10 @@ def run_jobs(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, cw
                     pass
             p.wait()
             out.close()
-    return [JobResult(p.returncode, (cwd / f"job_{i}.out").read_text(), log_root / str(i), ended.get(i, -1.0))
-            for i, (p, _) in enumerate(procs)]
+    return [
+        JobResult(p.returncode, (cwd / f"job_{i}.out").read_text(), log_root / str(i), ended.get(i, -1.0))
+        for i, (p, _) in enumerate(procs)
+    ]
 
 
 def free_ports(n: int) -> list[int]:
@@ -170,8 +196,11 @@ def free_ports(n: int) -> list[int]:
 def tf_config(workers: list[str], index: int, task_type: str = "worker", **extra_jobs: list[str]) -> dict[str, str]:
     import json
 
-    return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers, **extra_jobs},
-                                     "task": {"type": task_type, "index": index}})}
+    return {
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"worker": workers, **extra_jobs}, "task": {"type": task_type, "index": index}}
+        )
+    }
 
 
 @pytest.fixture

@@ -30,8 +30,13 @@ def one_device(n: int = 1, **_: Any) -> Any:
     return px.OneDeviceStrategy("cpu")
 
 
-_CROSS_DEVICE_OPS = {"": None, "nccl": "NcclAllReduce", "one": "ReductionToOneDevice",
-                     "hier": "HierarchicalCopyAllReduce", "packs": "NcclAllReduce(num_packs=3)"}
+_CROSS_DEVICE_OPS = {
+    "": None,
+    "nccl": "NcclAllReduce",
+    "one": "ReductionToOneDevice",
+    "hier": "HierarchicalCopyAllReduce",
+    "packs": "NcclAllReduce(num_packs=3)",
+}
 
 
 def cross_device_ops(name: str) -> Any:
@@ -100,26 +105,42 @@ class Combination:
         if self.launch == "phalanx_run":
             return [sys.executable, "-m", "phalanx.cli", "run", "-n", str(self.processes), script, *args]
         if self.launch == "ps":
-            return [sys.executable, "-m", "phalanx.cli", "run", "--ps", str(self.ps), "--workers",
-                    str(self.processes), script, *args]
+            return [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "run",
+                "--ps",
+                str(self.ps),
+                "--workers",
+                str(self.processes),
+                script,
+                *args,
+            ]
         return [sys.executable, script, *args]
 
 
-COMBINATIONS: dict[str, Combination] = {c.name: c for c in [
-    Combination("one_device", one_device, 1),
-    Combination("mirrored_cpu_2", mirrored_cpu, 2),
-    Combination("mirrored_cpu_3", mirrored_cpu, 3),
-    Combination("central_storage_cpu_2", central_storage_cpu, 2),
-    Combination("central_storage_cpu_3", central_storage_cpu, 3),
-    Combination("multi_worker_2", multi_worker, 2, launch="phalanx_run"),
-    Combination("parameter_server_1ps_2workers", parameter_server, 2, launch="ps", ps=1),
-    Combination("parameter_server_2ps_2workers", parameter_server, 2, launch="ps", ps=2),
-]}
+COMBINATIONS: dict[str, Combination] = {
+    c.name: c
+    for c in [
+        Combination("one_device", one_device, 1),
+        Combination("mirrored_cpu_2", mirrored_cpu, 2),
+        Combination("mirrored_cpu_3", mirrored_cpu, 3),
+        Combination("central_storage_cpu_2", central_storage_cpu, 2),
+        Combination("central_storage_cpu_3", central_storage_cpu, 3),
+        Combination("multi_worker_2", multi_worker, 2, launch="phalanx_run"),
+        Combination("parameter_server_1ps_2workers", parameter_server, 2, launch="ps", ps=1),
+        Combination("parameter_server_2ps_2workers", parameter_server, 2, launch="ps", ps=2),
+    ]
+}
 
 #: Families whose replica count a test chooses: ``make("mirrored_cpu", n=4)``.
 FAMILIES: dict[str, Callable[..., Any]] = {
-    "one_device": one_device, "mirrored_cpu": mirrored_cpu, "central_storage_cpu": central_storage_cpu,
-    "multi_worker": multi_worker, "parameter_server": parameter_server,
+    "one_device": one_device,
+    "mirrored_cpu": mirrored_cpu,
+    "central_storage_cpu": central_storage_cpu,
+    "multi_worker": multi_worker,
+    "parameter_server": parameter_server,
 }
 
 #: The synchronous CPU configurations every behaviour test should pass under (the design's list).

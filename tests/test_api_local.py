@@ -98,7 +98,8 @@ def test_values_and_local_results():
 def test_distribute_values_from_function():
     strategy = px.OneDeviceStrategy("cpu")
     v = strategy.experimental_distribute_values_from_function(
-        lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 10 + ctx.num_replicas_in_sync))
+        lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 10 + ctx.num_replicas_in_sync)
+    )
     assert v.item() == 1
 
 
@@ -107,10 +108,17 @@ def test_experimental_run_v2_alias():
     assert strategy.experimental_run_v2(lambda a, b=0: a + b, args=(1,), kwargs={"b": 2}) == 3
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("cpu", "cpu:0"), ("/cpu:0", "cpu:0"), ("CPU:1", "cpu:1"), ("cpu:3", "cpu:3"),
-    ("/job:localhost/replica:0/task:0/device:CPU:0", "cpu:0"), (torch.device("cpu"), "cpu:0"),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("cpu", "cpu:0"),
+        ("/cpu:0", "cpu:0"),
+        ("CPU:1", "cpu:1"),
+        ("cpu:3", "cpu:3"),
+        ("/job:localhost/replica:0/task:0/device:CPU:0", "cpu:0"),
+        (torch.device("cpu"), "cpu:0"),
+    ],
+)
 def test_device_names(name, expected):
     assert str(canonicalize(name)) == expected
 
@@ -195,8 +203,10 @@ def test_compute_average_loss_and_regularization():
 
 def test_distribute_dataset_one_device_numpy_and_dicts():
     strategy = px.OneDeviceStrategy("cpu")
-    batches = [{"x": np.ones((4, 2), np.float32), "y": np.arange(4)}, {"x": np.zeros((2, 2), np.float32),
-                                                                         "y": np.arange(2)}]
+    batches = [
+        {"x": np.ones((4, 2), np.float32), "y": np.arange(4)},
+        {"x": np.zeros((2, 2), np.float32), "y": np.arange(2)},
+    ]
     seen = [(b["x"].shape[0], type(b["x"]).__name__) for b in strategy.experimental_distribute_dataset(batches)]
     assert seen == [(4, "Tensor"), (2, "Tensor")]
 

@@ -40,7 +40,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -87,9 +88,14 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 full = f"{mod}.{alias.name}"
                 add(full if full in modules else mod)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("phalanx")):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("phalanx")
+        ):
             add(node.args[0].value)
     return out
 
@@ -139,8 +145,10 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_the_import_graph_parses_function_local_and_type_checking_imports(tmp_path):
-    code = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from phalanx import b\n"
-            "def f():\n    from phalanx import c\n    import importlib; importlib.import_module('phalanx.d')\n")
+    code = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from phalanx import b\n"
+        "def f():\n    from phalanx import c\n    import importlib; importlib.import_module('phalanx.d')\n"
+    )
     path = tmp_path / "a.py"
     path.write_text(code)
     modules = {m: path for m in ("phalanx.a", "phalanx.b", "phalanx.c", "phalanx.d")}
@@ -161,35 +169,41 @@ def _run(code: str) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="Keras is not installed")
 def test_entering_a_scope_never_imports_phalanx_keras():
-    _run("import os, sys\nos.environ.setdefault('KERAS_BACKEND', 'torch')\nimport keras, phalanx as px\n"
-         "with px.OneDeviceStrategy('cpu').scope():\n    pass\n"
-         "assert 'phalanx.keras' not in sys.modules, 'scope() imported phalanx.keras'\n")
+    _run(
+        "import os, sys\nos.environ.setdefault('KERAS_BACKEND', 'torch')\nimport keras, phalanx as px\n"
+        "with px.OneDeviceStrategy('cpu').scope():\n    pass\n"
+        "assert 'phalanx.keras' not in sys.modules, 'scope() imported phalanx.keras'\n"
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="Keras is not installed")
 def test_a_keras_model_built_in_scope_without_phalanx_keras_is_refused():
     # Without the integration, fit would run undistributed on every replica: wrong, silently.
-    _run("import os\nos.environ.setdefault('KERAS_BACKEND', 'torch')\nimport keras, phalanx as px\n"
-         "from phalanx.errors import KerasIntegrationError\n"
-         "try:\n    with px.OneDeviceStrategy('cpu').scope():\n"
-         "        keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
-         "except KerasIntegrationError as e:\n    assert 'import phalanx.keras' in str(e)\n"
-         "else:\n    raise AssertionError('a Keras model was built in scope without phalanx.keras')\n"
-         "import phalanx.keras\n"
-         "with px.OneDeviceStrategy('cpu').scope():\n"
-         "    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
-         "assert phalanx.keras.distributed_model(model) is not None\n")
+    _run(
+        "import os\nos.environ.setdefault('KERAS_BACKEND', 'torch')\nimport keras, phalanx as px\n"
+        "from phalanx.errors import KerasIntegrationError\n"
+        "try:\n    with px.OneDeviceStrategy('cpu').scope():\n"
+        "        keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+        "except KerasIntegrationError as e:\n    assert 'import phalanx.keras' in str(e)\n"
+        "else:\n    raise AssertionError('a Keras model was built in scope without phalanx.keras')\n"
+        "import phalanx.keras\n"
+        "with px.OneDeviceStrategy('cpu').scope():\n"
+        "    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+        "assert phalanx.keras.distributed_model(model) is not None\n"
+    )
 
 
 def test_scope_works_next_to_a_keras_that_phalanx_keras_refuses():
     # A torch-only program in a process where some other code imported a Keras phalanx.keras would
     # refuse (here: a fake 'keras' 2.x module) must still be able to use a strategy.
-    _run("import sys, types, torch\nfake = types.ModuleType('keras'); fake.__version__ = '2.15.0'\n"
-         "sys.modules['keras'] = fake\nimport phalanx as px\n"
-         "strategy = px.OneDeviceStrategy('cpu')\n"
-         "with strategy.scope():\n    model = torch.nn.Linear(2, 1)\n"
-         "out = strategy.run(lambda: model(torch.ones(1, 2)).sum())\n"
-         "assert 'phalanx.keras' not in sys.modules\n")
+    _run(
+        "import sys, types, torch\nfake = types.ModuleType('keras'); fake.__version__ = '2.15.0'\n"
+        "sys.modules['keras'] = fake\nimport phalanx as px\n"
+        "strategy = px.OneDeviceStrategy('cpu')\n"
+        "with strategy.scope():\n    model = torch.nn.Linear(2, 1)\n"
+        "out = strategy.run(lambda: model(torch.ones(1, 2)).sum())\n"
+        "assert 'phalanx.keras' not in sys.modules\n"
+    )
 
 
 # ------------------------------------------------------------------------------------ private members
@@ -200,12 +214,16 @@ def test_scope_works_next_to_a_keras_that_phalanx_keras_refuses():
 ALLOWED_PREFIX = "phalanx._compat"  # the one boundary to foreign private APIs: see its docstring
 _UNUSED = {
     # The one boundary to foreign private APIs (torch, Keras, CPython): see its module docstring.
-    "phalanx._compat.torch", "phalanx._compat.keras",
+    "phalanx._compat.torch",
+    "phalanx._compat.keras",
 }
 # (module, member): foreign private APIs still used outside _compat, each with its owner's plan.
 PENDING: set[tuple[str, str]] = set()
 ALLOWED_NAMES = {
-    "_replace", "_asdict", "_fields", "_make",  # namedtuple's public API has underscores
+    "_replace",
+    "_asdict",
+    "_fields",
+    "_make",  # namedtuple's public API has underscores
     "_exit",  # os._exit: the documented way to end a forked/orphaned process without teardown
     "_getframe",
 }
@@ -227,11 +245,18 @@ def _defined_names(tree: ast.AST) -> set[str]:
             names.add(node.asname or node.name.rpartition(".")[2])
         elif isinstance(node, ast.arg):
             names.add(node.arg)
-        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and ast.unparse(node.func) in ("setattr", "object.__setattr__")):
+        elif (
+            isinstance(node, ast.Call)
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and ast.unparse(node.func) in ("setattr", "object.__setattr__")
+        ):
             names.add(str(node.args[1].value))  # object.__setattr__(self, "_x", ...) in a frozen class
-    slots = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)
-             and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in n.targets)]
+    slots = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in n.targets)
+    ]
     for node in slots:
         for const in ast.walk(node.value):
             if isinstance(const, ast.Constant) and isinstance(const.value, str):
@@ -282,8 +307,10 @@ def private_reaches(path: Path, module: str = "") -> list[str]:
 def test_the_private_member_check_can_fail(tmp_path):
     path = SRC / "phalanx" / "_probe_for_test.py"
     try:
-        path.write_text("class A:\n    def __init__(self):\n        self._mine = 1\n"
-                        "def f(a, b):\n    y = b._x  # friend: allowed\n    return a._mine, b.extended._comm\n")
+        path.write_text(
+            "class A:\n    def __init__(self):\n        self._mine = 1\n"
+            "def f(a, b):\n    y = b._x  # friend: allowed\n    return a._mine, b.extended._comm\n"
+        )
         assert private_reaches(path) == ["src/phalanx/_probe_for_test.py:6: b.extended._comm"]
     finally:
         path.unlink()
@@ -294,8 +321,10 @@ def test_no_module_reads_another_class_private_members():
     for name, path in _modules().items():
         if not name.startswith(ALLOWED_PREFIX):
             found += private_reaches(path, name)
-    assert not found, "private members read from outside their module (use the public contract, or mark " \
-                      "a friend access `# friend: <why>`):\n" + "\n".join(found)
+    assert not found, (
+        "private members read from outside their module (use the public contract, or mark "
+        "a friend access `# friend: <why>`):\n" + "\n".join(found)
+    )
 
 
 TESTS_PRIVATE = __import__("re").compile(r"extended\._[a-z]|\._comm\b")
@@ -303,10 +332,14 @@ TESTS_PRIVATE = __import__("re").compile(r"extended\._[a-z]|\._comm\b")
 
 def test_tests_and_benchmarks_use_the_public_contract():
     root = SRC.parent
-    found = [f"{p.relative_to(root)}:{i}: {line.strip()}"
-             for folder in ("tests", "benchmarks") for p in sorted((root / folder).rglob("*.py"))
-             if p.name != "test_architecture.py"
-             for i, line in enumerate(p.read_text().splitlines(), 1) if TESTS_PRIVATE.search(line)]
+    found = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for folder in ("tests", "benchmarks")
+        for p in sorted((root / folder).rglob("*.py"))
+        if p.name != "test_architecture.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if TESTS_PRIVATE.search(line)
+    ]
     assert not found, "\n".join(found)
 
 
@@ -321,8 +354,11 @@ def test_every_phalanx_variable_is_a_setting_or_the_launchers_identity():
     from phalanx.config import Settings
     from phalanx.launch.env import PREFIX, SUPERVISOR_VARIABLES, ReplicaEnv
 
-    known = (set(Settings.variables()) | {PREFIX + f.name.upper() for f in dataclasses.fields(ReplicaEnv)}
-             | set(SUPERVISOR_VARIABLES))
+    known = (
+        set(Settings.variables())
+        | {PREFIX + f.name.upper() for f in dataclasses.fields(ReplicaEnv)}
+        | set(SUPERVISOR_VARIABLES)
+    )
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for name in re.findall(r"\bPHALANX_[A-Z][A-Z0-9_]*\b", path.read_text()):

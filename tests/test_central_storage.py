@@ -39,14 +39,15 @@ def test_one_copy_of_variables_and_optimizer_state(tmp_path):
     """3 replicas, a 64 MB model, SGD with momentum: the job grows by ~one copy, not three."""
     figures = {}
     for kind in ("central", "mirrored"):
-        res = run_job([sys.executable, str(SCRIPTS / "memory.py"), str(tmp_path), kind, "3"], timeout=150,
-                      cwd=tmp_path)
+        res = run_job([sys.executable, str(SCRIPTS / "memory.py"), str(tmp_path), kind, "3"], timeout=150, cwd=tmp_path)
         assert res.returncode == 0, res.logs()
         figures[kind] = json.loads((tmp_path / f"memory_{kind}.json").read_text())
     params = figures["central"]["param_bytes"]
     growth = {k: (v["after"] - v["before"]) for k, v in figures.items()}
-    print(f"\nparameters {params / 2**20:.1f} MiB (+ the same again of momentum); job memory growth with 3 replicas: "
-          f"CentralStorage {growth['central'] / 2**20:.1f} MiB, Mirrored {growth['mirrored'] / 2**20:.1f} MiB")
+    print(
+        f"\nparameters {params / 2**20:.1f} MiB (+ the same again of momentum); job memory growth with 3 replicas: "
+        f"CentralStorage {growth['central'] / 2**20:.1f} MiB, Mirrored {growth['mirrored'] / 2**20:.1f} MiB"
+    )
     # one copy of parameters + one of momentum = 2 x params; allow 25% for allocator slack
     assert growth["central"] < 2.5 * params
     assert growth["mirrored"] > 5 * params  # three copies of both, for comparison
@@ -94,11 +95,14 @@ def copy_mode_runs(tmp_path_factory):
     runs = {}
     for opt in ("sgd", "adam"):
         out = tmp_path_factory.mktemp(f"copy-{opt}")
-        res = run_job([sys.executable, str(SCRIPTS / "central_copy.py"), str(out), opt, "2"], timeout=150,
-                      cwd=out, env=COPY_ENV)
+        res = run_job(
+            [sys.executable, str(SCRIPTS / "central_copy.py"), str(out), opt, "2"], timeout=150, cwd=out, env=COPY_ENV
+        )
         assert res.returncode == 0, res.logs()
-        runs[opt] = [(torch.load(out / f"copy_{r}.pt", weights_only=True),
-                      json.loads((out / f"copy_{r}.json").read_text())) for r in range(2)]
+        runs[opt] = [
+            (torch.load(out / f"copy_{r}.pt", weights_only=True), json.loads((out / f"copy_{r}.json").read_text()))
+            for r in range(2)
+        ]
     return runs
 
 

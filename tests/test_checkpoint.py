@@ -86,8 +86,16 @@ def test_restore_is_bitwise_for_every_kind_of_object(tmp_path):
     step, position = Counter(41), InputPosition(epoch=2, batch=7)
     step_tensor = torch.tensor(41, dtype=torch.int64)
     extra = {"history": [0.5, float("nan"), float("inf")], "name": "run-1", "none": None, "w": torch.arange(3.0)}
-    ckpt = Checkpoint(model=model, optimizer=optimizer, scheduler=scheduler, step=step, input=position,
-                      step_tensor=step_tensor, extra=extra, lr=0.125)
+    ckpt = Checkpoint(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step=step,
+        input=position,
+        step_tensor=step_tensor,
+        extra=extra,
+        lr=0.125,
+    )
     path = ckpt.save(str(tmp_path / "ckpt"))
     assert path == str(tmp_path / "ckpt-1") and int(ckpt.save_counter) == 1
 
@@ -95,11 +103,20 @@ def test_restore_is_bitwise_for_every_kind_of_object(tmp_path):
     live_tensor = torch.zeros((), dtype=torch.int64)
     extra2 = {"history": [], "name": "", "none": 3, "w": torch.zeros(3)}
     w_before = extra2["w"]
-    ckpt2 = Checkpoint(model=model2, optimizer=optimizer2, scheduler=scheduler2, step=Counter(), input=InputPosition(),
-                       step_tensor=live_tensor, extra=extra2, lr=1.0)
+    ckpt2 = Checkpoint(
+        model=model2,
+        optimizer=optimizer2,
+        scheduler=scheduler2,
+        step=Counter(),
+        input=InputPosition(),
+        step_tensor=live_tensor,
+        extra=extra2,
+        lr=1.0,
+    )
     status = ckpt2.restore(path).assert_consumed()
-    assert sorted(status.restored) == sorted(["save_counter", "model", "optimizer", "scheduler", "step", "input",
-                                              "step_tensor", "extra", "lr"])
+    assert sorted(status.restored) == sorted(
+        ["save_counter", "model", "optimizer", "scheduler", "step", "input", "step_tensor", "extra", "lr"]
+    )
     _assert_tree_equal(model.state_dict(), model2.state_dict())
     _assert_tree_equal(optimizer.state_dict(), optimizer2.state_dict())
     _assert_tree_equal(scheduler.state_dict(), scheduler2.state_dict())
@@ -126,14 +143,22 @@ def test_plain_pytorch_reads_a_checkpoint_without_phalanx_objects(tmp_path):
 
 
 def test_codec_keeps_types_keys_and_special_floats():
-    tree = {"t": (1, 2.5, "x", None, True), 3: [float("-inf"), {"__odd": 1}], (1, "a"): torch.float16,
-            "arr": np.arange(4, dtype=np.int16), "np": np.float32(1.5), "nested": {"a": {"b": torch.ones(2, 2)}}}
+    tree = {
+        "t": (1, 2.5, "x", None, True),
+        3: [float("-inf"), {"__odd": 1}],
+        (1, "a"): torch.float16,
+        "arr": np.arange(4, dtype=np.int16),
+        "np": np.float32(1.5),
+        "nested": {"a": {"b": torch.ones(2, 2)}},
+    }
     doc, tensors = codec.encode(tree)
     json.dumps(doc)  # JSON-serialisable
     back = codec.decode(json.loads(json.dumps(doc)), tensors)
     assert back["t"] == (1, 2.5, "x", None, True) and back[3][0] == float("-inf") and back[3][1] == {"__odd": 1}
     assert back[(1, "a")] is torch.float16
-    assert isinstance(back["arr"], np.ndarray) and back["arr"].dtype == np.int16 and back["arr"].tolist() == [0, 1, 2, 3]
+    assert (
+        isinstance(back["arr"], np.ndarray) and back["arr"].dtype == np.int16 and back["arr"].tolist() == [0, 1, 2, 3]
+    )
     assert back["np"] == 1.5 and torch.equal(back["nested"]["a"]["b"], torch.ones(2, 2))
     assert sorted(tensors) == ["arr", "nested/a/b"]
 
@@ -206,8 +231,14 @@ def test_manager_keeps_the_newest_and_continues_after_a_restart(tmp_path):
 def test_manager_interval_and_init_fn(tmp_path):
     step = Counter()
     calls = []
-    manager = CheckpointManager(Checkpoint(step=step), str(tmp_path), max_to_keep=None, step_counter=step,
-                                checkpoint_interval=3, init_fn=lambda: calls.append(1))
+    manager = CheckpointManager(
+        Checkpoint(step=step),
+        str(tmp_path),
+        max_to_keep=None,
+        step_counter=step,
+        checkpoint_interval=3,
+        init_fn=lambda: calls.append(1),
+    )
     assert manager.restore_or_initialize() is None and calls == [1]
     saved = []
     for _ in range(7):
@@ -279,8 +310,12 @@ class _ToySharded:
         self.shards = [s.clone() for s in split_full(tensor, len(self.shards))]
 
 
-register_sharded_type(_ToySharded, to_full=_ToySharded.full, assign_full=_ToySharded.assign,
-                      layout=lambda v: {"axis": 0, "shards": [s.shape[0] for s in v.shards]})
+register_sharded_type(
+    _ToySharded,
+    to_full=_ToySharded.full,
+    assign_full=_ToySharded.assign,
+    layout=lambda v: {"axis": 0, "shards": [s.shape[0] for s in v.shards]},
+)
 
 
 def test_sharded_variables_restore_into_any_number_of_shards(tmp_path):
@@ -330,17 +365,23 @@ def test_code_in_a_checkpoint_is_refused_and_never_runs(tmp_path, how):
         load_state(path)
     assert not marker.exists()
     # The payload is real: loading it the unsafe way runs it.
-    unsafe = ("import torch; torch.load(PATH, weights_only=False)" if how == "torch_save"
-              else "import pickle; pickle.loads(open(PATH, 'rb').read())")
-    subprocess.run([sys.executable, "-c", unsafe.replace("PATH", repr(str(Path(path, "model.pt"))))],
-                   timeout=60, capture_output=True)
+    unsafe = (
+        "import torch; torch.load(PATH, weights_only=False)"
+        if how == "torch_save"
+        else "import pickle; pickle.loads(open(PATH, 'rb').read())"
+    )
+    subprocess.run(
+        [sys.executable, "-c", unsafe.replace("PATH", repr(str(Path(path, "model.pt"))))],
+        timeout=60,
+        capture_output=True,
+    )
     assert marker.exists()
 
 
 # Modules allowed to unpickle, and why. Checkpoint loading never goes through them.
 UNPICKLE_ALLOWED = {
     "phalanx/ps/pickling.py": "parameter-server wire frames, unpickled only after their cluster-secret "
-                              "signature is verified (security by default: docs/ARCHITECTURE.md)",
+    "signature is verified (security by default: docs/ARCHITECTURE.md)",
 }
 
 
@@ -355,13 +396,17 @@ def _unsafe_calls(source: str, where: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
-                if (node.module in pickle_modules and alias.name in ("load", "loads", "Unpickler")) or \
-                        (node.module in ("torch", "torch.serialization") and alias.name == "load"):
+                if (node.module in pickle_modules and alias.name in ("load", "loads", "Unpickler")) or (
+                    node.module in ("torch", "torch.serialization") and alias.name == "load"
+                ):
                     problems.append(f"{where}:{node.lineno}: from {node.module} import {alias.name}")
         if isinstance(node, ast.ClassDef):
             for base in node.bases:
-                if isinstance(base, ast.Attribute) and name_of(base.value) in pickle_modules \
-                        and base.attr == "Unpickler":
+                if (
+                    isinstance(base, ast.Attribute)
+                    and name_of(base.value) in pickle_modules
+                    and base.attr == "Unpickler"
+                ):
                     problems.append(f"{where}:{node.lineno}: class {node.name}({name_of(base.value)}.Unpickler)")
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
@@ -370,8 +415,11 @@ def _unsafe_calls(source: str, where: str) -> list[str]:
         is_true = lambda v: isinstance(v, ast.Constant) and v.value is True  # noqa: E731
         if owner_name in pickle_modules and node.func.attr in ("load", "loads", "Unpickler"):
             problems.append(f"{where}:{node.lineno}: {owner_name}.{node.func.attr}")
-        if owner_name in ("torch", "serialization") and node.func.attr == "load" \
-                and not is_true(keywords.get("weights_only")):
+        if (
+            owner_name in ("torch", "serialization")
+            and node.func.attr == "load"
+            and not is_true(keywords.get("weights_only"))
+        ):
             problems.append(f"{where}:{node.lineno}: torch.load without weights_only=True")
         if owner_name in ("np", "numpy") and node.func.attr == "load" and is_true(keywords.get("allow_pickle")):
             problems.append(f"{where}:{node.lineno}: np.load(allow_pickle=True)")
@@ -379,9 +427,11 @@ def _unsafe_calls(source: str, where: str) -> list[str]:
 
 
 def test_the_scan_catches_unsafe_loads():
-    bad = ("import pickle, torch\nfrom pickle import loads\npickle.load(f)\ntorch.load(p)\n"
-           "torch.load(p, weights_only=False)\ntorch.serialization.load(p)\nnp.load(p, allow_pickle=True)\n"
-           "class U(pickle.Unpickler):\n    pass\n")
+    bad = (
+        "import pickle, torch\nfrom pickle import loads\npickle.load(f)\ntorch.load(p)\n"
+        "torch.load(p, weights_only=False)\ntorch.serialization.load(p)\nnp.load(p, allow_pickle=True)\n"
+        "class U(pickle.Unpickler):\n    pass\n"
+    )
     assert len(_unsafe_calls(bad, "x")) == 7
     assert _unsafe_calls("torch.load(p, map_location='cpu', weights_only=True)\npickle.dumps(x)\n", "x") == []
 

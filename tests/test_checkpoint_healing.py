@@ -56,8 +56,7 @@ def _three_saves(directory: Path) -> tuple[list[str], Checkpoint]:
 
 
 def _skips(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "phalanx.checkpoint" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "phalanx.checkpoint" and r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize("how", ["bit_flip", "truncated", "missing"])
@@ -105,8 +104,9 @@ def test_nothing_valid_left_initializes_with_warnings(tmp_path, caplog):
         _damage(path, "bit_flip")
     caplog.set_level(logging.WARNING, logger="phalanx.checkpoint")
     calls = []
-    manager = CheckpointManager(Checkpoint(w=torch.zeros(64), step=Counter()), str(tmp_path), max_to_keep=3,
-                                init_fn=lambda: calls.append(1))
+    manager = CheckpointManager(
+        Checkpoint(w=torch.zeros(64), step=Counter()), str(tmp_path), max_to_keep=3, init_fn=lambda: calls.append(1)
+    )
     assert manager.restore_or_initialize() is None and calls == [1]
     assert len(_skips(caplog)) == 3
 

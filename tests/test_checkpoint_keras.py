@@ -20,8 +20,10 @@ from conftest import run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_keras_backup.py"
 ENV = {"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "20"}
-KERAS_INTEGRATION = importlib.util.find_spec("keras") is not None and (
-    Path(__file__).resolve().parents[1] / "src" / "phalanx" / "keras" / "__init__.py").exists()
+KERAS_INTEGRATION = (
+    importlib.util.find_spec("keras") is not None
+    and (Path(__file__).resolve().parents[1] / "src" / "phalanx" / "keras" / "__init__.py").exists()
+)
 
 
 @pytest.mark.skipif(not KERAS_INTEGRATION, reason="needs Keras and phalanx.keras")
@@ -33,5 +35,10 @@ def test_backup_and_restore_resumes_with_exact_batch_count(tmp_path, kind):
     replicas = 1 if kind == "one_device" else 2
     for rank in range(replicas):
         result = json.loads((tmp_path / f"result_{rank}.json").read_text())
-        assert result == {"iterations": 15, "canary": 15.0, "executed": 5 + 3 + 10, "second_fit_epochs": [1, 2],
-                          "backup_deleted": True}, (rank, result)
+        assert result == {
+            "iterations": 15,
+            "canary": 15.0,
+            "executed": 5 + 3 + 10,
+            "second_fit_epochs": [1, 2],
+            "backup_deleted": True,
+        }, (rank, result)

@@ -39,7 +39,7 @@ def _trained():
     keras.utils.set_random_seed(0)
     model = _model()
     for i in range(3):
-        model.train_on_batch(X[i * 4:(i + 1) * 4], Y[i * 4:(i + 1) * 4])
+        model.train_on_batch(X[i * 4 : (i + 1) * 4], Y[i * 4 : (i + 1) * 4])
     return model
 
 
@@ -134,8 +134,9 @@ def test_keras_variable_and_a_manager_round_trip(tmp_path):
 def test_a_different_model_is_refused_with_a_typed_error(tmp_path):
     model = _trained()
     path = Checkpoint(model=model).write(str(tmp_path / "c"))
-    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), keras.layers.BatchNormalization(),
-                              keras.layers.Dense(1)])
+    other = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(5), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+    )
     with pytest.raises(CheckpointMismatchError, match="dense"):
         Checkpoint(model=other).restore(path)
 

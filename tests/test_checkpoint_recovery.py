@@ -69,8 +69,10 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, script, faul
     assert manager.restore_or_initialize() == latest  # no exception
     assert ckpt.step == 1
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in expected["model"].items())
-    assert all(torch.equal(v["momentum_buffer"], optimizer.state_dict()["state"][i]["momentum_buffer"])
-               for i, v in expected["momentum"].items())
+    assert all(
+        torch.equal(v["momentum_buffer"], optimizer.state_dict()["state"][i]["momentum_buffer"])
+        for i, v in expected["momentum"].items()
+    )
     manager.save()  # the next save cleans up after the crashed one
     assert sorted(os.listdir(ckpts)) == ["ckpt-2"]
 
@@ -79,15 +81,35 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, script, faul
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("clean")
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(TRAIN), str(out), "clean"],
-                  timeout=120, cwd=out, env=ENV)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(TRAIN), str(out), "clean"],
+        timeout=120,
+        cwd=out,
+        env=ENV,
+    )
     assert res.returncode == 0, res.logs()[-6000:]
     return torch.load(out / "final.pt", weights_only=True)
 
 
 def _run_with_restart(tmp_path: Path, mode: str, max_restarts: int = 1):
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", str(max_restarts), str(TRAIN),
-                   str(tmp_path), mode], timeout=150, cwd=tmp_path, env=ENV)
+    res = run_job(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(max_restarts),
+            str(TRAIN),
+            str(tmp_path),
+            mode,
+        ],
+        timeout=150,
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert res.returncode == 0, res.logs()[-8000:]
     attempts = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
     executed = [tuple(map(int, line.split())) for line in (tmp_path / "executed.log").read_text().splitlines()]

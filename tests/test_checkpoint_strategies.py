@@ -48,8 +48,9 @@ def _job(tmp_path: Path, name: str, args: list[str], nproc: int | None = None) -
     out = tmp_path / name
     out.mkdir()
     launcher = [sys.executable, "-m", "phalanx.cli", "run", "-n", str(nproc)] if nproc else [sys.executable]
-    res = run_job(launcher + [str(SCRIPT), str(out), *args], timeout=120, cwd=tmp_path, env=ENV,
-                  log_dir=tmp_path / f"logs-{name}")
+    res = run_job(
+        launcher + [str(SCRIPT), str(out), *args], timeout=120, cwd=tmp_path, env=ENV, log_dir=tmp_path / f"logs-{name}"
+    )
     assert res.returncode == 0, res.logs()[-6000:]
     return out
 

@@ -30,7 +30,7 @@ def _help(capsys, *argv: str) -> str:
 @pytest.mark.parametrize("argv", [[], *([c] for c in COMMANDS)])
 def test_help_has_examples_and_defaults_and_no_rest_markup(capsys, argv):
     text = _help(capsys, *argv)
-    assert "``" not in text and "`" not in text, text          # no raw reST or Markdown quoting
+    assert "``" not in text and "`" not in text, text  # no raw reST or Markdown quoting
     assert "examples:" in text, text
     if argv:
         assert "(default: " in text, text
@@ -78,8 +78,12 @@ def test_run_warns_when_n_exceeds_the_cores(tmp_path):
     n = len(os.sched_getaffinity(0)) + 1
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint(f\"replica {os.environ.get('PHALANX_RANK')}\")\n")
-    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", str(n), str(script)], timeout=120,
-                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    result = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", str(n), str(script)],
+        timeout=120,
+        cwd=tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.logs()
     assert result.output.count(f"warning: -n {n} starts {n} CPU replicas") == 1, result.output
     assert "replica 0" in result.output
@@ -88,8 +92,12 @@ def test_run_warns_when_n_exceeds_the_cores(tmp_path):
 def test_run_does_not_warn_within_the_cores(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")
-    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "1", str(script)], timeout=120,
-                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    result = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "1", str(script)],
+        timeout=120,
+        cwd=tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.logs()
     assert "warning" not in result.output, result.output
 
@@ -97,12 +105,18 @@ def test_run_does_not_warn_within_the_cores(tmp_path):
 # ------------------------------------------------------------------------------------ bench
 def test_bench_forwards_its_options():
     """`phalanx bench --rounds 0` reaches the suite's own parser (it failed with `unrecognized arguments`)."""
-    proc = subprocess.run([sys.executable, "-m", "phalanx.cli", "bench", "--rounds", "0"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "bench", "--rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert "--rounds: must be a positive integer; received '0'" in proc.stderr, proc.stderr
-    help_ = subprocess.run([sys.executable, "-m", "phalanx.cli", "bench", "--help"], capture_output=True,
-                           text=True, timeout=60, cwd=ROOT)
+    help_ = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "bench", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert help_.returncode == 0 and "--quick" in help_.stdout and "--out" in help_.stdout, help_.stdout
 
 
@@ -120,8 +134,11 @@ def test_bench_quick_writes_where_asked_and_keeps_the_committed_results(tmp_path
     committed = ROOT / "benchmarks" / "results" / "latest.json"
     before = hashlib.sha256(committed.read_bytes()).hexdigest()
     # A relative --out is the user's directory, though the suite runs from the repository root.
-    result = run_job([sys.executable, "-m", "phalanx.cli", "bench", "--quick", "--rounds", "1", "--out", "mine"],
-                     timeout=300, cwd=tmp_path)
+    result = run_job(
+        [sys.executable, "-m", "phalanx.cli", "bench", "--quick", "--rounds", "1", "--out", "mine"],
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.output
     report = json.loads((tmp_path / "mine" / "latest.json").read_text())
     assert report["quick"] is True and report["rounds"] == 1

@@ -22,20 +22,34 @@ def test_every_communicator_implements_the_protocol():
     assert isinstance(LocalCommunicator(), Communicator)
     assert isinstance(ThreadedWorld(2).communicator(0), Communicator)
     assert GlooCommunicator is ProcessGroupCommunicator
-    for name in ("all_reduce", "reduce", "broadcast", "all_gather", "barrier", "name", "host_of", "subgroup",
-                 "errors_for", "close", "store"):
+    for name in (
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "barrier",
+        "name",
+        "host_of",
+        "subgroup",
+        "errors_for",
+        "close",
+        "store",
+    ):
         assert hasattr(ProcessGroupCommunicator, name), name
 
 
-@pytest.mark.parametrize("error,kind", [
-    (dist.DistNetworkError("Connection reset by peer"), PeerUnavailableError),
-    (dist.DistStoreError("wait timeout after 5000ms"), CollectiveTimeoutError),
-    (dist.DistBackendError("[Gloo] Timed out waiting 5000ms for recv operation"), CollectiveTimeoutError),
-    (dist.DistBackendError("[Gloo] Connection closed by peer [127.0.0.1]:1234"), PeerUnavailableError),
-    (TimeoutError("whatever the text"), CollectiveTimeoutError),
-    # The type decides before the text: a network error that mentions a timeout is still a lost peer.
-    (dist.DistNetworkError("socket timed out after the peer closed it"), PeerUnavailableError),
-])
+@pytest.mark.parametrize(
+    "error,kind",
+    [
+        (dist.DistNetworkError("Connection reset by peer"), PeerUnavailableError),
+        (dist.DistStoreError("wait timeout after 5000ms"), CollectiveTimeoutError),
+        (dist.DistBackendError("[Gloo] Timed out waiting 5000ms for recv operation"), CollectiveTimeoutError),
+        (dist.DistBackendError("[Gloo] Connection closed by peer [127.0.0.1]:1234"), PeerUnavailableError),
+        (TimeoutError("whatever the text"), CollectiveTimeoutError),
+        # The type decides before the text: a network error that mentions a timeout is still a lost peer.
+        (dist.DistNetworkError("socket timed out after the peer closed it"), PeerUnavailableError),
+    ],
+)
 def test_errors_are_classified_by_type_first(error, kind):
     assert classify(error) is kind
 

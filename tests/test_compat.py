@@ -27,7 +27,8 @@ def test_queue_backward_callback_runs_after_every_gradient():
     seen = []
     w = torch.nn.Parameter(torch.ones(2))
     w.register_post_accumulate_grad_hook(
-        lambda p: compat_torch.queue_backward_callback(lambda: seen.append(p.grad.clone())))
+        lambda p: compat_torch.queue_backward_callback(lambda: seen.append(p.grad.clone()))
+    )
     (w * 3).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 3.0))
 
@@ -48,8 +49,10 @@ def test_nccl_options_carry_the_timeout():
 
 
 def test_run_exit_handlers_runs_atexit_handlers_once():
-    code = ("import atexit, os\nfrom phalanx._compat.python import run_exit_handlers\n"
-            "atexit.register(lambda: print('handler ran', flush=True))\nrun_exit_handlers()\nos._exit(0)\n")
+    code = (
+        "import atexit, os\nfrom phalanx._compat.python import run_exit_handlers\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\nrun_exit_handlers()\nos._exit(0)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.count("handler ran") == 1
 
@@ -60,20 +63,22 @@ KERAS = importlib.util.find_spec("keras") is not None
 @pytest.mark.skipif(not KERAS, reason="Keras is not installed")
 def test_keras_shims_in_a_keras_process():
     # In a subprocess: importing Keras sets environment variables the hygiene fixture refuses.
-    code = ("import keras\nfrom phalanx._compat import keras as ck\n"
-            "opt = keras.optimizers.SGD(learning_rate=0.25)\n"
-            "assert float(getattr(ck.learning_rate(opt), 'value', ck.learning_rate(opt))) == 0.25\n"
-            "sched = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)\n"
-            "assert ck.learning_rate(keras.optimizers.SGD(learning_rate=sched)) is sched\n"
-            "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
-            "assert ck.initial_epoch(m) is None\n"
-            "ck.set_initial_epoch(m, 3)\nassert ck.initial_epoch(m) == 3\n"
-            "assert [type(l).__name__ for l in ck.direct_sublayers(m)] == ['InputLayer', 'Dense']\n"
-            "assert ck.direct_sublayers(object()) is None and not ck.is_uninitialized(m.layers[0].kernel)\n"
-            "with keras.StatelessScope():\n    v = keras.Variable(keras.initializers.Zeros(), shape=(2,))\n"
-            "    assert ck.is_uninitialized(v)\n"
-            "    ck.set_initializer(v, lambda shape, dtype=None: keras.ops.ones(shape))\n"
-            "assert keras.ops.convert_to_numpy(v).tolist() == [1.0, 1.0]\n")
+    code = (
+        "import keras\nfrom phalanx._compat import keras as ck\n"
+        "opt = keras.optimizers.SGD(learning_rate=0.25)\n"
+        "assert float(getattr(ck.learning_rate(opt), 'value', ck.learning_rate(opt))) == 0.25\n"
+        "sched = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)\n"
+        "assert ck.learning_rate(keras.optimizers.SGD(learning_rate=sched)) is sched\n"
+        "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "assert ck.initial_epoch(m) is None\n"
+        "ck.set_initial_epoch(m, 3)\nassert ck.initial_epoch(m) == 3\n"
+        "assert [type(l).__name__ for l in ck.direct_sublayers(m)] == ['InputLayer', 'Dense']\n"
+        "assert ck.direct_sublayers(object()) is None and not ck.is_uninitialized(m.layers[0].kernel)\n"
+        "with keras.StatelessScope():\n    v = keras.Variable(keras.initializers.Zeros(), shape=(2,))\n"
+        "    assert ck.is_uninitialized(v)\n"
+        "    ck.set_initializer(v, lambda shape, dtype=None: keras.ops.ones(shape))\n"
+        "assert keras.ops.convert_to_numpy(v).tolist() == [1.0, 1.0]\n"
+    )
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
 

@@ -25,8 +25,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "compiled.py"
 
 
 def _state(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    return (torch.load(out / f"params_{rank}.pt", weights_only=True),
-            json.loads((out / f"losses_{rank}.json").read_text()))
+    return (
+        torch.load(out / f"params_{rank}.pt", weights_only=True),
+        json.loads((out / f"losses_{rank}.json").read_text()),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,9 @@ def reference(tmp_path_factory):
     refs = {}
     for precision, opt in (("fp32", "adam"), ("fp32", "sgd"), ("bf16", "sgd")):
         out = tmp_path_factory.mktemp(f"ref-{precision}-{opt}")
-        res = run_job([sys.executable, str(SCRIPT), str(out), "reference", "1", "none", "-", precision, opt],
-                      timeout=120, cwd=out)
+        res = run_job(
+            [sys.executable, str(SCRIPT), str(out), "reference", "1", "none", "-", precision, opt], timeout=120, cwd=out
+        )
         assert res.returncode == 0, res.logs()
         refs[precision if opt == "adam" else f"{precision}-{opt}"] = _state(out, 0)
     return refs
@@ -54,15 +57,21 @@ def _check(out: Path, n: int, ref: tuple[dict, list], tol: float) -> float:
     return diff
 
 
-@pytest.mark.parametrize("kind,n,compile_", [
-    ("one_device", 1, "step"),
-    ("mirrored", 2, "step"),
-    ("mirrored", 2, "model"),
-    ("central", 2, "step"),
-])
+@pytest.mark.parametrize(
+    "kind,n,compile_",
+    [
+        ("one_device", 1, "step"),
+        ("mirrored", 2, "step"),
+        ("mirrored", 2, "model"),
+        ("central", 2, "step"),
+    ],
+)
 def test_compiled_matches_one_eager_device(tmp_path, reference, kind, n, compile_):
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), kind, str(n), compile_, "aot_eager", "fp32"],
-                  timeout=240, cwd=tmp_path)
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(tmp_path), kind, str(n), compile_, "aot_eager", "fp32"],
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.logs()
     assert "could not compile" not in res.output, res.output  # it really ran compiled
     diff = _check(tmp_path, n, reference["fp32"], 1e-5)
@@ -71,8 +80,10 @@ def test_compiled_matches_one_eager_device(tmp_path, reference, kind, n, compile
 
 def test_compiled_multi_worker_mirrored(tmp_path, reference):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    jobs = [([sys.executable, str(SCRIPT), str(tmp_path), "mwms", "2", "model", "aot_eager", "fp32"],
-             tf_config(workers, i)) for i in range(2)]
+    jobs = [
+        ([sys.executable, str(SCRIPT), str(tmp_path), "mwms", "2", "model", "aot_eager", "fp32"], tf_config(workers, i))
+        for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=240, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     _check(tmp_path, 2, reference["fp32"], 1e-5)
@@ -81,8 +92,11 @@ def test_compiled_multi_worker_mirrored(tmp_path, reference):
 @pytest.mark.timeout(600)  # C++ code generation for every graph: minutes on 2 loaded cores
 def test_inductor_compiled_step_under_mirrored(tmp_path, reference):
     """The default backend end to end: generated C++ kernels for forward, backward and Adam."""
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", "step", "inductor", "fp32"],
-                  timeout=420, cwd=tmp_path)
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", "step", "inductor", "fp32"],
+        timeout=420,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.logs()
     assert "could not compile" not in res.output, res.output
     _check(tmp_path, 2, reference["fp32"], 1e-5)
@@ -95,15 +109,18 @@ def test_bfloat16_autocast_adds_no_error_beyond_bfloat16s_own(tmp_path, referenc
     once: results cannot match one device bit for bit. The property: N replicas under bfloat16 end
     about as far from one bfloat16 device as bfloat16 itself is from float32 (SGD, so that a
     wrongly scaled gradient would show: Adam would hide it)."""
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), kind, "2", "none", "-", "bf16", "sgd"],
-                  timeout=120, cwd=tmp_path)
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(tmp_path), kind, "2", "none", "-", "bf16", "sgd"], timeout=120, cwd=tmp_path
+    )
     assert res.returncode == 0, res.logs()
     params, losses = _state(tmp_path, 0)
     one_bf16, fp32 = reference["bf16-sgd"], reference["fp32-sgd"]
     replica_error = max(float((params[k] - one_bf16[0][k]).abs().max()) for k in params)
     bf16_error = max(float((one_bf16[0][k] - fp32[0][k]).abs().max()) for k in params)
-    print(f"\n{kind} x2 bfloat16: |N replicas - one device| {replica_error:.3g}, "
-          f"|bfloat16 - float32| on one device {bf16_error:.3g}")
+    print(
+        f"\n{kind} x2 bfloat16: |N replicas - one device| {replica_error:.3g}, "
+        f"|bfloat16 - float32| on one device {bf16_error:.3g}"
+    )
     # Both are bfloat16 rounding effects of one order (measured 2.6e-4 vs 3.3e-4); a gradient scaled
     # wrongly moves the parameters by about one update (~1e-1 here), far beyond this bound.
     assert replica_error <= 2 * bf16_error, (replica_error, bf16_error)
@@ -195,6 +212,8 @@ def test_importing_phalanx_leaves_torch_compile_unloaded():
     that never compiles must not pay for it (every replica process imports phalanx)."""
     import subprocess
 
-    code = ("import sys, phalanx, phalanx.comm.reducer, phalanx.compiled; "
-            "assert 'torch._dynamo' not in sys.modules, 'phalanx imported torch._dynamo'")
+    code = (
+        "import sys, phalanx, phalanx.comm.reducer, phalanx.compiled; "
+        "assert 'torch._dynamo' not in sys.modules, 'phalanx imported torch._dynamo'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -26,8 +26,9 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    res = run_job([sys.executable, str(SCRIPT), "accumulate", str(out), "-", "reference", "1", "2", "plain"],
-                  timeout=60, cwd=out)
+    res = run_job(
+        [sys.executable, str(SCRIPT), "accumulate", str(out), "-", "reference", "1", "2", "plain"], timeout=60, cwd=out
+    )
     assert res.returncode == 0, res.logs()
     return {(opt, micro): _load(out / f"params_{opt}_{micro}.pt") for opt in ("sgd", "adam") for micro in (2, 4)}
 
@@ -39,14 +40,24 @@ def _check(out: Path, world: int, reference: dict) -> float:
     return max(float((replicas[0][k] - reference[k]).abs().max()) for k in reference)
 
 
-@pytest.mark.parametrize("kind,n,opt,micro,mode", [
-    ("mirrored", 2, "sgd", 2, "plain"), ("mirrored", 2, "adam", 4, "plain"), ("mirrored", 3, "sgd", 4, "plain"),
-    ("mirrored", 3, "adam", 2, "no_sync"), ("mirrored", 2, "sgd", 4, "no_sync"),
-    ("central", 2, "sgd", 2, "plain"), ("central", 2, "adam", 4, "no_sync"),
-])
+@pytest.mark.parametrize(
+    "kind,n,opt,micro,mode",
+    [
+        ("mirrored", 2, "sgd", 2, "plain"),
+        ("mirrored", 2, "adam", 4, "plain"),
+        ("mirrored", 3, "sgd", 4, "plain"),
+        ("mirrored", 3, "adam", 2, "no_sync"),
+        ("mirrored", 2, "sgd", 4, "no_sync"),
+        ("central", 2, "sgd", 2, "plain"),
+        ("central", 2, "adam", 4, "no_sync"),
+    ],
+)
 def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, opt, micro, mode):
-    res = run_job([sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, kind, str(n), str(micro), mode],
-                  timeout=120, cwd=tmp_path)
+    res = run_job(
+        [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, kind, str(n), str(micro), mode],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.logs()
     diff = _check(tmp_path, n, references[opt, micro])
     print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
@@ -56,8 +67,13 @@ def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, o
 @pytest.mark.parametrize("opt,micro,mode", [("sgd", 2, "plain"), ("adam", 4, "no_sync")])
 def test_accumulated_gradients_match_one_device_two_workers(tmp_path, references, opt, micro, mode):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    jobs = [([sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, "mwms", "2", str(micro), mode],
-             tf_config(workers, i)) for i in range(2)]
+    jobs = [
+        (
+            [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, "mwms", "2", str(micro), mode],
+            tf_config(workers, i),
+        )
+        for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=120, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check(tmp_path, 2, references[opt, micro])
@@ -69,11 +85,22 @@ _MARK = re.compile(r"DIVERGED (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
-@pytest.mark.parametrize("case,field", [("skip", "step"), ("outside_scope", "unsynchronised parameters"),
-                                        ("batch_size", "global batch size"), ("restore", "parameters")])
+@pytest.mark.parametrize(
+    "case,field",
+    [
+        ("skip", "step"),
+        ("outside_scope", "unsynchronised parameters"),
+        ("batch_size", "global batch size"),
+        ("restore", "parameters"),
+    ],
+)
 def test_divergence_raises_on_every_replica_within_a_step(tmp_path, case, field, shm):
-    res = run_job([sys.executable, str(SCRIPT), "diverge", case, "mirrored", "2"], timeout=90, cwd=tmp_path,
-                  env={"PHALANX_SHM": shm})
+    res = run_job(
+        [sys.executable, str(SCRIPT), "diverge", case, "mirrored", "2"],
+        timeout=90,
+        cwd=tmp_path,
+        env={"PHALANX_SHM": shm},
+    )
     logs = res.logs()
     assert res.returncode != 0, logs
     marks = {int(m.group(1)): m for m in _MARK.finditer(logs)}
@@ -84,8 +111,10 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, case, field,
     for m in marks.values():
         assert m.group(4) in ("ReplicaDivergenceError", "UnsynchronizedParameterError")
         elapsed = float(m.group(2)) - (float(m.group(3)) if case == "outside_scope" else began)
-        print(f"\n{case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
-              f"{m.group(5)[:160]}")
+        print(
+            f"\n{case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
+            f"{m.group(5)[:160]}"
+        )
         assert elapsed < 2.0
     if field == "parameters":
         assert "Linear.bias (shape (1,))" in marks[0].group(5)
@@ -93,8 +122,9 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, case, field,
 
 def test_different_global_batch_per_worker_is_caught(tmp_path):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    jobs = [([sys.executable, str(SCRIPT), "diverge", "batch_size", "mwms", "2"], tf_config(workers, i))
-            for i in range(2)]
+    jobs = [
+        ([sys.executable, str(SCRIPT), "diverge", "batch_size", "mwms", "2"], tf_config(workers, i)) for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=90, cwd=tmp_path)
     for r in results:
         assert r.returncode != 0

@@ -224,12 +224,16 @@ def test_per_replica_batch_as_global_batch_size_warns():
         strategy = strategy_for(comm)
         with strategy.scope():
             model = model_fn()
-        data = strategy.experimental_distribute_dataset([torch.randn(8, FEATURES)])
+        # Every process reads the same global batch (phalanx checks that it does).
+        data = strategy.experimental_distribute_dataset(
+            [torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(0))]
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for x in data:
-                strategy.run(lambda x: px.nn.compute_average_loss(model(x).sum(dim=1), global_batch_size=4).backward(),
-                             args=(x,))
+                strategy.run(
+                    lambda x: px.nn.compute_average_loss(model(x).sum(dim=1), global_batch_size=4).backward(), args=(x,)
+                )
         return [str(w.message) for w in caught if w.category is px.nn.LossScaleWarning]
 
     px.nn._warned.clear()
@@ -248,12 +252,17 @@ def test_dividing_by_the_whole_accumulated_batch_does_not_warn():
         strategy = strategy_for(comm)
         with strategy.scope():
             model = model_fn()
-        data = strategy.experimental_distribute_dataset([torch.randn(8, FEATURES)] * 2)
+        # Every process reads the same global batches (phalanx checks that it does).
+        data = strategy.experimental_distribute_dataset(
+            [torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(0))] * 2
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for x in data:  # two micro-batches of 8: each loss divided by 16
-                strategy.run(lambda x: px.nn.compute_average_loss(model(x).sum(dim=1), global_batch_size=16).backward(),
-                             args=(x,))
+                strategy.run(
+                    lambda x: px.nn.compute_average_loss(model(x).sum(dim=1), global_batch_size=16).backward(),
+                    args=(x,),
+                )
         return [w for w in caught if w.category is px.nn.LossScaleWarning]
 
     px.nn._warned.clear()

@@ -36,22 +36,34 @@ def test_process_identity_outside_any_strategy_is_a_single_process(monkeypatch, 
 
 
 def test_process_identity_from_the_launchers_environment(monkeypatch, no_live_strategy):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]},
-                                                "task": {"type": "worker", "index": 2}}))
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]}, "task": {"type": "worker", "index": 2}})
+    )
     assert (px.process_index(), px.num_processes(), px.is_chief()) == (2, 3, False)
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["c:1"], "worker": ["a:1"], "ps": ["p:1"]},
-                                                "task": {"type": "ps", "index": 0}}))
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps(
+            {"cluster": {"chief": ["c:1"], "worker": ["a:1"], "ps": ["p:1"]}, "task": {"type": "ps", "index": 0}}
+        ),
+    )
     assert not px.is_chief()
     monkeypatch.delenv("TF_CONFIG")
-    for k, v in {"PHALANX_RANK": "1", "PHALANX_WORLD_SIZE": "2", "PHALANX_LOCAL_RANK": "1",
-                 "PHALANX_LOCAL_WORLD_SIZE": "2", "PHALANX_MASTER_ADDR": "127.0.0.1", "PHALANX_MASTER_PORT": "1"}.items():
+    for k, v in {
+        "PHALANX_RANK": "1",
+        "PHALANX_WORLD_SIZE": "2",
+        "PHALANX_LOCAL_RANK": "1",
+        "PHALANX_LOCAL_WORLD_SIZE": "2",
+        "PHALANX_MASTER_ADDR": "127.0.0.1",
+        "PHALANX_MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     assert (px.process_index(), px.num_processes(), px.is_chief()) == (1, 2, False)
 
 
 def test_process_identity_follows_the_live_strategy_after_its_scope_ends(monkeypatch, no_live_strategy):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
-                                                "task": {"type": "worker", "index": 1}}))
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}})
+    )
     strategy = px.OneDeviceStrategy("cpu")
     with strategy.scope():
         pass
@@ -146,8 +158,13 @@ def test_a_server_task_serves_until_shutdown_and_returns():
     secret = "serve-test-secret-0123456789"
 
     def task(job: str) -> ParameterServerStrategy:
-        return ParameterServerStrategy(SimpleClusterResolver(spec, task_type=job, task_id=0), rpc_timeout=2.0,
-                                       cluster_secret=secret, transport=transport, serve_and_exit=False)
+        return ParameterServerStrategy(
+            SimpleClusterResolver(spec, task_type=job, task_id=0),
+            rpc_timeout=2.0,
+            cluster_secret=secret,
+            transport=transport,
+            serve_and_exit=False,
+        )
 
     servers = [task("ps"), task("worker")]
     threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]

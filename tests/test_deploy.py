@@ -51,15 +51,26 @@ def tfjob_pods(manifest: dict) -> tuple[list[Pod], dict[str, int]]:
     """What the training operator gives each TFJob pod: TF_CONFIG with every replica's service."""
     name, namespace = manifest["metadata"]["name"], manifest["metadata"].get("namespace", "default")
     specs = manifest["spec"]["tfReplicaSpecs"]
-    cluster = {rtype.lower(): [f"{name}-{rtype.lower()}-{i}.{namespace}.svc:{_port(spec, 'tfjob-port', 2222)}"
-                               for i in range(spec.get("replicas", 1))] for rtype, spec in specs.items()}
+    cluster = {
+        rtype.lower(): [
+            f"{name}-{rtype.lower()}-{i}.{namespace}.svc:{_port(spec, 'tfjob-port', 2222)}"
+            for i in range(spec.get("replicas", 1))
+        ]
+        for rtype, spec in specs.items()
+    }
     pods, names = [], {}
     for rtype, spec in specs.items():
         for i in range(spec.get("replicas", 1)):
             config = {"cluster": cluster, "task": {"type": rtype.lower(), "index": i}, "environment": "cloud"}
             c = _container(spec)
-            pods.append(Pod(f"{name}-{rtype.lower()}-{i}", {"TF_CONFIG": json.dumps(config)},
-                            c["command"] + c.get("args", []), c.get("workingDir", "")))
+            pods.append(
+                Pod(
+                    f"{name}-{rtype.lower()}-{i}",
+                    {"TF_CONFIG": json.dumps(config)},
+                    c["command"] + c.get("args", []),
+                    c.get("workingDir", ""),
+                )
+            )
             names[f"{name}-{rtype.lower()}-{i}.{namespace}.svc"] = len(pods) - 1
     return pods, names
 
@@ -74,11 +85,17 @@ def pytorchjob_pods(manifest: dict) -> tuple[list[Pod], dict[str, int]]:
     for rtype in ("Master", "Worker"):
         for i in range(specs.get(rtype, {}).get("replicas", 0)):
             master = rtype == "Master"
-            env = {"MASTER_PORT": str(port), "MASTER_ADDR": "localhost" if master else f"{name}-master-0",
-                   "WORLD_SIZE": str(world), "RANK": str(0 if master else i + 1), "PYTHONUNBUFFERED": "1"}
+            env = {
+                "MASTER_PORT": str(port),
+                "MASTER_ADDR": "localhost" if master else f"{name}-master-0",
+                "WORLD_SIZE": str(world),
+                "RANK": str(0 if master else i + 1),
+                "PYTHONUNBUFFERED": "1",
+            }
             c = _container(specs[rtype])
-            pods.append(Pod(f"{name}-{rtype.lower()}-{i}", env, c["command"] + c.get("args", []),
-                            c.get("workingDir", "")))
+            pods.append(
+                Pod(f"{name}-{rtype.lower()}-{i}", env, c["command"] + c.get("args", []), c.get("workingDir", ""))
+            )
             names[f"{name}-{rtype.lower()}-{i}"] = len(pods) - 1
     return pods, names
 
@@ -94,12 +111,20 @@ def slurm_pods(script: str, job_id: int = 4242) -> tuple[list[Pod], dict[str, in
     pods, names = [], {}
     for node in range(nnodes):
         for local in range(per_node):
-            env = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": directives.get("job-name", ""),
-                   "SLURM_NNODES": str(nnodes), "SLURM_NTASKS": str(nnodes * per_node),
-                   "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_TASKS_PER_NODE": f"{per_node}(x{nnodes})",
-                   "SLURM_JOB_NODELIST": nodelist, "SLURM_STEP_NODELIST": nodelist, "SLURM_NODEID": str(node),
-                   "SLURM_PROCID": str(node * per_node + local), "SLURM_LOCALID": str(local),
-                   "SLURMD_NODENAME": f"pxnode{node + 1}"}
+            env = {
+                "SLURM_JOB_ID": str(job_id),
+                "SLURM_JOB_NAME": directives.get("job-name", ""),
+                "SLURM_NNODES": str(nnodes),
+                "SLURM_NTASKS": str(nnodes * per_node),
+                "SLURM_NTASKS_PER_NODE": str(per_node),
+                "SLURM_TASKS_PER_NODE": f"{per_node}(x{nnodes})",
+                "SLURM_JOB_NODELIST": nodelist,
+                "SLURM_STEP_NODELIST": nodelist,
+                "SLURM_NODEID": str(node),
+                "SLURM_PROCID": str(node * per_node + local),
+                "SLURM_LOCALID": str(local),
+                "SLURMD_NODENAME": f"pxnode{node + 1}",
+            }
             pods.append(Pod(f"pxnode{node + 1}", env, srun))
         names[f"pxnode{node + 1}"] = len(pods) - 1
     return pods, names
@@ -124,13 +149,31 @@ def _run_on_two_hosts(tmp_path: Path, hosts, pods: list[Pod], names: dict[str, i
             Path("/etc/netns", ns).mkdir(parents=True, exist_ok=True)
             Path("/etc/netns", ns, "hosts").write_text("\n".join(lines) + "\n")
             made.append(Path("/etc/netns", ns))
-        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"   # `python` is this Python
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python` is this Python
         jobs = []
         for (ns, _), pod in zip(hosts, pods):
-            workdir = str(DEPLOY)   # the image's working directory (/app) holds the recipe's train.py
+            workdir = str(DEPLOY)  # the image's working directory (/app) holds the recipe's train.py
             boot = 'hostname "$0" && cd "$1" && shift 2 && exec "$@"'
-            jobs.append((["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", boot, pod.hostname, workdir,
-                          "_", *pod.command], {**pod.env, "PATH": path}))
+            jobs.append(
+                (
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        boot,
+                        pod.hostname,
+                        workdir,
+                        "_",
+                        *pod.command,
+                    ],
+                    {**pod.env, "PATH": path},
+                )
+            )
         results = run_jobs(jobs, timeout=180, cwd=tmp_path)
     finally:
         for d in made:
@@ -191,10 +234,14 @@ def test_recipes_parse_without_a_cluster():
     """Pure logic, no namespaces: what each recipe gives its processes (runs where netns cannot)."""
     tf_pods, _ = tfjob_pods(yaml.safe_load((DEPLOY / "tfjob.yaml").read_text()))
     assert json.loads(tf_pods[1].env["TF_CONFIG"])["cluster"]["worker"] == [
-        "phalanx-train-worker-0.default.svc:2222", "phalanx-train-worker-1.default.svc:2222"]
+        "phalanx-train-worker-0.default.svc:2222",
+        "phalanx-train-worker-1.default.svc:2222",
+    ]
     pt_pods, _ = pytorchjob_pods(yaml.safe_load((DEPLOY / "pytorchjob.yaml").read_text()))
-    assert [(p.env["RANK"], p.env["MASTER_ADDR"]) for p in pt_pods] == [("0", "localhost"),
-                                                                          ("1", "phalanx-train-master-0")]
+    assert [(p.env["RANK"], p.env["MASTER_ADDR"]) for p in pt_pods] == [
+        ("0", "localhost"),
+        ("1", "phalanx-train-master-0"),
+    ]
     slurm, _ = slurm_pods((DEPLOY / "slurm.sbatch").read_text())
     assert [p.command for p in slurm] == [["python", "train.py", "--steps", "30"]] * 2
     for pod in [*tf_pods, *pt_pods[1:], *slurm]:

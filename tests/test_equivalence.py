@@ -59,8 +59,12 @@ def test_one_device_matches_plain_torch(tmp_path, references, opt):
 
 @pytest.mark.parametrize("ops,n", [("one", 3), ("hier", 2), ("hier", 4), ("packs", 2)])
 def test_cross_device_ops_algorithms_match_one_device(tmp_path, references, ops, n):
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "sgd", "mirrored", str(n)], timeout=120,
-                  cwd=tmp_path, env={"EQUIV_CROSS_DEVICE_OPS": ops})
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(tmp_path), "sgd", "mirrored", str(n)],
+        timeout=120,
+        cwd=tmp_path,
+        env={"EQUIV_CROSS_DEVICE_OPS": ops},
+    )
     assert res.returncode == 0, res.logs()
     replicas = [_load(tmp_path / f"params_{r}.pt") for r in range(n)]
     diff = _max_diff(replicas[0], references["sgd"])

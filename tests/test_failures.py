@@ -23,8 +23,10 @@ def _record(out: Path, index: int) -> dict:
 
 def _jobs(tmp_path: Path, mode: str, n: int = 2, extra_env: dict | None = None) -> list:
     workers = [f"127.0.0.1:{p}" for p in free_ports(n)]
-    return [([sys.executable, str(FAULTS), str(tmp_path), mode], {**tf_config(workers, i), **(extra_env or {})})
-            for i in range(n)]
+    return [
+        ([sys.executable, str(FAULTS), str(tmp_path), mode], {**tf_config(workers, i), **(extra_env or {})})
+        for i in range(n)
+    ]
 
 
 def test_dead_peer_is_named_within_two_seconds(tmp_path):
@@ -68,8 +70,10 @@ def test_missing_peer_is_named_within_rendezvous_timeout(tmp_path):
 def test_mismatched_cluster_specs_fail_on_every_worker(tmp_path):
     p = free_ports(3)
     base = [f"127.0.0.1:{p[0]}", f"127.0.0.1:{p[1]}"]
-    jobs = [([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base, 0)),
-            ([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base + [f"127.0.0.1:{p[2]}"], 1))]
+    jobs = [
+        ([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base, 0)),
+        ([sys.executable, str(FAULTS), str(tmp_path), "ok"], tf_config(base + [f"127.0.0.1:{p[2]}"], 1)),
+    ]
     for _, env in jobs:
         env["PHALANX_RENDEZVOUS_TIMEOUT"] = "10"
     start = time.monotonic()
@@ -115,10 +119,16 @@ def test_phalanx_run_reports_root_cause_and_stops_the_rest(tmp_path, script):
         s.gather(s.run(lambda: torch.ones(1)), axis=0)
     """)
     start = time.monotonic()
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)], timeout=90, cwd=tmp_path,
-                  env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)],
+        timeout=90,
+        cwd=tmp_path,
+        env={"PHALANX_COLLECTIVE_TIMEOUT": "5"},
+    )
     assert res.returncode != 0
-    assert "root cause" in res.output and "local rank 1" in res.output and "boom in replica one" in res.output, res.output
+    assert "root cause" in res.output and "local rank 1" in res.output and "boom in replica one" in res.output, (
+        res.output
+    )
     assert time.monotonic() - start < 30
 
 
@@ -133,8 +143,12 @@ def test_phalanx_run_restarts_the_group(tmp_path, script):
         if s.extended.should_checkpoint:
             open("done.txt", "w").write(f"{attempt} {float(total)}")
     """)
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "1", str(job)],
-                  timeout=90, cwd=tmp_path, env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "1", str(job)],
+        timeout=90,
+        cwd=tmp_path,
+        env={"PHALANX_COLLECTIVE_TIMEOUT": "5"},
+    )
     assert res.returncode == 0, res.logs()
     assert (tmp_path / "done.txt").read_text() == "1 2.0"
 
@@ -174,9 +188,15 @@ def test_phalanx_run_forwards_sigterm_and_preemption_restarts_are_free(tmp_path,
     """)
     env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PHALANX_COLLECTIVE_TIMEOUT": "5"}
     env.pop("PYTEST_CURRENT_TEST", None)
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "0", str(job)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--max-restarts", "0", str(job)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"ready_{r}.txt").exists() for r in range(2)):
@@ -215,8 +235,12 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
         train()
     """)
     for attempt in range(4):
-        res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)], timeout=60,
-                      cwd=tmp_path, log_dir=tmp_path / f"logs-{attempt}")
+        res = run_job(
+            [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(job)],
+            timeout=60,
+            cwd=tmp_path,
+            log_dir=tmp_path / f"logs-{attempt}",
+        )
         assert res.returncode == 0, f"run {attempt}:\n" + res.logs()[-4000:]
         assert "terminate called" not in res.logs()
 
@@ -235,14 +259,19 @@ def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
         found = root_cause(failures)
         return found.status, format_failure(found)
 
-    failures = [failure(0, 1, "PeerUnavailableError: all-reduce on worker:0 failed", 10, 0), failure(1, 13, pid=11, order=1)]
+    failures = [
+        failure(0, 1, "PeerUnavailableError: all-reduce on worker:0 failed", 10, 0),
+        failure(1, 13, pid=11, order=1),
+    ]
     code, text = cause(failures)
     assert code == 13 and "local rank 1" in text and "exit code 13" in text
     failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 - 1)  # an earlier one wins whatever it is
     failures[0] = failure(0, 1, "ValueError: a bug in replica zero", 10, 0)
     code, text = cause(failures)
     assert code == 13 and "local rank 1" in text
-    failures[1] = failure(1, 13, pid=11, order=1, timestamp=1700000000 + 1)  # a genuinely later failure is not preferred
+    failures[1] = failure(
+        1, 13, pid=11, order=1, timestamp=1700000000 + 1
+    )  # a genuinely later failure is not preferred
     code, text = cause(failures)
     assert code == 1 and "local rank 0" in text and "a bug in replica zero" in text
     # A replica still exiting when the supervisor stopped the group (SIGTERM) is not the cause of a

@@ -56,7 +56,7 @@ def test_float16_grad_scaler_under_one_device_equals_plain_torch(monkeypatch, tm
             model = _model().cuda()
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         assert next(model.parameters()).is_cuda
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
         count = [0]
 
         def step(x, y):
@@ -77,7 +77,7 @@ def test_float16_grad_scaler_under_one_device_equals_plain_torch(monkeypatch, tm
             run(x.cuda(), y.cuda())
         results.append(([p.detach().cpu() for p in model.parameters()], scaler.get_scale()))
     (plain, plain_scale), (px_params, px_scale) = results
-    assert plain_scale == px_scale == 2.0 ** 11  # the overflow step was skipped, the scale halved once
+    assert plain_scale == px_scale == 2.0**11  # the overflow step was skipped, the scale halved once
     assert all(torch.equal(a, b) for a, b in zip(plain, px_params))
 
 

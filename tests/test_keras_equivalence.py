@@ -35,8 +35,10 @@ def _load(out: Path, prefix: str, case: str, rank: int) -> tuple[dict, dict]:
 def _diffs(a: tuple[dict, dict], b: tuple[dict, dict]) -> dict[str, float]:
     (wa, ja), (wb, jb) = a, b
     assert ja["history"].keys() == jb["history"].keys() and ja["evaluate"].keys() == jb["evaluate"].keys()
-    out = {"weights": max(float(np.abs(wa[k] - wb[k]).max()) for k in wb if k.startswith("w")),
-           "predict": float(np.abs(wa["predictions"] - wb["predictions"]).max())}
+    out = {
+        "weights": max(float(np.abs(wa[k] - wb[k]).max()) for k in wb if k.startswith("w")),
+        "predict": float(np.abs(wa["predictions"] - wb["predictions"]).max()),
+    }
     for key, values in jb["history"].items():
         out[f"history.{key}"] = max(abs(x - y) for x, y in zip(ja["history"][key], values, strict=True))
     for key, value in jb["evaluate"].items():

@@ -49,8 +49,19 @@ def test_seed_example_runs(tmp_path, example, strategy):
 def test_toy_example_under_parameter_server_strategy(tmp_path):
     """The toy example's DataLoader is shipped to each worker, which runs fit's steps; the chief
     alone prints the summary and the progress bar, and every epoch's 10 steps are applied."""
-    cmd = [sys.executable, "-m", "phalanx.cli", "run", "--ps", "2", "--workers", "2",
-           str(EXAMPLES / "keras_toy.py"), "--strategy", "parameter_server"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx.cli",
+        "run",
+        "--ps",
+        "2",
+        "--workers",
+        "2",
+        str(EXAMPLES / "keras_toy.py"),
+        "--strategy",
+        "parameter_server",
+    ]
     res = run_job(cmd, timeout=200, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
     assert "Total params: 193" in res.output
@@ -66,8 +77,19 @@ def test_seed_mlp_under_parameter_server_strategy(tmp_path):
     epoch's loss is as low as the notebook's own one-device fit in the same script."""
     import re
 
-    cmd = [sys.executable, "-m", "phalanx.cli", "run", "--ps", "2", "--workers", "2",
-           str(EXAMPLES / "keras_mnist_mlp.py"), "--strategy", "parameter_server"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx.cli",
+        "run",
+        "--ps",
+        "2",
+        "--workers",
+        "2",
+        str(EXAMPLES / "keras_mnist_mlp.py"),
+        "--strategy",
+        "parameter_server",
+    ]
     res = run_job(cmd, timeout=200, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
     assert DONE["keras_mnist_mlp.py"] in res.output

@@ -65,8 +65,10 @@ def test_one_worker_equals_one_device_keras_training():
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
-    print(f"\none worker vs one device: max |dw| = "
-          f"{max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())):.2e}")
+    print(
+        f"\none worker vs one device: max |dw| = "
+        f"{max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())):.2e}"
+    )
 
 
 class _Recorder(keras.callbacks.Callback):
@@ -98,10 +100,19 @@ def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_server
         with cluster.strategy.scope():
             model = _mlp(dropout=0.2, hidden=128)  # the notebook's model
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        history = model.fit(x[:1500], y[:1500], epochs=10, batch_size=25, steps_per_epoch=40,
-                            validation_data=(x[1500:], y[1500:]), verbose=0,
-                            callbacks=[recorder, keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
-                                                                                 save_weights_only=True)])
+        history = model.fit(
+            x[:1500],
+            y[:1500],
+            epochs=10,
+            batch_size=25,
+            steps_per_epoch=40,
+            validation_data=(x[1500:], y[1500:]),
+            verbose=0,
+            callbacks=[
+                recorder,
+                keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
+            ],
+        )
         loss, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
         predictions = model.predict(x[1500:], verbose=0)
         slots = [s for ps in cluster.ps for s in ps._slots.values() if s.optimizer is not None]
@@ -112,25 +123,37 @@ def test_seed_mlp_on_two_ps_and_two_workers_learns_with_adam_state_on_the_server
     # Plain Keras keeps one iterator across epochs when steps_per_epoch is given and stops when it
     # runs dry (60 batches here); repeat the data so the reference really takes the same 200 steps.
     steps = _StepCounter()
-    reference.fit(np.concatenate([x[:1500]] * 4), np.concatenate([y[:1500]] * 4), epochs=5, batch_size=25,
-                  steps_per_epoch=40, verbose=0, callbacks=[steps])
+    reference.fit(
+        np.concatenate([x[:1500]] * 4),
+        np.concatenate([y[:1500]] * 4),
+        epochs=5,
+        batch_size=25,
+        steps_per_epoch=40,
+        verbose=0,
+        callbacks=[steps],
+    )
     assert steps.batches == 5 * 40
     ref_loss, ref_accuracy = reference.evaluate(x[1500:], y[1500:], verbose=0)
-    print(f"\nPS Keras fit (2 ps, 2 workers, 200 async steps): held-out accuracy {accuracy:.3f}, loss {loss:.3f}; "
-          f"one device, same steps: {ref_accuracy:.3f}, {ref_loss:.3f}")
+    print(
+        f"\nPS Keras fit (2 ps, 2 workers, 200 async steps): held-out accuracy {accuracy:.3f}, loss {loss:.3f}; "
+        f"one device, same steps: {ref_accuracy:.3f}, {ref_loss:.3f}"
+    )
     assert recorder.batches == 5 * 40 and len(recorder.epochs) == 5  # stop_training after epoch 5
     assert sum(s["updates"] for s in stats) == 5 * 40 * 4
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert accuracy > ref_accuracy - 0.05 and loss < 1.2 * ref_loss  # asynchronous, yet as good as one device
     assert abs(history.history["val_accuracy"][-1] - accuracy) < 1e-6
-    assert predictions.shape == (297, 10) and float((predictions.argmax(1) == y[1500:]).mean()) == pytest.approx(accuracy)
+    assert predictions.shape == (297, 10) and float((predictions.argmax(1) == y[1500:]).mean()) == pytest.approx(
+        accuracy
+    )
     assert len(slots) == 4 and all({"exp_avg", "exp_avg_sq"} <= set(s.optimizer.state[s.value]) for s in slots)
     assert (tmp_path / "m.weights.h5").exists()
 
 
 def test_optimizer_mapping_and_refusals():
-    assert torch_optimizer_config(keras.optimizers.RMSprop(0.01, rho=0.8))["hyper"]["alpha"] == pytest.approx(0.8)
+    rmsprop = torch_optimizer_config(keras.optimizers.RMSprop(0.01, rho=0.8))
+    assert rmsprop["class"] == "KerasRMSprop" and rmsprop["hyper"]["rho"] == pytest.approx(0.8)
     adam = torch_optimizer_config(keras.optimizers.AdamW(0.002, weight_decay=0.01))
     assert adam["class"] == "AdamW" and adam["hyper"]["weight_decay"] == pytest.approx(0.01)
     with pytest.raises(UnsupportedOptimizerError, match="clipnorm"):
@@ -145,7 +168,7 @@ def test_input_without_length_needs_steps_per_epoch():
     class Batches:  # re-iterable, picklable, no len()
         def __iter__(self):
             for i in range(0, 200, 50):
-                yield x[i:i + 50], y[i:i + 50]
+                yield x[i : i + 50], y[i : i + 50]
 
     with InProcessCluster(num_ps=1, num_workers=1) as cluster:
         with cluster.strategy.scope():
@@ -156,3 +179,25 @@ def test_input_without_length_needs_steps_per_epoch():
         history = model.fit(Batches(), epochs=2, steps_per_epoch=6, verbose=0)  # cycles over the 4 batches
         assert len(history.history["loss"]) == 2
         assert sum(s["updates"] for s in cluster.strategy.extended.parameter_server_stats()) == 2 * 6 * 4
+
+
+@pytest.mark.parametrize("momentum,centered", [(0.0, False), (0.9, False), (0.0, True)])
+def test_servers_rmsprop_is_keras_rmsprop_step_for_step(momentum, centered):
+    """torch.optim.RMSprop puts epsilon outside the square root and diverged where Keras' learns;
+    the servers run Keras' own update."""
+    from phalanx.ps.server import optimizer_class
+
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    grads = [torch.randn(5, 3) * 10**-k for k in range(6)]  # small gradients: where the two differ
+    variable = keras.Variable(start.numpy())
+    keras_opt = keras.optimizers.RMSprop(0.1, rho=0.9, momentum=momentum, centered=centered)
+    config = torch_optimizer_config(keras_opt)
+    param = torch.nn.Parameter(start.clone())
+    server_opt = optimizer_class(config["class"])([param], **config["hyper"])
+    for g in grads:
+        keras_opt.apply([g.clone()], [variable])
+        param.grad = g.clone()
+        server_opt.step()
+    keras_value = torch.as_tensor(np.asarray(variable.value.detach().cpu()))
+    assert torch.allclose(param.detach(), keras_value, atol=1e-6), (param, keras_value)

@@ -22,8 +22,9 @@ def test_grad_scaler_overflow_on_one_replica_skips_the_step_everywhere(tmp_path)
     """float16 autocast + torch.amp.GradScaler under Mirrored: replica 1's gradients overflow at
     step 2. The all-reduce carries the inf to every replica, so every replica's scaler skips the
     same step and halves its scale: the scales and the parameters stay identical."""
-    res = run_job([sys.executable, str(SCRIPTS / "grad_scaler.py"), str(tmp_path), "mirrored"], timeout=120,
-                  cwd=tmp_path)
+    res = run_job(
+        [sys.executable, str(SCRIPTS / "grad_scaler.py"), str(tmp_path), "mirrored"], timeout=120, cwd=tmp_path
+    )
     assert res.returncode == 0, res.logs()
     runs = [json.loads((tmp_path / f"scaler_{r}.json").read_text()) for r in range(2)]
     for run in runs:
@@ -37,8 +38,12 @@ def keras_reference(tmp_path_factory):
     refs = {}
     for variant in ("jit", "mixed_bfloat16", "mixed_float16"):
         out = tmp_path_factory.mktemp(f"keras-ref-{variant}")
-        res = run_job([sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), "reference", variant],
-                      timeout=150, cwd=out, env=ENV)
+        res = run_job(
+            [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), "reference", variant],
+            timeout=150,
+            cwd=out,
+            env=ENV,
+        )
         assert res.returncode == 0, res.logs()[-6000:]
         refs[variant] = out
     return refs
@@ -49,16 +54,23 @@ def _load(out: Path, rank: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.timeout(600)  # jit_compile: inductor generates C++ code, minutes on 2 loaded cores
-@pytest.mark.parametrize("variant,tol", [
-    ("jit", 1e-5),              # jit_compile=True (torch.compile, inductor) against eager Keras
-    ("mixed_float16", 1e-3),    # float16 compute: per-replica partial gradients are rounded to float16
-])
+@pytest.mark.parametrize(
+    "variant,tol",
+    [
+        ("jit", 1e-5),  # jit_compile=True (torch.compile, inductor) against eager Keras
+        ("mixed_float16", 1e-3),  # float16 compute: per-replica partial gradients are rounded to float16
+    ],
+)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
 def test_keras_fit_under_strategy_matches_one_device(tmp_path, keras_reference, variant, tol, mode):
     if variant == "jit" and mode == "central_storage":
         pytest.skip("one jit_compile run (inductor, about a minute of C++ compilation per process) is enough")
-    res = run_job([sys.executable, str(SCRIPTS / "keras_precision.py"), str(tmp_path), mode, variant],
-                  timeout=420, cwd=tmp_path, env=ENV)
+    res = run_job(
+        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(tmp_path), mode, variant],
+        timeout=420,
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert res.returncode == 0, res.logs()[-6000:]
     (w0, h0), (w1, h1) = _load(tmp_path, 0), _load(tmp_path, 1)
     ref_w, ref_h = _load(keras_reference[variant], 0)

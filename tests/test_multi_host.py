@@ -42,8 +42,12 @@ def two_hosts():
         veth = [f"v{tag}a", f"v{tag}b"]
         steps = [("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])]
         for n, v, a in zip(names, veth, addrs):
-            steps += [("link", "set", v, "netns", n), ("-n", n, "addr", "add", f"{a}/24", "dev", v),
-                      ("-n", n, "link", "set", v, "up"), ("-n", n, "link", "set", "lo", "up")]
+            steps += [
+                ("link", "set", v, "netns", n),
+                ("-n", n, "addr", "add", f"{a}/24", "dev", v),
+                ("-n", n, "link", "set", v, "up"),
+                ("-n", n, "link", "set", "lo", "up"),
+            ]
         for step in steps:
             r = _ip(*step)
             if r.returncode != 0:
@@ -56,14 +60,23 @@ def two_hosts():
 
 def test_two_hosts_training_matches_one_device(tmp_path, two_hosts):
     workers = [f"{addr}:29611" for _, addr in two_hosts]
-    jobs = [(["ip", "netns", "exec", ns, sys.executable, str(EQUIV), str(tmp_path), "sgd", "mwms", "0"],
-             tf_config(workers, i)) for i, (ns, _) in enumerate(two_hosts)]
+    jobs = [
+        (
+            ["ip", "netns", "exec", ns, sys.executable, str(EQUIV), str(tmp_path), "sgd", "mwms", "0"],
+            tf_config(workers, i),
+        )
+        for i, (ns, _) in enumerate(two_hosts)
+    ]
     results = run_jobs(jobs, timeout=120, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    subprocess.run([sys.executable, str(EQUIV), str(ref_dir), "sgd", "reference"], check=True, timeout=60,
-                   env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
+    subprocess.run(
+        [sys.executable, str(EQUIV), str(ref_dir), "sgd", "reference"],
+        check=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+    )
     ref = torch.load(ref_dir / "params_0.pt", weights_only=True)
     a, b = (torch.load(tmp_path / f"params_{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -76,8 +89,10 @@ def test_two_hosts_listeners_use_the_host_address(tmp_path, two_hosts):
     import json
 
     workers = [f"{addr}:29612" for _, addr in two_hosts]
-    jobs = [(["ip", "netns", "exec", ns, sys.executable, str(FAULTS), str(tmp_path), "listeners"],
-             tf_config(workers, i)) for i, (ns, _) in enumerate(two_hosts)]
+    jobs = [
+        (["ip", "netns", "exec", ns, sys.executable, str(FAULTS), str(tmp_path), "listeners"], tf_config(workers, i))
+        for i, (ns, _) in enumerate(two_hosts)
+    ]
     results = run_jobs(jobs, timeout=90, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     for i, (_, addr) in enumerate(two_hosts):

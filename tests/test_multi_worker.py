@@ -40,8 +40,13 @@ def test_two_workers_hand_written_tf_config(tmp_path, opt):
 
 def test_two_workers_two_replicas_each_phalanx_run_with_tf_config(tmp_path):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    jobs = [([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms", "0"],
-             tf_config(workers, i)) for i in range(2)]
+    jobs = [
+        (
+            [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms", "0"],
+            tf_config(workers, i),
+        )
+        for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=150, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check_equivalence(tmp_path, 4, tmp_path)
@@ -50,9 +55,31 @@ def test_two_workers_two_replicas_each_phalanx_run_with_tf_config(tmp_path):
 
 def test_two_nodes_phalanx_run_nnodes(tmp_path):
     (port,) = free_ports(1)
-    jobs = [([sys.executable, "-m", "phalanx.cli", "run", "--nnodes", "2", "--node-rank", str(i),
-              "--master", f"127.0.0.1:{port}", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms", "0"], {})
-            for i in range(2)]
+    jobs = [
+        (
+            [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master",
+                f"127.0.0.1:{port}",
+                "-n",
+                "2",
+                str(EQUIV),
+                str(tmp_path),
+                "sgd",
+                "mwms",
+                "0",
+            ],
+            {},
+        )
+        for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=150, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check_equivalence(tmp_path, 4, tmp_path)
@@ -60,8 +87,11 @@ def test_two_nodes_phalanx_run_nnodes(tmp_path):
 
 
 def test_phalanx_run_single_host_mwms(tmp_path):
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "adam", "mwms",
-                   "0"], timeout=120, cwd=tmp_path)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "adam", "mwms", "0"],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.logs()
     _check_equivalence(tmp_path, 2, tmp_path, "adam")
 
@@ -69,9 +99,31 @@ def test_phalanx_run_single_host_mwms(tmp_path):
 def test_hierarchical_all_reduce_two_hosts_of_two(tmp_path):
     """Shared memory within each (simulated) host, gloo between hosts; same numbers as one device."""
     (port,) = free_ports(1)
-    jobs = [([sys.executable, "-m", "phalanx.cli", "run", "--nnodes", "2", "--node-rank", str(i),
-              "--master", f"127.0.0.1:{port}", "-n", "2", str(EQUIV), str(tmp_path), "adam", "mwms", "0"],
-             {"PHALANX_HOST_ID": f"host{i}"}) for i in range(2)]
+    jobs = [
+        (
+            [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master",
+                f"127.0.0.1:{port}",
+                "-n",
+                "2",
+                str(EQUIV),
+                str(tmp_path),
+                "adam",
+                "mwms",
+                "0",
+            ],
+            {"PHALANX_HOST_ID": f"host{i}"},
+        )
+        for i in range(2)
+    ]
     results = run_jobs(jobs, timeout=150, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check_equivalence(tmp_path, 4, tmp_path, "adam")
@@ -79,7 +131,11 @@ def test_hierarchical_all_reduce_two_hosts_of_two(tmp_path):
 
 
 def test_plain_gloo_path_without_shared_memory(tmp_path):
-    res = run_job([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms",
-                   "0"], timeout=120, cwd=tmp_path, env={"PHALANX_SHM": "0"})
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(EQUIV), str(tmp_path), "sgd", "mwms", "0"],
+        timeout=120,
+        cwd=tmp_path,
+        env={"PHALANX_SHM": "0"},
+    )
     assert res.returncode == 0, res.logs()
     _check_equivalence(tmp_path, 2, tmp_path, "sgd")

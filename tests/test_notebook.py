@@ -69,8 +69,13 @@ class Kernel:
 
     def __init__(self, tmp: Path, **env: str) -> None:
         self.km = jupyter_client.KernelManager(kernel_name="python3")
-        full_env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp / "logs"), "OMP_NUM_THREADS": "1",
-                    "KERAS_BACKEND": "torch", **env}
+        full_env = {
+            **os.environ,
+            "PHALANX_LOG_ROOT": str(tmp / "logs"),
+            "OMP_NUM_THREADS": "1",
+            "KERAS_BACKEND": "torch",
+            **env,
+        }
         full_env.pop("PYTEST_CURRENT_TEST", None)
         self.km.start_kernel(env=full_env)
         self.kc = self.km.blocking_client()
@@ -169,8 +174,10 @@ def test_notebook_fork_session(tmp_path):
         err = kernel.run("if phalanx.interactive.replica_id() == 1:\n    raise ValueError('only on replica 1')")
         assert err["status"] == "error" and err["error"][0] == "ReplicaCellError", err
         assert "only on replica 1" in err["error"][1] and "replica 1" in err["error"][1]
-        assert "tensor([2.])" in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)"
-                                           )["results"][0]
+        assert (
+            "tensor([2.])"
+            in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")["results"][0]
+        )
 
         # Interrupt during fit: every replica stops at the same step within 2 s, and fits again.
         sent = {}
@@ -200,8 +207,9 @@ def test_notebook_fork_session(tmp_path):
 
         dead = kernel.run("model.fit(X, Y, epochs=1000, batch_size=32, verbose=2)", on_output=kill_at_epoch_2)
         assert dead["status"] == "error", dead
-        assert "reported" in killed and killed["reported"] - killed["at"] < 2.0, \
+        assert "reported" in killed and killed["reported"] - killed["at"] < 2.0, (
             f"a dead replica took {killed.get('reported', dead['end']) - killed['at']:.2f} s to be reported"
+        )
         assert dead["error"][0] in ("ReplicaCellError", "PeerUnavailableError"), dead["error"]
         gone = kernel.ok("print('still here')")
         assert "still here" in gone["stdout"] and "replicas are gone" in gone["stderr"]
@@ -211,8 +219,10 @@ def test_notebook_fork_session(tmp_path):
         kernel.ok("record('second', model)")
         pids2 = _replica_pids(out, "second")
         assert sorted(pids2) == [0, 1] and pids2[1] != pids[1]
-        assert "tensor([2.])" in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)"
-                                           )["results"][0]
+        assert (
+            "tensor([2.])"
+            in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")["results"][0]
+        )
     finally:
         kernel_pid = kernel.km.provisioner.process.pid if kernel.km.provisioner else None
         kernel.shutdown()
@@ -233,8 +243,10 @@ def test_notebook_spawn_session_matches_one_device(tmp_path):
         _check_fit(kernel, out)
         pids = _replica_pids(out, "fit")
         # A second strategy reuses the session's replica, with its own process group.
-        second = kernel.ok("second = phalanx.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
-                           "second.reduce('sum', second.run(lambda: torch.ones(1) * 3), axis=None)")
+        second = kernel.ok(
+            "second = phalanx.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
+            "second.reduce('sum', second.run(lambda: torch.ones(1) * 3), axis=None)"
+        )
         assert "tensor([6.])" in second["results"][0] and "started replicas" not in second["stderr"]
         kernel.ok("second.close(); strategy.close()")
         assert not _gone([pids[1]], 5), "strategy.close() left the replica running"
@@ -243,7 +255,9 @@ def test_notebook_spawn_session_matches_one_device(tmp_path):
         kernel.ok(STRATEGY + "\nrecord('third', reference)", timeout=180)
         third = _replica_pids(out, "third")
         assert sorted(third) == [0, 1] and third[1] != pids[1]
-        assert "tensor([2.])" in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)"
-                                           )["results"][0]
+        assert (
+            "tensor([2.])"
+            in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")["results"][0]
+        )
     finally:
         kernel.shutdown()

@@ -11,9 +11,11 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-RECORD = ("import phalanx as _px\n"
-          "open(os.path.join({out!r}, f'replica_{{_px.interactive.replica_id()}}_of_{{_px.interactive.num_replicas()}}'), "
-          "'w').close()")
+RECORD = (
+    "import phalanx as _px\n"
+    "open(os.path.join({out!r}, f'replica_{{_px.interactive.replica_id()}}_of_{{_px.interactive.num_replicas()}}'), "
+    "'w').close()"
+)
 
 
 def _execute(name: str, tmp_path: Path, monkeypatch) -> tuple[list, set[str]]:
@@ -21,14 +23,21 @@ def _execute(name: str, tmp_path: Path, monkeypatch) -> tuple[list, set[str]]:
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     out = tmp_path / "out"
     out.mkdir()
-    nb.cells.insert(len(nb.cells) - 1 if name == "custom_loop.ipynb" else len(nb.cells),
-                    nbformat.v4.new_code_cell(RECORD.format(out=str(out))))
-    for key, value in {"PHALANX_LOG_ROOT": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1",
-                       "KERAS_BACKEND": "torch", "CHECKPOINT_DIR": str(tmp_path)}.items():
+    nb.cells.insert(
+        len(nb.cells) - 1 if name == "custom_loop.ipynb" else len(nb.cells),
+        nbformat.v4.new_code_cell(RECORD.format(out=str(out))),
+    )
+    for key, value in {
+        "PHALANX_LOG_ROOT": str(tmp_path / "logs"),
+        "OMP_NUM_THREADS": "1",
+        "KERAS_BACKEND": "torch",
+        "CHECKPOINT_DIR": str(tmp_path),
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-                            ).execute()
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     return nb.cells, {p.name for p in out.iterdir()}
 
 

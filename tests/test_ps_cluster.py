@@ -30,23 +30,50 @@ RPC_TIMEOUT = 2.0
 
 def _cluster_jobs(out: Path, mode: str, num_ps: int, num_workers: int, chief: bool = True) -> list:
     ports = free_ports(1 + num_ps + num_workers)
-    cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
-               "worker": [f"127.0.0.1:{p}" for p in ports[1:1 + num_workers]],
-               "ps": [f"127.0.0.1:{p}" for p in ports[1 + num_workers:]]}
-    tasks = ([("chief", 0)] if chief else []) + [("worker", i) for i in range(num_workers)] + \
-        [("ps", i) for i in range(num_ps)]
+    cluster = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1 : 1 + num_workers]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[1 + num_workers :]],
+    }
+    tasks = (
+        ([("chief", 0)] if chief else [])
+        + [("worker", i) for i in range(num_workers)]
+        + [("ps", i) for i in range(num_ps)]
+    )
     env = {"PHALANX_CLUSTER_SECRET": SECRET, "PHALANX_RPC_TIMEOUT": str(RPC_TIMEOUT), "OMP_NUM_THREADS": "1"}
-    return [([sys.executable, str(JOB), str(out), mode],
-             {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})}) for t, i in tasks]
+    return [
+        (
+            [sys.executable, str(JOB), str(out), mode],
+            {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})},
+        )
+        for t, i in tasks
+    ]
 
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
     """One `phalanx run --ps 2 --workers 3` job: fault-free convergence, then worker faults."""
     out = tmp_path_factory.mktemp("ps_cluster")
-    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "--ps", "2", "--workers", "3", "--max-restarts", "2",
-                      str(JOB), str(out), "converge"],
-                     timeout=170, cwd=out, env={"PHALANX_RPC_TIMEOUT": str(RPC_TIMEOUT)})
+    result = run_job(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            "--ps",
+            "2",
+            "--workers",
+            "3",
+            "--max-restarts",
+            "2",
+            str(JOB),
+            str(out),
+            "converge",
+        ],
+        timeout=170,
+        cwd=out,
+        env={"PHALANX_RPC_TIMEOUT": str(RPC_TIMEOUT)},
+    )
     assert result.returncode == 0, result.logs()[-6000:]
     return out, result
 
@@ -59,8 +86,10 @@ def test_two_ps_three_workers_converge_like_one_device(cluster_run):
     out, _ = cluster_run
     rec = _read(out, "converge")
     gap = abs(rec["ps_loss"] - rec["ref_loss"]) / rec["ref_loss"]
-    print(f"\nconvergence: PS (2 ps, 3 workers) loss {rec['ps_loss']:.6f}, one device {rec['ref_loss']:.6f} "
-          f"(gap {100 * gap:.2f}%), {rec['steps_per_s']:.0f} steps/s, per worker {rec['per_worker']}")
+    print(
+        f"\nconvergence: PS (2 ps, 3 workers) loss {rec['ps_loss']:.6f}, one device {rec['ref_loss']:.6f} "
+        f"(gap {100 * gap:.2f}%), {rec['steps_per_s']:.0f} steps/s, per worker {rec['per_worker']}"
+    )
     assert gap < 0.02
     assert rec["iterations"] == 300
     assert sum(rec["per_worker"]) == 300 and min(rec["per_worker"]) > 0  # every worker took part
@@ -96,9 +125,11 @@ def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_
     logs = "\n".join(r.output for r in results)
     assert results[0].returncode == 0, logs[-6000:]
     ends = [start + r.elapsed for r in results]
-    print(f"\nPS killed: {rec['error']} after {rec['detect_s']:.2f}s (RPC timeout {rec['rpc_timeout']}s), "
-          f"shutdown {rec['shutdown_s']:.2f}s, every process gone {max(ends) - rec['t_err']:.2f}s after the error\n"
-          f"  {rec['message'][:150]}")
+    print(
+        f"\nPS killed: {rec['error']} after {rec['detect_s']:.2f}s (RPC timeout {rec['rpc_timeout']}s), "
+        f"shutdown {rec['shutdown_s']:.2f}s, every process gone {max(ends) - rec['t_err']:.2f}s after the error\n"
+        f"  {rec['message'][:150]}"
+    )
     assert rec["error"] == "ParameterServerUnavailableError"
     assert "/job:ps/replica:0/task:1" in rec["message"]
     assert rec["detect_s"] < rec["rpc_timeout"] + 1.0
@@ -112,8 +143,10 @@ def test_ps_killed_typed_error_bounded_shutdown_then_resume_from_checkpoint(tmp_
     results = run_jobs(_cluster_jobs(tmp_path, "resume", num_ps=1, num_workers=1), timeout=120, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), "\n".join(r.output for r in results)[-6000:]
     resumed = _read(tmp_path, "resume")
-    print(f"resumed from step {resumed['start']}: steps {resumed['steps']}, loss {resumed['loss']:.6f} "
-          f"(one device {resumed['ref_loss']:.6f})")
+    print(
+        f"resumed from step {resumed['start']}: steps {resumed['steps']}, loss {resumed['loss']:.6f} "
+        f"(one device {resumed['ref_loss']:.6f})"
+    )
     assert resumed["start"] == rec["checkpoint_step"] == 60
     assert resumed["steps"] == [resumed["start"] + 60 * k for k in range(1, 5)]  # monotone from the checkpoint
     assert abs(resumed["loss"] - resumed["ref_loss"]) / resumed["ref_loss"] < 0.02
@@ -130,16 +163,23 @@ FLOOD_RSS_BOUND = 16 * (8 << 20) + (32 << 20)
 def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path):
     jobs = _cluster_jobs(tmp_path, "serve", num_ps=1, num_workers=1, chief=False)
     cluster = json.loads(jobs[0][1]["TF_CONFIG"])["cluster"]
-    attacker = ([sys.executable, str(SCRIPTS / "ps_attack.py"), str(tmp_path), cluster["ps"][0], cluster["worker"][0]],
-                {"PHALANX_CLUSTER_SECRET": SECRET})
+    attacker = (
+        [sys.executable, str(SCRIPTS / "ps_attack.py"), str(tmp_path), cluster["ps"][0], cluster["worker"][0]],
+        {"PHALANX_CLUSTER_SECRET": SECRET},
+    )
     results = run_jobs(jobs + [attacker], timeout=120, cwd=tmp_path)
     logs = "\n".join(r.output for r in results)
     assert all(r.returncode == 0 for r in results), logs[-6000:]
     rec = _read(tmp_path, "attack")
     assert not rec["marker_exists"] and not (tmp_path / "pwned").exists()
     for r in rec["results"]:
-        expected = "unimplemented" if r["payload"] == "unknown method" else \
-            "invalid" if r["payload"].startswith("correctly signed") else "unauthenticated"
+        expected = (
+            "unimplemented"
+            if r["payload"] == "unknown method"
+            else "invalid"
+            if r["payload"].startswith("correctly signed")
+            else "unauthenticated"
+        )
         assert r["code"] == expected, r
         assert r["seconds"] < 1.0, r
     assert rec["after"]["ps"]["refused"] >= 7 and rec["after"]["worker"]["refused"] >= 8
@@ -153,9 +193,11 @@ def test_malicious_payloads_refused_servers_keep_serving_on_own_address(tmp_path
     assert rec["after_replay"] == [3.0] * 4
     # 8 unsigned 64 MiB messages and 8 endless unsigned streams: refused, at a bounded cost in memory.
     growth = rec["rss"]["peak"] - rec["rss"]["before"]
-    print(f"\nflood: {rec['flood_bytes_sent'] >> 20} MiB in oversized messages + 8 endless streams, refused in "
-          f"{rec['flood_s']:.2f}s; ps RSS {rec['rss']['before'] >> 20} MiB -> peak {rec['rss']['peak'] >> 20} MiB "
-          f"(+{growth / 2**20:.1f} MiB), {rec['rss']['after'] >> 20} MiB after; codes {sorted({f['code'] for f in rec['flood']})}")
+    print(
+        f"\nflood: {rec['flood_bytes_sent'] >> 20} MiB in oversized messages + 8 endless streams, refused in "
+        f"{rec['flood_s']:.2f}s; ps RSS {rec['rss']['before'] >> 20} MiB -> peak {rec['rss']['peak'] >> 20} MiB "
+        f"(+{growth / 2**20:.1f} MiB), {rec['rss']['after'] >> 20} MiB after; codes {sorted({f['code'] for f in rec['flood']})}"
+    )
     assert all(f["code"] in ("RESOURCE_EXHAUSTED", "UNAUTHENTICATED") for f in rec["flood"]), rec["flood"]
     assert growth < FLOOD_RSS_BOUND, growth
     # Refusal logs are rate limited: one line per peer per interval, with a count.
@@ -172,9 +214,25 @@ def test_checkpoint_of_two_shards_restores_into_three_with_optimizer_state(tmp_p
 
     script = SCRIPTS / "ps_ckpt.py"
     for mode, num_ps in (("save", 2), ("restore", 3)):
-        res = run_job([sys.executable, "-m", "phalanx.cli", "run", "--ps", str(num_ps), "--workers", "1",
-                       str(script), str(tmp_path), mode], timeout=120, cwd=tmp_path,
-                      env={"PHALANX_RPC_TIMEOUT": "10"}, log_dir=tmp_path / f"logs-{mode}")
+        res = run_job(
+            [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "run",
+                "--ps",
+                str(num_ps),
+                "--workers",
+                "1",
+                str(script),
+                str(tmp_path),
+                mode,
+            ],
+            timeout=120,
+            cwd=tmp_path,
+            env={"PHALANX_RPC_TIMEOUT": "10"},
+            log_dir=tmp_path / f"logs-{mode}",
+        )
         assert res.returncode == 0, res.logs()[-6000:]
     saved = load_state(str(tmp_path / "ckpt"))
     params = list(saved["model"].values())

@@ -84,8 +84,10 @@ PS_CALLS = {
     "read": ({"keys": ["v"]}, []),
     "assign": ({"keys": ["v"]}, [torch.ones(3)]),
     "add": ({"keys": ["v"]}, [torch.ones(3)]),
-    "apply": ({"keys": ["v"], "group_of": [0], "optimizers": [{"class": "SGD", "hyper": {"lr": 1.0}}]},
-              [torch.ones(3)]),
+    "apply": (
+        {"keys": ["v"], "group_of": [0], "optimizers": [{"class": "SGD", "hyper": {"lr": 1.0}}]},
+        [torch.ones(3)],
+    ),
     "opt_read": ({"keys": ["v"]}, []),
     "opt_assign": ({"keys": ["v"], "states": [[]], "optimizer": {"class": "SGD", "hyper": {"lr": 1.0}}}, []),
     "shutdown": ({}, []),
@@ -118,8 +120,12 @@ def test_a_replayed_frame_is_refused_for_each_method():
         worker = cluster.workers[0]
         chief = wire.Signer(b"in-process-test-secret-0123456789", "chief:0")
         RAN.clear()
-        calls = {"ping": ({}, []), "resources": ({"resources": []}, []),
-                 "run": ({"closure": "c"}, [pickling.dumps((_record_run, (), {}))]), "shutdown": ({}, [])}
+        calls = {
+            "ping": ({}, []),
+            "resources": ({"resources": []}, []),
+            "run": ({"closure": "c"}, [pickling.dumps((_record_run, (), {}))]),
+            "shutdown": ({}, []),
+        }
         assert set(calls) == set(worker.METHODS)
         for method, (header, blobs) in calls.items():
             captured = list(chief.encode(method, header, (), blobs).chunks())
@@ -184,8 +190,12 @@ def test_a_request_that_never_sends_its_head_is_cancelled_and_its_slot_freed():
             list(stub(silent(), timeout=20))
         assert e.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t < 5.0
         frame = wire.Signer(SECRET, "chief:0").encode("ping")  # the server still answers
-        assert wire.Verifier(SECRET).decode("ping", list(stub(frame.chunks(), timeout=10)),
-                                            reply_to=frame.head).header["task"] == "ps:0"
+        assert (
+            wire.Verifier(SECRET)
+            .decode("ping", list(stub(frame.chunks(), timeout=10)), reply_to=frame.head)
+            .header["task"]
+            == "ps:0"
+        )
     finally:
         release.set()
         channel.close()
@@ -234,16 +244,26 @@ SECRET_TEXT = "test-cluster-secret-0123456789abcdef"
 def _jobs(out: Path, tasks, env_of):
     ports = free_ports(3)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"], "ps": [f"127.0.0.1:{ports[2]}"]}
-    return [([sys.executable, str(JOB), str(out), "converge"],
-             {"OMP_NUM_THREADS": "1", "PHALANX_RPC_TIMEOUT": "2", **env_of(t),
-              "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": 0}})}) for t in tasks]
+    return [
+        (
+            [sys.executable, str(JOB), str(out), "converge"],
+            {
+                "OMP_NUM_THREADS": "1",
+                "PHALANX_RPC_TIMEOUT": "2",
+                **env_of(t),
+                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": 0}}),
+            },
+        )
+        for t in tasks
+    ]
 
 
 def test_a_lone_server_exits_within_the_orphan_timeout(tmp_path):
     """No chief ever comes: the server exits ORPHAN seconds after it started serving, non-zero, saying why."""
     orphan = 2.0
-    jobs = _jobs(tmp_path, ["ps"], lambda t: {"PHALANX_CLUSTER_SECRET": SECRET_TEXT,
-                                               "PHALANX_ORPHAN_TIMEOUT": str(orphan)})
+    jobs = _jobs(
+        tmp_path, ["ps"], lambda t: {"PHALANX_CLUSTER_SECRET": SECRET_TEXT, "PHALANX_ORPHAN_TIMEOUT": str(orphan)}
+    )
     (result,) = run_jobs(jobs, timeout=60, cwd=tmp_path)
     assert result.returncode == 3, result.output[-3000:]
     assert "never sent an authenticated request" in result.output
@@ -252,9 +272,11 @@ def test_a_lone_server_exits_within_the_orphan_timeout(tmp_path):
 
 def test_a_chief_with_a_wrong_secret_takes_the_cluster_down(tmp_path):
     env = {"chief": {"PHALANX_CLUSTER_SECRET": "not-the-cluster-secret-at-all-000"}}
-    jobs = _jobs(tmp_path, ["chief", "worker", "ps"],
-                 lambda t: {"PHALANX_CLUSTER_SECRET": SECRET_TEXT, "PHALANX_ORPHAN_TIMEOUT": "3",
-                            **env.get(t, {})})
+    jobs = _jobs(
+        tmp_path,
+        ["chief", "worker", "ps"],
+        lambda t: {"PHALANX_CLUSTER_SECRET": SECRET_TEXT, "PHALANX_ORPHAN_TIMEOUT": "3", **env.get(t, {})},
+    )
     chief, worker, ps = run_jobs(jobs, timeout=90, cwd=tmp_path)
     assert chief.returncode not in (0, None) and "AuthenticationError" in chief.output, chief.output[-3000:]
     assert "refused our 'ping' request" in chief.output and "PHALANX_CLUSTER_SECRET" in chief.output
@@ -280,13 +302,31 @@ def test_tls_settings_are_checked_before_any_connection(tmp_path):
 
 
 def test_tls_cluster_trains_linear_regression_to_the_least_squares_optimum(tmp_path):
-    result = run_job([sys.executable, "-m", "phalanx.cli", "run", "--ps", "1", "--workers", "2", "--tls",
-                      str(JOB), str(tmp_path), "lstsq"], timeout=150, cwd=tmp_path,
-                     env={"PHALANX_RPC_TIMEOUT": "5"})
+    result = run_job(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            "--tls",
+            str(JOB),
+            str(tmp_path),
+            "lstsq",
+        ],
+        timeout=150,
+        cwd=tmp_path,
+        env={"PHALANX_RPC_TIMEOUT": "5"},
+    )
     assert result.returncode == 0, result.logs()[-6000:]
     rec = json.loads((tmp_path / "lstsq.json").read_text())
-    print(f"\nTLS ({'mutual' if rec['mutual'] else 'server'}): loss {rec['loss']:.6f}, least squares "
-          f"{rec['optimum']:.6f}; plain-text client: {rec['plaintext']}")
+    print(
+        f"\nTLS ({'mutual' if rec['mutual'] else 'server'}): loss {rec['loss']:.6f}, least squares "
+        f"{rec['optimum']:.6f}; plain-text client: {rec['plaintext']}"
+    )
     assert rec["tls"] and rec["mutual"]
     assert rec["plaintext"] == "unavailable"  # a client without TLS cannot even talk to the servers
     assert rec["loss"] <= rec["optimum"] * 1.02

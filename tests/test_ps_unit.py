@@ -62,18 +62,27 @@ def test_partitioners_follow_tf():
         num_shards_for(lambda shape, dtype: [1, 2], (4, 4), f32)
 
 
-@pytest.mark.parametrize("shape,dtype,partitioner", [
-    ((10, 4), torch.float32, FixedShardsPartitioner(3)),
-    ((7,), torch.int64, MaxSizePartitioner(max_shard_bytes=16)),
-    ((9, 2, 3), torch.bfloat16, MinSizePartitioner(min_shard_bytes=20, max_shards=4)),
-    ((5, 3), torch.float64, FixedShardsPartitioner(5)),
-])
+@pytest.mark.parametrize(
+    "shape,dtype,partitioner",
+    [
+        ((10, 4), torch.float32, FixedShardsPartitioner(3)),
+        ((7,), torch.int64, MaxSizePartitioner(max_shard_bytes=16)),
+        ((9, 2, 3), torch.bfloat16, MinSizePartitioner(min_shard_bytes=20, max_shards=4)),
+        ((5, 3), torch.float64, FixedShardsPartitioner(5)),
+    ],
+)
 def test_sharded_values_split_and_join_exactly(shape, dtype, partitioner):
     value = (torch.randn(shape) * 100).to(dtype)
     sizes = shard_sizes(shape[0], num_shards_for(partitioner, shape, dtype))
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
-    spec = VariableSpec("v", shape, wire.dtype_name(dtype), True, "parameter",
-                        tuple(Shard(j % 2, f"v/part_{j}", s, n) for j, (s, n) in enumerate(zip(starts, sizes))))
+    spec = VariableSpec(
+        "v",
+        shape,
+        wire.dtype_name(dtype),
+        True,
+        "parameter",
+        tuple(Shard(j % 2, f"v/part_{j}", s, n) for j, (s, n) in enumerate(zip(starts, sizes))),
+    )
     parts = split_value(value, spec)
     assert [p.shape[0] for p in parts] == [t.shape[0] for t in torch.tensor_split(value, len(sizes))]
     assert torch.equal(join_values(parts, spec), value)
@@ -88,9 +97,11 @@ def test_sharded_variable_round_trip_through_parameter_servers():
         handle = cluster.strategy.extended.remote_variable(emb.weight)
         assert isinstance(handle, ShardedVariable)
         assert [v.shape[0] for v in handle.variables] == [4, 3, 3]
-        assert [v.device[:25] for v in handle.variables] == ["/job:ps/replica:0/task:0/"[:25],
-                                                             "/job:ps/replica:0/task:1/"[:25],
-                                                             "/job:ps/replica:0/task:0/"[:25]]
+        assert [v.device[:25] for v in handle.variables] == [
+            "/job:ps/replica:0/task:0/"[:25],
+            "/job:ps/replica:0/task:1/"[:25],
+            "/job:ps/replica:0/task:0/"[:25],
+        ]
         assert torch.equal(handle.read_value(), emb.weight.detach())
         new = torch.randn(10, 4)
         handle.assign(new)
@@ -108,13 +119,19 @@ def test_sharded_variable_round_trip_through_parameter_servers():
 def _call(service, method, frame):
     """``frame`` (a wire.Frame, or raw bytes) sent to ``service``; the verified reply."""
     chunks = frame.chunks() if isinstance(frame, wire.Frame) else [frame]
-    return wire.Verifier(SECRET).decode(method, list(service.handle(method, chunks, "ipv4:10.1.2.3:4444")),
-                                        reply_to=frame.head)
+    return wire.Verifier(SECRET).decode(
+        method, list(service.handle(method, chunks, "ipv4:10.1.2.3:4444")), reply_to=frame.head
+    )
 
 
 def test_wire_round_trip_and_refusals():
-    tensors = [torch.randn(3, 2), torch.arange(5), torch.tensor(True), torch.randn(2).to(torch.bfloat16),
-               torch.empty(0, 3)]
+    tensors = [
+        torch.randn(3, 2),
+        torch.arange(5),
+        torch.tensor(True),
+        torch.randn(2).to(torch.bfloat16),
+        torch.empty(0, 3),
+    ]
     signer = wire.Signer(SECRET, "chief:0")
     frame = signer.encode("apply", {"keys": ["a"]}, tensors, [b"blob"]).to_bytes()
     msg = wire.Verifier(SECRET).decode("apply", [frame])
@@ -125,8 +142,12 @@ def test_wire_round_trip_and_refusals():
     in_header[head_len + 8 + 3] ^= 1
     blob_at = frame.index(b"blob")
     in_blob[blob_at] ^= 1
-    for bad, method in ((bytes(in_header), "apply"), (bytes(in_blob), "apply"), (frame, "read"),
-                        (b"\x80\x04junk", "apply")):
+    for bad, method in (
+        (bytes(in_header), "apply"),
+        (bytes(in_blob), "apply"),
+        (frame, "read"),
+        (b"\x80\x04junk", "apply"),
+    ):
         with pytest.raises(AuthenticationError):
             wire.Verifier(SECRET).decode(method, [bad])
     with pytest.raises(AuthenticationError):  # a call is not a reply
@@ -148,8 +169,10 @@ def test_cluster_secret_is_required():
 
 def test_cluster_spec_is_validated_before_any_connection():
     with pytest.raises(ClusterSpecError, match="ps"):
-        px.ParameterServerStrategy(SimpleClusterResolver({"chief": ["h:1"], "worker": ["h:2"]}, task_type="chief",
-                                                         task_id=0), cluster_secret="x" * 16)
+        px.ParameterServerStrategy(
+            SimpleClusterResolver({"chief": ["h:1"], "worker": ["h:2"]}, task_type="chief", task_id=0),
+            cluster_secret="x" * 16,
+        )
     with pytest.raises(ClusterSpecError, match="cluster"):
         px.ParameterServerStrategy(SimpleClusterResolver({}), cluster_secret="x" * 16)
 
@@ -316,9 +339,12 @@ def test_chief_writes_reach_the_servers_and_a_restarted_coordinator_reuses_varia
         # A second chief (a restarted coordinator) on the same servers: same variables, their values kept.
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
-        chief2 = ParameterServerStrategy(SimpleClusterResolver(cluster.spec, task_type="chief", task_id=0),
-                                         rpc_timeout=2.0, cluster_secret="in-process-test-secret-0123456789",
-                                         transport=cluster.transport)
+        chief2 = ParameterServerStrategy(
+            SimpleClusterResolver(cluster.spec, task_type="chief", task_id=0),
+            rpc_timeout=2.0,
+            cluster_secret="in-process-test-secret-0123456789",
+            transport=cluster.transport,
+        )
         with chief2.scope():
             model2 = _Net()
         assert [len(ps.keys) for ps in cluster.ps] == counts

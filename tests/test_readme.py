@@ -41,13 +41,13 @@ def test_the_test_command_is_the_one_ci_runs():
 
 def test_first_program_runs_and_prints_a_falling_loss(tmp_path):
     text = README.read_text()
-    section = text[text.index("## Your first distributed program"):]
+    section = text[text.index("## Your first distributed program") :]
     body = _blocks_in(section)[0]
     (tmp_path / "train.py").write_text(body)
     result = run_job([sys.executable, "train.py"], timeout=180, cwd=tmp_path)
     assert result.returncode == 0, result.logs()
     losses = [float(v) for v in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.output)]
-    assert len(losses) == 5, result.output               # printed once per epoch, by replica 0 only
+    assert len(losses) == 5, result.output  # printed once per epoch, by replica 0 only
     assert losses[-1] < 0.7 * losses[0], losses
 
 

@@ -43,8 +43,16 @@ class ForeignListener:
 
 
 def _spec(rank: int, port: int, world_size: int = 2, timeout: float = 2.0, bind: str = "127.0.0.1") -> GroupSpec:
-    return GroupSpec(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, bind_addr=bind,
-                     names=tuple(f"worker:{i}" for i in range(world_size)), timeout=5.0, rendezvous_timeout=timeout)
+    return GroupSpec(
+        rank=rank,
+        world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=port,
+        bind_addr=bind,
+        names=tuple(f"worker:{i}" for i in range(world_size)),
+        timeout=5.0,
+        rendezvous_timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -71,8 +79,9 @@ def test_master_port_taken_is_a_cluster_spec_error_naming_port_and_task(foreign)
     assert f"port {foreign.port} is taken" in text and "worker:0" in text
 
 
-@pytest.mark.parametrize("bind,cause", [("no-such-host.invalid", "does not resolve"),
-                                        ("192.0.2.77", "is not an address of this host")])
+@pytest.mark.parametrize(
+    "bind,cause", [("no-such-host.invalid", "does not resolve"), ("192.0.2.77", "is not an address of this host")]
+)
 def test_bad_task_address_is_a_cluster_spec_error(bind, cause):
     start = time.monotonic()
     with pytest.raises(ClusterSpecError) as info:

@@ -53,8 +53,15 @@ def test_program_mode(tmp_path, how):
     out.mkdir()
     program = PROGRAM % str(out)
     cmd = [sys.executable, "-c", program] if how == "-c" else [sys.executable, "-"]
-    res = subprocess.run(cmd, input=program if how == "stdin" else None, capture_output=True, text=True,
-                         env=_env(tmp_path), timeout=120, cwd=tmp_path)
+    res = subprocess.run(
+        cmd,
+        input=program if how == "stdin" else None,
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("RESULT 3.0") == 1  # replica 1's print went to its log
     assert _recorded(out) == {"replica_0": "3.0", "replica_1": "3.0"}
@@ -62,8 +69,9 @@ def test_program_mode(tmp_path, how):
 
 def test_program_mode_failing_replica_fails_the_program(tmp_path):
     program = PROGRAM % str(tmp_path) + "if r == 1:\n    raise ValueError('only on replica 1')\n"
-    res = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=_env(tmp_path),
-                         timeout=120, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=_env(tmp_path), timeout=120, cwd=tmp_path
+    )
     assert res.returncode != 0
     assert "replica 1" in res.stderr and "only on replica 1" in res.stderr
 
@@ -73,15 +81,28 @@ def test_terminal_repl(tmp_path, shell):
     out = tmp_path / "out"
     out.mkdir()
     if shell == "python":
-        child = pexpect.spawn(sys.executable, ["-q", "-i"], env=_env(tmp_path), cwd=str(tmp_path),
-                              encoding="utf-8", timeout=90)
+        child = pexpect.spawn(
+            sys.executable, ["-q", "-i"], env=_env(tmp_path), cwd=str(tmp_path), encoding="utf-8", timeout=90
+        )
         prompt = ">>> "
     else:
         pytest.importorskip("IPython")
-        child = pexpect.spawn(sys.executable, ["-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor",
-                                               "--HistoryManager.enabled=False",
-                                               "--TerminalInteractiveShell.confirm_exit=False"],
-                              env=_env(tmp_path), cwd=str(tmp_path), encoding="utf-8", timeout=90)
+        child = pexpect.spawn(
+            sys.executable,
+            [
+                "-m",
+                "IPython",
+                "--simple-prompt",
+                "--no-banner",
+                "--colors=NoColor",
+                "--HistoryManager.enabled=False",
+                "--TerminalInteractiveShell.confirm_exit=False",
+            ],
+            env=_env(tmp_path),
+            cwd=str(tmp_path),
+            encoding="utf-8",
+            timeout=90,
+        )
         prompt = r"In \[\d+\]: "
     try:
         child.expect(prompt)

@@ -32,10 +32,15 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 OPS = ("sum", "mean", "max", "min", "product")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
-_FN = {"sum": torch.add, "mean": torch.add, "product": torch.mul,
-       "max": torch.maximum, "min": torch.minimum}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_FN = {"sum": torch.add, "mean": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
 
 
 # ---------------------------------------------------------------------------- helpers (both sides)
@@ -100,8 +105,7 @@ def scenario_matrix(comm, rank, world, store, sizes, dtypes):
         for dname in dtypes:
             for op in OPS:
                 key = f"{numel}/{dname}/{op}"
-                _check_case(comm, rank, world, numel, DTYPES[dname], op, zlib.crc32(key.encode()),
-                            out, key)
+                _check_case(comm, rank, world, numel, DTYPES[dname], op, zlib.crc32(key.encode()), out, key)
     return out
 
 
@@ -117,11 +121,11 @@ def scenario_noncontiguous(comm, rank, world, store, prefix):
     comm.all_reduce(torch.ones(3))  # every rank has finished its constructor ...
     out["left_while_open"] = _ours(prefix)  # ... so the segment is already unlinked
     cases = [  # (numel of the 1-D buffer, view of it, op)
-        (37 * 53, lambda x: x.view(37, 53).t(), "sum"),            # transposed
-        (74 * 53, lambda x: x.view(74, 53)[:, ::2], "max"),        # strided: gaps in the buffer
+        (37 * 53, lambda x: x.view(37, 53).t(), "sum"),  # transposed
+        (74 * 53, lambda x: x.view(74, 53)[:, ::2], "max"),  # strided: gaps in the buffer
         (2 * 3 * 651, lambda x: x.view(2, 3, 651)[:, 1].t(), "mean"),
         (257 * 1021, lambda x: x.view(257, 1021).t(), "product"),  # large path
-        (10, lambda x: x[5:6].view(()), "min"),                    # 0-dim
+        (10, lambda x: x[5:6].view(()), "min"),  # 0-dim
     ]
     for i, (numel, make, op) in enumerate(cases):
         bufs = _inputs(world, numel, torch.float32, op, 100 + i)
@@ -181,8 +185,13 @@ def scenario_peer_death(comm, rank, world, store, dying, numel, mid_call):
             closed = False
         except DistributedRuntimeError:
             closed = True
-        return {"type": type(e).__name__, "peers": e.peers, "delay": raised - exited,
-                "closed_after": closed, "message": str(e)}
+        return {
+            "type": type(e).__name__,
+            "peers": e.peers,
+            "delay": raised - exited,
+            "closed_after": closed,
+            "message": str(e),
+        }
     return {"type": None}
 
 
@@ -225,12 +234,16 @@ def _child_main(args: dict) -> None:
     rank, world = args["rank"], args["world"]
     result: dict = {}
     try:
-        store = TCPStore("127.0.0.1", args["port"], is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
-        comm = ShmAllReduce(rank, world, store, prefix=args["prefix"], timeout=args["timeout"],
-                            **args.get("kwargs", {}))
-        result = {"ok": True, "result": globals()[f"scenario_{args['scenario']}"](
-            comm, rank, world, store, **args.get("params", {}))}
+        store = TCPStore(
+            "127.0.0.1", args["port"], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        comm = ShmAllReduce(
+            rank, world, store, prefix=args["prefix"], timeout=args["timeout"], **args.get("kwargs", {})
+        )
+        result = {
+            "ok": True,
+            "result": globals()[f"scenario_{args['scenario']}"](comm, rank, world, store, **args.get("params", {})),
+        }
         comm.close()
         comm.close()  # idempotent
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails with it
@@ -240,29 +253,48 @@ def _child_main(args: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- parent side
-def _launch(tmp_path: Path, world: int, scenario: str, *, deadline: float = 120.0,
-            timeout: float = 30.0, params: dict | None = None, kwargs: dict | None = None,
-            threads: int | None = 1, expect_exit: dict | None = None) -> list[dict]:
+def _launch(
+    tmp_path: Path,
+    world: int,
+    scenario: str,
+    *,
+    deadline: float = 120.0,
+    timeout: float = 30.0,
+    params: dict | None = None,
+    kwargs: dict | None = None,
+    threads: int | None = 1,
+    expect_exit: dict | None = None,
+) -> list[dict]:
     """Runs `scenario` in `world` processes; returns each rank's result dict."""
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     prefix = f"phxtest{uuid.uuid4().hex[:10]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     procs, logs, outs = [], [], []
     try:
         for rank in range(world):
             out, log = tmp_path / f"rank{rank}.json", tmp_path / f"rank{rank}.log"
-            args = {"rank": rank, "world": world, "port": store.port, "prefix": prefix,
-                    "scenario": scenario, "timeout": timeout, "out": str(out),
-                    "params": dict(params or {}, **({"prefix": prefix} if scenario == "noncontiguous" else {})),
-                    "kwargs": kwargs or {}, "threads": threads}
+            args = {
+                "rank": rank,
+                "world": world,
+                "port": store.port,
+                "prefix": prefix,
+                "scenario": scenario,
+                "timeout": timeout,
+                "out": str(out),
+                "params": dict(params or {}, **({"prefix": prefix} if scenario == "noncontiguous" else {})),
+                "kwargs": kwargs or {},
+                "threads": threads,
+            }
             logs.append(log)
             outs.append(out)
             with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(args)],
-                                              stdout=f, stderr=subprocess.STDOUT, env=env))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, json.dumps(args)], stdout=f, stderr=subprocess.STDOUT, env=env
+                    )
+                )
         end = time.monotonic() + deadline
         for p in procs:  # rank 0 first: a dead rank 1 stays an unreaped zombie meanwhile
             try:
@@ -317,21 +349,30 @@ def test_ops_dtypes_sizes_match_rank_order_reference(tmp_path, world):
 
 def test_small_segment_chunks_large_tensors(tmp_path):
     # 64 KiB of segment: 16 KiB steps, so the small path is capped and big tensors take many steps.
-    results = _launch(tmp_path, 3, "matrix", kwargs={"capacity_bytes": 96 << 10},
-                      params={"sizes": [5, 4096, 4097, 100_003], "dtypes": ["float32", "bfloat16", "int64"]})
+    results = _launch(
+        tmp_path,
+        3,
+        "matrix",
+        kwargs={"capacity_bytes": 96 << 10},
+        params={"sizes": [5, 4096, 4097, 100_003], "dtypes": ["float32", "bfloat16", "int64"]},
+    )
     _assert_consistent(results)
 
 
 def test_64_megabytes(tmp_path):
-    results = _launch(tmp_path, 2, "huge", deadline=240,
-                      params={"numel": 16 << 20, "ops": ["sum", "max"]})
+    results = _launch(tmp_path, 2, "huge", deadline=240, params={"numel": 16 << 20, "ops": ["sum", "max"]})
     _assert_consistent(results)
 
 
 def test_default_torch_threads(tmp_path):
     # torch's default intra-op threads: the torch-math dtypes then work in single-thread pieces.
-    results = _launch(tmp_path, 2, "matrix", threads=None, params={
-        "sizes": [100_003, 300_001], "dtypes": ["float32", "float16", "bfloat16", "int32"]})
+    results = _launch(
+        tmp_path,
+        2,
+        "matrix",
+        threads=None,
+        params={"sizes": [100_003, 300_001], "dtypes": ["float32", "float16", "bfloat16", "int32"]},
+    )
     _assert_consistent(results)
 
 
@@ -351,12 +392,18 @@ def test_100_repeated_calls_three_ranks(tmp_path):
     _assert_consistent(_launch(tmp_path, 3, "repeat", params={"iterations": 100}))
 
 
-@pytest.mark.parametrize("world,numel,mid_call", [(2, 1000, False), (2, 4 << 20, False),
-                                                  (2, 16 << 20, True), (3, 1000, False)])
+@pytest.mark.parametrize(
+    "world,numel,mid_call", [(2, 1000, False), (2, 4 << 20, False), (2, 16 << 20, True), (3, 1000, False)]
+)
 def test_peer_death_raises_peer_unavailable(tmp_path, world, numel, mid_call):
     dying = world - 1
-    results = _launch(tmp_path, world, "peer_death", expect_exit={dying: 1},
-                      params={"dying": dying, "numel": numel, "mid_call": mid_call})
+    results = _launch(
+        tmp_path,
+        world,
+        "peer_death",
+        expect_exit={dying: 1},
+        params={"dying": dying, "numel": numel, "mid_call": mid_call},
+    )
     for rank, r in enumerate(results):
         if rank == dying:
             continue

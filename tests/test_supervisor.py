@@ -41,6 +41,7 @@ def _exits(launcher: str, tmp_path: Path, mode: str, **env: str) -> tuple:
 # ----------------------------------------------------------------------------- pure logic
 def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
     """A replica that only lost a peer, or that the supervisor stopped, is not the root cause."""
+
     def ended(name, code, order, timestamp, message="", stopped=False):
         return Exit(Task(name=name, command=("x",)), 100 + order, code, order, stopped, message, timestamp)
 
@@ -99,7 +100,7 @@ def _screen(line: str) -> str:
         elif ch == "\b":
             cursor = max(0, cursor - 1)
         else:
-            cells[cursor:cursor + 1] = [ch]
+            cells[cursor : cursor + 1] = [ch]
             cursor += 1
     return "".join(cells).rstrip()
 
@@ -174,8 +175,10 @@ def test_uncaught_exception_on_replica_0_only_ends_the_job_within_two_seconds(tm
 def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(tmp_path, launcher):
     res, end = _exits(launcher, tmp_path, "peer_lingers", PHALANX_EXIT_TIMEOUT="3")
     took = end - float((tmp_path / "t_done").read_text())
-    print(f"\n{launcher}: replica 0 finished, replica 1 blocked; job ended {took:.2f}s later with "
-          f"{res.returncode}:\n{res.output[-1500:]}")
+    print(
+        f"\n{launcher}: replica 0 finished, replica 1 blocked; job ended {took:.2f}s later with "
+        f"{res.returncode}:\n{res.output[-1500:]}"
+    )
     assert res.returncode != 0, res.output
     cause = res.output.split("root cause (first failure): ")[1]
     assert cause.startswith("replica 1"), res.output
@@ -188,8 +191,15 @@ def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(
 def _start(launcher: str, tmp_path: Path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.Popen(_cmd(launcher, str(EXITS), str(tmp_path), mode), cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        _cmd(launcher, str(EXITS), str(tmp_path), mode),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
@@ -254,8 +264,12 @@ MANY = Path(__file__).parent / "scripts" / "many_strategies.py"
 def test_many_strategies_per_program_run_on_the_same_replicas(tmp_path, launcher):
     """Mirrored twice (alive together, one scope at a time), CentralStorage, then Mirrored again
     after the others were closed and collected: each trains a step on the same two processes."""
-    res = run_job(_cmd(launcher, str(MANY), str(tmp_path)), timeout=240, cwd=tmp_path,
-                  env={"PHALANX_RENDEZVOUS_TIMEOUT": "30", "PHALANX_COLLECTIVE_TIMEOUT": "30"})
+    res = run_job(
+        _cmd(launcher, str(MANY), str(tmp_path)),
+        timeout=240,
+        cwd=tmp_path,
+        env={"PHALANX_RENDEZVOUS_TIMEOUT": "30", "PHALANX_COLLECTIVE_TIMEOUT": "30"},
+    )
     assert res.returncode == 0, res.logs()[-6000:]
     assert (tmp_path / "done").read_text() == "ok"
     logs = res.logs()

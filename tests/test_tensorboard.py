@@ -23,7 +23,7 @@ from conftest import run_job  # noqa: E402
 
 def _events(logdir: Path) -> EventAccumulator:
     files = sorted(p for p in logdir.rglob("events.out.tfevents.*"))
-    assert len(files) == 1, files       # exactly one writer wrote here
+    assert len(files) == 1, files  # exactly one writer wrote here
     acc = EventAccumulator(str(files[0]), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -57,7 +57,7 @@ def test_scalar_and_histogram_in_one_process(tmp_path):
 
 def test_summary_errors_are_typed(tmp_path):
     writer = summary.create_file_writer(tmp_path / "logs")
-    assert summary.scalar("loss", 1.0, step=0) is False          # no default writer: nothing written
+    assert summary.scalar("loss", 1.0, step=0) is False  # no default writer: nothing written
     with writer.as_default():
         with pytest.raises(summary.SummaryError, match="No step for summary 'loss'"):
             summary.scalar("loss", 1.0)
@@ -146,11 +146,13 @@ def test_keras_tensorboard_callback_under_two_replicas(tmp_path, script):
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["train", "validation"]
     train, validation = _events(tmp_path / "tb" / "train"), _events(tmp_path / "tb" / "validation")
     for name in ("loss", "accuracy"):
-        assert _scalars(train, f"epoch_{name}") == [(e, pytest.approx(v, rel=1e-6))
-                                                   for e, v in enumerate(history[name])]
-        assert _scalars(validation, f"epoch_{name}") == [(e, pytest.approx(v, rel=1e-6))
-                                                        for e, v in enumerate(history[f"val_{name}"])]
+        assert _scalars(train, f"epoch_{name}") == [
+            (e, pytest.approx(v, rel=1e-6)) for e, v in enumerate(history[name])
+        ]
+        assert _scalars(validation, f"epoch_{name}") == [
+            (e, pytest.approx(v, rel=1e-6)) for e, v in enumerate(history[f"val_{name}"])
+        ]
     assert _scalars(train, "epoch_learning_rate") == [(0, pytest.approx(0.05)), (1, pytest.approx(0.05))]
-    assert [s for s, _ in _scalars(train, "batch_loss")] == list(range(1, 7))   # 96 rows / 32, 2 epochs
+    assert [s for s, _ in _scalars(train, "batch_loss")] == list(range(1, 7))  # 96 rows / 32, 2 epochs
     kernels = [t for t in train.Tags()["histograms"] if t.endswith("kernel/histogram")]
     assert len(kernels) == 2 and all(len(train.Histograms(t)) == 2 for t in kernels)

@@ -68,7 +68,9 @@ def test_documented_differences_are_real_and_in_readme():
     names, diffs = set(tf_names()), differences()
     assert set(diffs) <= names, f"differences for names TF does not have: {set(diffs) - names}"
     stale = [n for n in diffs if present(n) and not diffs[n].startswith("present;")]
-    assert not stale, f"present now, so not missing: {stale} (start the reason with 'present;' for a behaviour difference)"
+    assert not stale, (
+        f"present now, so not missing: {stale} (start the reason with 'present;' for a behaviour difference)"
+    )
     porting = README.read_text().split("## Porting from TensorFlow", 1)
     assert len(porting) == 2, "README has no 'Porting from TensorFlow' section"
     missing = [n for n in diffs if f"`{n}`" not in porting[1]]

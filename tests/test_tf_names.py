@@ -133,9 +133,11 @@ def test_keras_optimizer_in_a_scheduled_function_updates_the_parameter_servers()
                 loss = torch.mean((model(xb) - yb) ** 2)
                 model.zero_grad()
                 loss.backward()
-                optimizer.apply_gradients(zip([v.value.grad for v in model.trainable_variables],
-                                              model.trainable_variables))
+                optimizer.apply_gradients(
+                    zip([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+                )
                 return loss
+
             return strategy.run(replica_fn, args=(xb, yb))
 
         def loss_now():
@@ -146,7 +148,7 @@ def test_keras_optimizer_in_a_scheduled_function_updates_the_parameter_servers()
         first = loss_now()
         for i in range(40):
             j = (i * 32) % 256
-            coordinator.schedule(step, args=(torch.as_tensor(x[j:j + 32]), torch.as_tensor(y[j:j + 32])))
+            coordinator.schedule(step, args=(torch.as_tensor(x[j : j + 32]), torch.as_tensor(y[j : j + 32])))
         last = loss_now()
         assert last < 0.2 * first, (first, last)
         assert sum(s["updates"] for s in strategy.extended.parameter_server_stats()) > 0

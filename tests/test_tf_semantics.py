@@ -19,8 +19,12 @@ SCRIPT = Path(__file__).parent / "scripts" / "tf_semantics.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sem")
-    res = run_job([sys.executable, str(SCRIPT), str(out)], timeout=180, cwd=out,
-                  env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"})
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(out)],
+        timeout=180,
+        cwd=out,
+        env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.logs()[-6000:]
     return [json.loads((out / f"sem_{r}.json").read_text()) for r in range(2)]
 
@@ -43,8 +47,9 @@ def test_unseeded_shuffling_loader_gives_the_same_global_batches_everywhere(resu
             # Every example exactly once per epoch: the processes sliced the same global batches.
             assert sorted(v for batch in rows for v in batch) == [float(i) for i in range(32)]
         assert epochs[0] != epochs[1], "each epoch is shuffled anew"
-    assert results[0]["shuffle"]["own_random"] != results[1]["shuffle"]["own_random"], \
+    assert results[0]["shuffle"]["own_random"] != results[1]["shuffle"]["own_random"], (
         "each process's own random state must be given back"
+    )
 
 
 def test_lazily_shuffling_generator_gives_the_same_global_batches(results):

@@ -41,15 +41,16 @@ def test_multi_worker_with_keras(tmp_path):
     _multi_worker(tmp_path, "multi_worker_with_keras.py")
 
 
-@pytest.mark.xfail(strict=True, reason="Keras RMSprop(learning_rate=0.1) applied on the parameter servers as "
-                   "torch.optim.RMSprop diverges on the tutorial's model (so does torch's RMSprop in one "
-                   "process without phalanx; Keras' own RMSprop learns): the optimizer mapping needs Keras' "
-                   "update on the servers")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the tutorial's custom loop (Keras RMSprop(0.1) in scheduled functions) does "
+    "not learn on the parameter servers: accuracy 0.63 -> 0.42 over 4 epochs, with the servers "
+    "running Keras' own RMSprop update (ps/optimizers.py); cause not found yet",
+)
 def test_parameter_server_training(tmp_path):
     pytest.importorskip("grpc")
     pytest.importorskip("cloudpickle")
-    res = run_job([sys.executable, str(TUTORIALS / "parameter_server_training.py")], timeout=240, cwd=tmp_path,
-                  env=ENV)
+    res = run_job([sys.executable, str(TUTORIALS / "parameter_server_training.py")], timeout=240, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
     assert OK in res.output
 

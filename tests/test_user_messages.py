@@ -21,7 +21,7 @@ def test_absent_gpu_is_not_present_rather_than_unknown(name):
     absent = name.replace("7", str(gpus + 7))
     with pytest.raises(DeviceNotFoundError) as e:
         px.OneDeviceStrategy(absent)
-    assert isinstance(e.value, InvalidDeviceError)        # existing handlers keep working
+    assert isinstance(e.value, InvalidDeviceError)  # existing handlers keep working
     text = str(e.value)
     assert text.startswith(f"Device {absent!r} is not present"), text
     assert "Unknown" not in text and e.value.available == gpus
@@ -31,11 +31,14 @@ def test_absent_gpu_is_not_present_rather_than_unknown(name):
         assert f"'/gpu:{gpus - 1}'" in e.value.hint or gpus == 1
 
 
-@pytest.mark.parametrize("gpus,expected,unexpected", [
-    (0, ["this host has no visible GPU", "'cpu'", "CUDA_VISIBLE_DEVICES"], ["/gpu:", "cuda:0"]),
-    (1, ["this host has 1 visible GPU(s)", "'/gpu:0'", "'cuda:0'"], ["/gpu:1", "..", "'cpu:0'"]),
-    (2, ["this host has 2 visible GPU(s)", "'/gpu:0'..'/gpu:1'", "'cuda:0'..'cuda:1'"], ["'cpu:0'"]),
-])
+@pytest.mark.parametrize(
+    "gpus,expected,unexpected",
+    [
+        (0, ["this host has no visible GPU", "'cpu'", "CUDA_VISIBLE_DEVICES"], ["/gpu:", "cuda:0"]),
+        (1, ["this host has 1 visible GPU(s)", "'/gpu:0'", "'cuda:0'"], ["/gpu:1", "..", "'cpu:0'"]),
+        (2, ["this host has 2 visible GPU(s)", "'/gpu:0'..'/gpu:1'", "'cuda:0'..'cuda:1'"], ["'cpu:0'"]),
+    ],
+)
 def test_absent_gpu_hint_fits_the_host(monkeypatch, gpus, expected, unexpected):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(DeviceNotFoundError) as e:
@@ -67,7 +70,8 @@ def test_per_replica_repr_and_is_chief_under_two_replicas(tmp_path):
         "strategy = px.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
         "value = strategy.run(lambda: torch.tensor(1.5) + px.get_replica_context().replica_id_in_sync_group)\n"
         "rank = strategy.extended.process_index\n"
-        "json.dump({'repr': repr(value), 'chief': px.is_chief()}, open(f'repr_{rank}.json', 'w'))\n")
+        "json.dump({'repr': repr(value), 'chief': px.is_chief()}, open(f'repr_{rank}.json', 'w'))\n"
+    )
     result = run_job([sys.executable, str(script)], timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.logs()
     zero, one = (json.loads((tmp_path / f"repr_{r}.json").read_text()) for r in range(2))

@@ -57,8 +57,9 @@ def get_dataset():
     y_train = y_train[:-num_val_samples]
 
     def loader(a, b):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.as_tensor(a), torch.as_tensor(b)),
-                                           batch_size=batch_size)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.as_tensor(a), torch.as_tensor(b)), batch_size=batch_size
+        )
 
     return (loader(x_train, y_train), loader(x_val, y_val), loader(x_test, y_test))
 

@@ -31,52 +31,58 @@ mnist_train = (images[:1500], labels[:1500])
 mnist_test = (images[1500:], labels[1500:])
 
 strategy = phalanx.MirroredStrategy()
-print(f'Number of devices: {strategy.num_replicas_in_sync}')
+print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
 BATCH_SIZE_PER_REPLICA = 64
 BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
 
 train_dataset = torch.utils.data.DataLoader(
-    torch.utils.data.TensorDataset(*map(torch.as_tensor, mnist_train)), batch_size=BATCH_SIZE, shuffle=True)
+    torch.utils.data.TensorDataset(*map(torch.as_tensor, mnist_train)), batch_size=BATCH_SIZE, shuffle=True
+)
 eval_dataset = torch.utils.data.DataLoader(
-    torch.utils.data.TensorDataset(*map(torch.as_tensor, mnist_test)), batch_size=BATCH_SIZE)
+    torch.utils.data.TensorDataset(*map(torch.as_tensor, mnist_test)), batch_size=BATCH_SIZE
+)
 
 with strategy.scope():
-  model = keras.Sequential([
-      keras.Input((8, 8, 1)),
-      keras.layers.Conv2D(32, 3, activation='relu'),
-      keras.layers.MaxPooling2D(),
-      keras.layers.Flatten(),
-      keras.layers.Dense(64, activation='relu'),
-      keras.layers.Dense(10)
-  ])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
-  model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                optimizer=keras.optimizers.Adam(),
-                metrics=['accuracy'])
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(),
+        metrics=["accuracy"],
+    )
 
-checkpoint_dir = './training_checkpoints'
+checkpoint_dir = "./training_checkpoints"
 checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch}.weights.h5")
 
 
 def decay(epoch):
-  if epoch < 1:
-    return 1e-2
-  elif epoch >= 1 and epoch < 2:
-    return 1e-3
-  else:
-    return 1e-4
+    if epoch < 1:
+        return 1e-2
+    elif epoch >= 1 and epoch < 2:
+        return 1e-3
+    else:
+        return 1e-4
 
 
 class PrintLR(keras.callbacks.Callback):
-  def on_epoch_end(self, epoch, logs=None):
-    print(f'\nLearning rate for epoch {epoch + 1} is {float(model.optimizer.learning_rate)}')
+    def on_epoch_end(self, epoch, logs=None):
+        print(f"\nLearning rate for epoch {epoch + 1} is {float(model.optimizer.learning_rate)}")
 
 
 callbacks = [
     keras.callbacks.ModelCheckpoint(filepath=checkpoint_prefix, save_weights_only=True),
     keras.callbacks.LearningRateScheduler(decay),
-    PrintLR()
+    PrintLR(),
 ]
 
 EPOCHS = 3
@@ -84,27 +90,30 @@ history = model.fit(train_dataset, epochs=EPOCHS, callbacks=callbacks)
 
 model.load_weights(max(glob.glob(os.path.join(checkpoint_dir, "ckpt_*.weights.h5")), key=os.path.getmtime))
 eval_loss, eval_acc = model.evaluate(eval_dataset)
-print(f'Eval loss: {eval_loss}, Eval accuracy: {eval_acc}')
+print(f"Eval loss: {eval_loss}, Eval accuracy: {eval_acc}")
 
-path = 'saved_model.keras'
+path = "saved_model.keras"
 model.save(path)
 
 unreplicated_model = keras.models.load_model(path)
 unreplicated_model.compile(
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     optimizer=keras.optimizers.Adam(),
-    metrics=['accuracy'])
+    metrics=["accuracy"],
+)
 eval_loss, eval_acc = unreplicated_model.evaluate(eval_dataset)
-print(f'Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}')
+print(f"Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}")
 
 with strategy.scope():
-  replicated_model = keras.models.load_model(path)
-  replicated_model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           optimizer=keras.optimizers.Adam(),
-                           metrics=['accuracy'])
+    replicated_model = keras.models.load_model(path)
+    replicated_model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(),
+        metrics=["accuracy"],
+    )
 
-  eval_loss, eval_acc = replicated_model.evaluate(eval_dataset)
-  print(f'Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}')
+    eval_loss, eval_acc = replicated_model.evaluate(eval_dataset)
+    print(f"Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}")
 
 # ---- checks (not in the tutorial): it trained correctly
 losses = history.history["loss"]
@@ -114,5 +123,5 @@ checksum = float(sum(np.abs(w).sum() for w in model.get_weights()))
 everyone = strategy.gather(strategy.run(lambda: torch.tensor([checksum], dtype=torch.float64)), axis=0)
 assert len(set(everyone.tolist())) == 1, f"replicas differ: {everyone.tolist()}"
 for a, b in zip(model.get_weights(), unreplicated_model.get_weights()):
-  assert np.array_equal(a, b), "the restored model differs from the saved one"
+    assert np.array_equal(a, b), "the restored model differs from the saved one"
 print("TUTORIAL OK")

@@ -29,39 +29,43 @@ import phalanx.keras  # noqa: E402,F401
 
 # ---- mnist_setup.py
 def mnist_dataset(batch_size):
-  digits = load_digits()
-  x_train, y_train = digits.images / np.float32(16), digits.target.astype(np.int64)
-  x_train = x_train.astype(np.float32)
+    digits = load_digits()
+    x_train, y_train = digits.images / np.float32(16), digits.target.astype(np.int64)
+    x_train = x_train.astype(np.float32)
 
-  def shuffle_repeat_batch():
-    while True:
-      order = np.random.permutation(len(x_train))
-      for i in range(0, len(order) - batch_size + 1, batch_size):
-        yield x_train[order[i:i + batch_size]], y_train[order[i:i + batch_size]]
-  train_dataset = shuffle_repeat_batch()
-  return train_dataset
+    def shuffle_repeat_batch():
+        while True:
+            order = np.random.permutation(len(x_train))
+            for i in range(0, len(order) - batch_size + 1, batch_size):
+                yield x_train[order[i : i + batch_size]], y_train[order[i : i + batch_size]]
+
+    train_dataset = shuffle_repeat_batch()
+    return train_dataset
 
 
 def build_and_compile_cnn_model():
-  model = keras.Sequential([
-      keras.Input(shape=(8, 8)),
-      keras.layers.Reshape(target_shape=(8, 8, 1)),
-      keras.layers.Conv2D(32, 3, activation='relu'),
-      keras.layers.Flatten(),
-      keras.layers.Dense(128, activation='relu'),
-      keras.layers.Dense(10)
-  ])
-  model.compile(
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      optimizer=keras.optimizers.SGD(learning_rate=0.05),
-      metrics=['accuracy'])
-  return model
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(8, 8)),
+            keras.layers.Reshape(target_shape=(8, 8, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.SGD(learning_rate=0.05),
+        metrics=["accuracy"],
+    )
+    return model
 
 
 # ---- main.py
 per_worker_batch_size = 64
-tf_config = json.loads(os.environ['TF_CONFIG'])
-num_workers = len(tf_config['cluster']['worker'])
+tf_config = json.loads(os.environ["TF_CONFIG"])
+num_workers = len(tf_config["cluster"]["worker"])
 
 strategy = phalanx.MultiWorkerMirroredStrategy()
 
@@ -69,8 +73,8 @@ global_batch_size = per_worker_batch_size * num_workers
 multi_worker_dataset = mnist_dataset(global_batch_size)
 
 with strategy.scope():
-  # Model building/compiling need to be within `strategy.scope()`.
-  multi_worker_model = build_and_compile_cnn_model()
+    # Model building/compiling need to be within `strategy.scope()`.
+    multi_worker_model = build_and_compile_cnn_model()
 
 history = multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=20)
 
@@ -78,28 +82,28 @@ history = multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch
 options = phalanx.InputOptions(auto_shard_policy=phalanx.AutoShardPolicy.OFF)
 
 # ---- Model saving and loading
-model_path = 'keras-model.keras'
+model_path = "keras-model.keras"
 
 
 def _is_chief(task_type, task_id):
-  # Note: there are two possible `task_type` values, 'chief' and 'worker'; a
-  # cluster without a 'chief' makes worker 0 the chief.
-  return (task_type == 'worker' and task_id == 0) or task_type == 'chief' or task_type is None
+    # Note: there are two possible `task_type` values, 'chief' and 'worker'; a
+    # cluster without a 'chief' makes worker 0 the chief.
+    return (task_type == "worker" and task_id == 0) or task_type == "chief" or task_type is None
 
 
 def _get_temp_dir(dirpath, task_id):
-  base_dirpath = 'workertemp_' + str(task_id)
-  temp_dir = os.path.join(dirpath, base_dirpath)
-  os.makedirs(temp_dir, exist_ok=True)
-  return temp_dir
+    base_dirpath = "workertemp_" + str(task_id)
+    temp_dir = os.path.join(dirpath, base_dirpath)
+    os.makedirs(temp_dir, exist_ok=True)
+    return temp_dir
 
 
 def write_filepath(filepath, task_type, task_id):
-  dirpath = os.path.dirname(filepath)
-  base = os.path.basename(filepath)
-  if not _is_chief(task_type, task_id):
-    dirpath = _get_temp_dir(dirpath, task_id)
-  return os.path.join(dirpath, base)
+    dirpath = os.path.dirname(filepath)
+    base = os.path.basename(filepath)
+    if not _is_chief(task_type, task_id):
+        dirpath = _get_temp_dir(dirpath, task_id)
+    return os.path.join(dirpath, base)
 
 
 task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
@@ -107,35 +111,33 @@ write_model_path = write_filepath(model_path, task_type, task_id)
 
 multi_worker_model.save(write_model_path)
 if not _is_chief(task_type, task_id):
-  shutil.rmtree(os.path.dirname(write_model_path))
+    shutil.rmtree(os.path.dirname(write_model_path))
 
 loaded_model = keras.models.load_model(model_path)
-restored_equal = all(np.array_equal(a, b) for a, b in zip(loaded_model.get_weights(),
-                                                         multi_worker_model.get_weights()))
+restored_equal = all(np.array_equal(a, b) for a, b in zip(loaded_model.get_weights(), multi_worker_model.get_weights()))
 
 # Now that the model is restored, and can continue with the training.
 single_worker_dataset = mnist_dataset(per_worker_batch_size)
 loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=5)
 
 # ---- Checkpoint saving and restoring
-checkpoint_dir = 'ckpt'
+checkpoint_dir = "ckpt"
 checkpoint = phalanx.checkpoint.Checkpoint(model=multi_worker_model)
 
 write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id)
-checkpoint_manager = phalanx.checkpoint.CheckpointManager(
-    checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+checkpoint_manager = phalanx.checkpoint.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
 checkpoint_manager.save()
 if not _is_chief(task_type, task_id):
-  shutil.rmtree(write_checkpoint_dir, ignore_errors=True)
+    shutil.rmtree(write_checkpoint_dir, ignore_errors=True)
 
 latest_checkpoint = phalanx.checkpoint.latest_checkpoint(checkpoint_dir)
 checkpoint.restore(latest_checkpoint)
 multi_worker_model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=5)
 
 # ---- BackupAndRestore callback
-callbacks = [keras.callbacks.BackupAndRestore(backup_dir='backup')]
+callbacks = [keras.callbacks.BackupAndRestore(backup_dir="backup")]
 with strategy.scope():
-  multi_worker_model = build_and_compile_cnn_model()
+    multi_worker_model = build_and_compile_cnn_model()
 multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=5, callbacks=callbacks)
 
 # ---- checks (not in the tutorial): it trained correctly

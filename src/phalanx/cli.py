@@ -47,19 +47,35 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     command = tuple(args.command[1:] if args.command[0] == "--" else args.command)
     if (args.ps or args.workers) and (args.ps < 1 or args.workers < 1 or args.nproc != 1 or args.nnodes != 1):
-        print("phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without "
-              "-n or --nnodes", file=sys.stderr)
+        print(
+            "phalanx run: a parameter-server cluster needs both --ps N and --workers N (>= 1), without -n or --nnodes",
+            file=sys.stderr,
+        )
         return 2
     if args.tls and not args.ps:
-        print("phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
-              "torch.distributed, which has no TLS", file=sys.stderr)
+        print(
+            "phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
+            "torch.distributed, which has no TLS",
+            file=sys.stderr,
+        )
         return 2
     warning = _oversubscription_warning(args.nproc)
     if warning:
         print(warning, file=sys.stderr)
-    spec = JobSpec(command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                   master_addr=host, master_port=port, max_restarts=args.max_restarts, log_dir=args.log_dir or "",
-                   ps=args.ps, workers=args.workers, tee=args.tee, tls=args.tls)
+    spec = JobSpec(
+        command=command,
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=host,
+        master_port=port,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir or "",
+        ps=args.ps,
+        workers=args.workers,
+        tee=args.tee,
+        tls=args.tls,
+    )
     return run_job(spec)
 
 
@@ -74,14 +90,18 @@ def _oversubscription_warning(nproc: int) -> str | None:
     gpus = torch.cuda.device_count()
     if gpus:
         if nproc > gpus:
-            return (f"phalanx run: warning: -n {nproc} starts {nproc} replicas on {gpus} GPU(s); replicas past "
-                    f"GPU {gpus - 1} have no GPU of their own. Use -n {gpus} or fewer for one replica per GPU.")
+            return (
+                f"phalanx run: warning: -n {nproc} starts {nproc} replicas on {gpus} GPU(s); replicas past "
+                f"GPU {gpus - 1} have no GPU of their own. Use -n {gpus} or fewer for one replica per GPU."
+            )
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if nproc > cores:
-        return (f"phalanx run: warning: -n {nproc} starts {nproc} CPU replicas on {cores} core(s); they share "
-                f"cores and each step waits for the slowest, so training is slower than with -n {cores}. "
-                "Fine for testing; for speed use at most one replica per core.")
+        return (
+            f"phalanx run: warning: -n {nproc} starts {nproc} CPU replicas on {cores} core(s); they share "
+            f"cores and each step waits for the slowest, so training is slower than with -n {cores}. "
+            "Fine for testing; for speed use at most one replica per core."
+        )
     return None
 
 
@@ -95,7 +115,7 @@ def _bench(args: argparse.Namespace) -> int:
         if arg == "--out" and i + 1 < len(forwarded):
             forwarded[i + 1] = str(Path(forwarded[i + 1]).resolve())
         elif arg.startswith("--out="):
-            forwarded[i] = "--out=" + str(Path(arg[len("--out="):]).resolve())
+            forwarded[i] = "--out=" + str(Path(arg[len("--out=") :]).resolve())
     # The suite lives in the repository's benchmarks/ (it compares against DDP and raw gloo, which
     # the installed package does not need); find it from the current directory or the source tree.
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
@@ -111,8 +131,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("%(default)" not in text and action.option_strings and action.nargs != 0
-                and not any(action.default is v for v in (None, False, "", argparse.SUPPRESS))):
+        if (
+            "%(default)" not in text
+            and action.option_strings
+            and action.nargs != 0
+            and not any(action.default is v for v in (None, False, "", argparse.SUPPRESS))
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -149,48 +173,99 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="phalanx", formatter_class=_HelpFormatter, epilog=_TOP_EXAMPLES,
+        prog="phalanx",
+        formatter_class=_HelpFormatter,
+        epilog=_TOP_EXAMPLES,
         description="TensorFlow's tf.distribute strategies for PyTorch and Keras: launch a job, run the demo, "
-                    "or benchmark.")
+        "or benchmark.",
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="cmd", metavar="{run,demo,bench}")
 
-    run = sub.add_parser("run", help="start the replica processes of a training script",
-                         description="Start the replica processes of a training script and supervise them: the "
-                                     "first failure is reported as the root cause and stops the others.",
-                         epilog=_RUN_EXAMPLES, formatter_class=_HelpFormatter)
-    run.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive, default=1, metavar="N",
-                     help="replica processes on this host (one per GPU, or CPU replicas)")
+    run = sub.add_parser(
+        "run",
+        help="start the replica processes of a training script",
+        description="Start the replica processes of a training script and supervise them: the "
+        "first failure is reported as the root cause and stops the others.",
+        epilog=_RUN_EXAMPLES,
+        formatter_class=_HelpFormatter,
+    )
+    run.add_argument(
+        "-n",
+        "--nproc",
+        "--nproc-per-node",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="replica processes on this host (one per GPU, or CPU replicas)",
+    )
     run.add_argument("--nnodes", type=_positive, default=1, metavar="N", help="number of hosts")
     run.add_argument("--node-rank", type=int, default=0, metavar="K", help="this host's index, 0..nnodes-1")
-    run.add_argument("--master", type=_master, default=None, metavar="HOST:PORT",
-                     help="node 0's rendezvous address (needed with --nnodes > 1)")
-    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                     help="restart the whole group up to K times (with --ps: restart each failed worker up to K "
-                          "times)")
-    run.add_argument("--ps", type=int, default=0, metavar="M",
-                     help="parameter servers of a local ParameterServerStrategy cluster (with --workers)")
-    run.add_argument("--workers", type=int, default=0, metavar="N",
-                     help="workers of a local ParameterServerStrategy cluster (with --ps)")
-    run.add_argument("--tls", action="store_true",
-                     help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run")
-    run.add_argument("--log-dir", default=None, metavar="DIR",
-                     help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
-                          "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)")
-    run.add_argument("--tee", action="store_true",
-                     help="also show every replica's output here, each line prefixed with the replica's name")
-    run.add_argument("-m", dest="module", default=None, metavar="MODULE",
-                     help="run a module (as python -m does) instead of a script")
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
-                     help="the training script and its arguments")
+    run.add_argument(
+        "--master",
+        type=_master,
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's rendezvous address (needed with --nnodes > 1)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)",
+    )
+    run.add_argument(
+        "--ps",
+        type=int,
+        default=0,
+        metavar="M",
+        help="parameter servers of a local ParameterServerStrategy cluster (with --workers)",
+    )
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="workers of a local ParameterServerStrategy cluster (with --ps)",
+    )
+    run.add_argument(
+        "--tls",
+        action="store_true",
+        help="with --ps: TLS between the tasks, with a throwaway CA and certificate made for this run",
+    )
+    run.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
+        "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)",
+    )
+    run.add_argument(
+        "--tee",
+        action="store_true",
+        help="also show every replica's output here, each line prefixed with the replica's name",
+    )
+    run.add_argument(
+        "-m", dest="module", default=None, metavar="MODULE", help="run a module (as python -m does) instead of a script"
+    )
+    run.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="script.py [args ...]",
+        help="the training script and its arguments",
+    )
     run.set_defaults(func=_run)
 
-    demo = sub.add_parser("demo", help="train a small MLP on scikit-learn's digits under each strategy",
-                          description="Train a small MLP (Dense 128 relu, Dropout 0.2, Dense 10) on scikit-learn's "
-                                      "bundled 8x8 digits under OneDeviceStrategy and MirroredStrategy and print a "
-                                      "table of epoch time, throughput and accuracy. Needs the demo extra.",
-                          epilog="examples:\n  phalanx demo\n  phalanx demo --strategy mirrored --replicas 2 "
-                                 "--epochs 5", formatter_class=_HelpFormatter)
+    demo = sub.add_parser(
+        "demo",
+        help="train a small MLP on scikit-learn's digits under each strategy",
+        description="Train a small MLP (Dense 128 relu, Dropout 0.2, Dense 10) on scikit-learn's "
+        "bundled 8x8 digits under OneDeviceStrategy and MirroredStrategy and print a "
+        "table of epoch time, throughput and accuracy. Needs the demo extra.",
+        epilog="examples:\n  phalanx demo\n  phalanx demo --strategy mirrored --replicas 2 --epochs 5",
+        formatter_class=_HelpFormatter,
+    )
     from phalanx.demo import add_arguments
     from phalanx.demo import main as demo_main
 
@@ -199,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # bench's options belong to python -m benchmarks: everything after `bench` is forwarded
     # (see main), so `phalanx bench --help` shows the suite's own help.
-    bench = sub.add_parser("bench", add_help=False, help="run the benchmark suite from a source checkout "
-                           "(options: phalanx bench --help)")
+    bench = sub.add_parser(
+        "bench", add_help=False, help="run the benchmark suite from a source checkout (options: phalanx bench --help)"
+    )
     bench.set_defaults(func=_bench)
     return parser
 
@@ -214,9 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help(sys.stderr)
-        print("\nphalanx: give a command: start with 'phalanx demo', or run your script with "
-              "'phalanx run -n 2 train.py'",
-              file=sys.stderr)
+        print(
+            "\nphalanx: give a command: start with 'phalanx demo', or run your script with 'phalanx run -n 2 train.py'",
+            file=sys.stderr,
+        )
         return 2
     code = int(args.func(args) or 0)
     if from_command_line and args.func is _run:

@@ -9,5 +9,11 @@ from phalanx.cluster import (  # noqa: F401
     TorchElasticClusterResolver,
 )
 
-__all__ = ["ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "SlurmClusterResolver",
-           "TFConfigClusterResolver", "TorchElasticClusterResolver"]
+__all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchElasticClusterResolver",
+]

@@ -67,8 +67,10 @@ class CompileOptionsError(PhalanxError, ValueError):
 
     def __init__(self, options: dict[str, Any], reason: str) -> None:
         self.options = options
-        super().__init__(f"phalanx.function received {options!r}: {reason}.",
-                         hint="see torch.compile's documentation for backend, mode and options")
+        super().__init__(
+            f"phalanx.function received {options!r}: {reason}.",
+            hint="see torch.compile's documentation for backend, mode and options",
+        )
 
 
 class _FallbackRecorder(logging.Filter):
@@ -130,7 +132,7 @@ class _Compiler:
         try:
             self.compiled[fn] = compiled
         except TypeError:  # not weak-referenceable: wrapped anew at each call; torch.compile's own
-            pass            # cache (per code object) still reuses the compiled graphs
+            pass  # cache (per code object) still reuses the compiled graphs
         return compiled
 
     def guarded(self, fn: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,8 +145,12 @@ class _Compiler:
                 result = compiled(*args, **kwargs)
             if recorder.reasons and name not in self.warned:
                 self.warned.add(name)
-                warnings.warn(f"phalanx.function could not compile {name} (inside {self.name}); it runs eagerly. "
-                              f"Reason: {recorder.reasons[0]}", CompileFallbackWarning, stacklevel=3)
+                warnings.warn(
+                    f"phalanx.function could not compile {name} (inside {self.name}); it runs eagerly. "
+                    f"Reason: {recorder.reasons[0]}",
+                    CompileFallbackWarning,
+                    stacklevel=3,
+                )
             return result
 
         return call
@@ -159,10 +165,19 @@ def replica_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn if compiler is None else compiler.replica_function(fn)
 
 
-def function(func: Callable[..., Any] | None = None, *, backend: str | Callable[..., Any] = "inductor",
-             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
-             options: dict[str, Any] | None = None, reduce_retracing: bool = False,
-             jit_compile: bool | None = None, input_signature: Any = None, autograph: bool = True) -> Any:
+def function(
+    func: Callable[..., Any] | None = None,
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+    reduce_retracing: bool = False,
+    jit_compile: bool | None = None,
+    input_signature: Any = None,
+    autograph: bool = True,
+) -> Any:
     """Compiles a distributed step as ``tf.function`` does; usable as ``@function`` or ``@function(...)``.
 
     Args:
@@ -182,8 +197,11 @@ def function(func: Callable[..., Any] | None = None, *, backend: str | Callable[
     """
     if mode is not None and options is not None:
         raise CompileOptionsError({"mode": mode, "options": options}, "torch.compile takes either mode or options")
-    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph,
-                              "dynamic": True if reduce_retracing else dynamic}
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "fullgraph": fullgraph,
+        "dynamic": True if reduce_retracing else dynamic,
+    }
     if mode is not None:
         kwargs["mode"] = mode
     if options is not None:

@@ -89,8 +89,9 @@ class Settings:
     rendezvous_timeout: float = field(default=RENDEZVOUS_TIMEOUT, metadata={"env": "PHALANX_RENDEZVOUS_TIMEOUT"})
     rpc_timeout: float = field(default=RPC_TIMEOUT, metadata={"env": "PHALANX_RPC_TIMEOUT"})
     orphan_timeout: float = field(default=ORPHAN_TIMEOUT, metadata={"env": "PHALANX_ORPHAN_TIMEOUT"})
-    worker_recovery_timeout: float = field(default=WORKER_RECOVERY_TIMEOUT,
-                                           metadata={"env": "PHALANX_WORKER_RECOVERY_TIMEOUT"})
+    worker_recovery_timeout: float = field(
+        default=WORKER_RECOVERY_TIMEOUT, metadata={"env": "PHALANX_WORKER_RECOVERY_TIMEOUT"}
+    )
     central_copy: bool = field(default=False, metadata={"env": "PHALANX_CENTRAL_COPY"})
     shm: bool = field(default=True, metadata={"env": "PHALANX_SHM"})
     host_id: str | None = field(default=None, metadata={"env": "PHALANX_HOST_ID"})
@@ -126,8 +127,9 @@ class Settings:
             if f.type == "float":
                 values[f.name] = _seconds(name, raw)
             elif f.name == "central_copy":
-                values[f.name] = _flag(name, raw, "1 forces CentralStorageStrategy's copy mode on CPU replicas "
-                                                  "(for tests)")
+                values[f.name] = _flag(
+                    name, raw, "1 forces CentralStorageStrategy's copy mode on CPU replicas (for tests)"
+                )
             elif f.name == "shm":
                 values[f.name] = raw != "0"
             elif f.type == "int":

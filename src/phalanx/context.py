@@ -211,9 +211,10 @@ class ReplicaContext:
         wrapped_kwargs = strategy._wrap_local(kwargs or {})  # friend
         with _push(_Frame(strategy, None)):
             result = merge_fn(strategy, *wrapped_args, **wrapped_kwargs)
-        return nest.map_structure(
-            lambda v: v.values[0] if isinstance(v, DistributedValues) else v, result)
+        return nest.map_structure(lambda v: v.values[0] if isinstance(v, DistributedValues) else v, result)
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, " \
-               f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        return (
+            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )

@@ -37,11 +37,22 @@ def experimental_get_current_worker_index() -> int:
 
     run = active_run()
     if run is None:
-        raise RuntimeError("experimental_get_current_worker_index() must be called inside a function given to "
-                           "ClusterCoordinator.schedule")
+        raise RuntimeError(
+            "experimental_get_current_worker_index() must be called inside a function given to "
+            "ClusterCoordinator.schedule"
+        )
     return int(run.service.index)
 
 
-__all__ = ["CancelledError", "ClusterCoordinator", "ParameterServerUnavailableError", "PerWorkerDataset",
-           "PerWorkerIterator", "PerWorkerValue", "PerWorkerValues", "RemoteValue", "WorkerState",
-           "experimental_get_current_worker_index"]
+__all__ = [
+    "CancelledError",
+    "ClusterCoordinator",
+    "ParameterServerUnavailableError",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "PerWorkerValue",
+    "PerWorkerValues",
+    "RemoteValue",
+    "WorkerState",
+    "experimental_get_current_worker_index",
+]

@@ -22,12 +22,17 @@ STRATEGIES = ("one_device", "mirrored")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
-                        help="which strategy to train under (all: one after the other, then a table)")
+    parser.add_argument(
+        "--strategy",
+        choices=(*STRATEGIES, "all"),
+        default="all",
+        help="which strategy to train under (all: one after the other, then a table)",
+    )
     parser.add_argument("--replicas", type=int, default=2, metavar="N", help="CPU replicas for MirroredStrategy")
     parser.add_argument("--epochs", type=int, default=10, metavar="N", help="training epochs per strategy")
-    parser.add_argument("--batch-size", type=int, default=64, metavar="B",
-                        help="the GLOBAL batch size, split among the replicas")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, metavar="B", help="the GLOBAL batch size, split among the replicas"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split, the weights and dropout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -51,8 +56,9 @@ def seed_mlp(in_features: int = 64):
     """The notebook's model: Dense(128, relu), Dropout(0.2), Dense(10) (softmax is in the loss)."""
     import torch
 
-    return torch.nn.Sequential(torch.nn.Linear(in_features, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                               torch.nn.Linear(128, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(in_features, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10)
+    )
 
 
 def _make_strategy(name: str, replicas: int):
@@ -77,8 +83,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = seed_mlp(x_train.shape[1])
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    batches = [(x_train[i:i + args.batch_size], y_train[i:i + args.batch_size])
-               for i in range(0, len(x_train), args.batch_size)]
+    batches = [
+        (x_train[i : i + args.batch_size], y_train[i : i + args.batch_size])
+        for i in range(0, len(x_train), args.batch_size)
+    ]
     dataset = strategy.experimental_distribute_dataset(batches)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -94,8 +102,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if chief:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.epochs * len(batches), desc=f"{args.strategy} x{strategy.num_replicas_in_sync}",
-                   unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a TTY
+        bar = tqdm(
+            total=args.epochs * len(batches),
+            desc=f"{args.strategy} x{strategy.num_replicas_in_sync}",
+            unit="step",
+            file=sys.stderr,
+            leave=False,
+            disable=None,
+        )  # None: off when not a TTY
     epoch_times = []
     for _ in range(args.epochs):
         model.train()
@@ -116,17 +130,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         accuracy = float((model(torch.from_numpy(x_test)).argmax(1) == torch.from_numpy(y_test)).float().mean())
     steady = epoch_times[1:] or epoch_times  # the first epoch includes start-up work
     epoch_time = float(np.median(steady))
-    return {"strategy": type(strategy).__name__, "replicas": strategy.num_replicas_in_sync,
-            "epoch_time_s": epoch_time, "samples_per_s": len(x_train) / epoch_time,
-            "final_accuracy": accuracy, "chief": chief}
+    return {
+        "strategy": type(strategy).__name__,
+        "replicas": strategy.num_replicas_in_sync,
+        "epoch_time_s": epoch_time,
+        "samples_per_s": len(x_train) / epoch_time,
+        "final_accuracy": accuracy,
+        "chief": chief,
+    }
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = f"{'strategy':<22}{'replicas':>9}{'epoch time (s)':>16}{'samples/s':>12}{'final accuracy':>16}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['strategy']:<22}{r['replicas']:>9}{r['epoch_time_s']:>16.3f}"
-                     f"{r['samples_per_s']:>12.0f}{r['final_accuracy']:>16.4f}")
+        lines.append(
+            f"{r['strategy']:<22}{r['replicas']:>9}{r['epoch_time_s']:>16.3f}"
+            f"{r['samples_per_s']:>12.0f}{r['final_accuracy']:>16.4f}"
+        )
     return "\n".join(lines)
 
 
@@ -142,17 +163,34 @@ def main(args: argparse.Namespace) -> int:
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", "phalanx.demo", "--worker", "--strategy", name, "--replicas",
-                   str(args.replicas), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                   "--seed", str(args.seed), "--result-file", out]
+            cmd = [
+                sys.executable,
+                "-m",
+                "phalanx.demo",
+                "--worker",
+                "--strategy",
+                name,
+                "--replicas",
+                str(args.replicas),
+                "--epochs",
+                str(args.epochs),
+                "--batch-size",
+                str(args.batch_size),
+                "--seed",
+                str(args.seed),
+                "--result-file",
+                out,
+            ]
             code = subprocess.call(cmd)
             if code != 0 or not os.path.exists(out):
                 print(f"phalanx demo: the {name} job failed with exit code {code}", file=sys.stderr)
                 return code or 1
             with open(out) as f:
                 rows.append(json.load(f))
-    print(f"\nphalanx demo: digits (8x8), seed MLP 64-128-10, Adam, global batch {args.batch_size}, "
-          f"{args.epochs} epochs\n")
+    print(
+        f"\nphalanx demo: digits (8x8), seed MLP 64-128-10, Adam, global batch {args.batch_size}, "
+        f"{args.epochs} epochs\n"
+    )
     print(_table(rows))
     return 0
 

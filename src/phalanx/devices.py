@@ -73,8 +73,9 @@ def canonicalize(device: Any) -> LogicalDevice:
     else:
         raise InvalidDeviceError(device, hint=_HINT)
     if dev_type == "cuda" and index >= torch.cuda.device_count():
-        raise DeviceNotFoundError(device, available=torch.cuda.device_count(),
-                                  hint=_absent_gpu_hint(torch.cuda.device_count()))
+        raise DeviceNotFoundError(
+            device, available=torch.cuda.device_count(), hint=_absent_gpu_hint(torch.cuda.device_count())
+        )
     return LogicalDevice(dev_type, index)
 
 
@@ -82,10 +83,14 @@ def _absent_gpu_hint(gpus: int) -> str:
     """What to use instead of an absent GPU: the GPUs this host has, or the CPU when it has none."""
     if gpus:
         last = f"..'/gpu:{gpus - 1}'" if gpus > 1 else ""
-        return (f"use '/gpu:0'{last} (torch: 'cuda:0'{last.replace('/gpu', 'cuda')}); CUDA_VISIBLE_DEVICES "
-                "decides which GPUs this process sees")
-    return ("use the CPU: 'cpu', or CPU replicas 'cpu:0', 'cpu:1', ... for several replicas; for GPUs, install a "
-            "CUDA build of torch and check CUDA_VISIBLE_DEVICES (torch.cuda.is_available() is False here)")
+        return (
+            f"use '/gpu:0'{last} (torch: 'cuda:0'{last.replace('/gpu', 'cuda')}); CUDA_VISIBLE_DEVICES "
+            "decides which GPUs this process sees"
+        )
+    return (
+        "use the CPU: 'cpu', or CPU replicas 'cpu:0', 'cpu:1', ... for several replicas; for GPUs, install a "
+        "CUDA build of torch and check CUDA_VISIBLE_DEVICES (torch.cuda.is_available() is False here)"
+    )
 
 
 def default_devices() -> list[LogicalDevice]:

@@ -112,8 +112,7 @@ class ClusterSpecMismatchError(PhalanxError, RuntimeError):
         self.theirs = theirs
         self.other_task = other_task
         super().__init__(
-            f"Cluster spec mismatch in field {field!r}: this task has {mine!r}, "
-            f"{other_task} has {theirs!r}.",
+            f"Cluster spec mismatch in field {field!r}: this task has {mine!r}, {other_task} has {theirs!r}.",
             hint="start every task with the same cluster (TF_CONFIG 'cluster' / WORLD_SIZE / "
             "MASTER_ADDR); only the 'task' part may differ",
         )
@@ -134,7 +133,7 @@ class RendezvousTimeoutError(DistributedRuntimeError):
         self.missing = missing
         self.timeout = timeout
         self.cause = cause
-        named = ", ".join(missing[:self.NAMED]) or "?"
+        named = ", ".join(missing[: self.NAMED]) or "?"
         if len(missing) > self.NAMED:
             named += f" and {len(missing) - self.NAMED} more ({len(missing)} tasks missing)"
         super().__init__(
@@ -176,7 +175,8 @@ class KerasIntegrationError(PhalanxError, RuntimeError):
         super().__init__(
             f"A Keras layer ({type(layer).__name__}) was built in a strategy's scope, but phalanx.keras is not "
             f"imported, so Keras would train it undistributed.",
-            hint="add `import phalanx.keras` once, after `import keras` and before building the model")
+            hint="add `import phalanx.keras` once, after `import keras` and before building the model",
+        )
 
 
 class LaunchError(PhalanxError, RuntimeError):
@@ -205,8 +205,16 @@ class ReplicaDivergenceError(DistributedRuntimeError):
         parameter: the first parameter that differs, where known.
     """
 
-    def __init__(self, field: str, replicas: tuple[str, str], values: tuple[Any, Any], *,
-                 step: int | None = None, parameter: str | None = None, hint: str | None = None) -> None:
+    def __init__(
+        self,
+        field: str,
+        replicas: tuple[str, str],
+        values: tuple[Any, Any],
+        *,
+        step: int | None = None,
+        parameter: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         self.field, self.replicas, self.values = field, replicas, values
         self.step, self.parameter = step, parameter
         where = f" at step {step}" if step is not None else ""
@@ -214,20 +222,21 @@ class ReplicaDivergenceError(DistributedRuntimeError):
         super().__init__(
             f"Replicas diverged{where}: {field} is {values[0]!r} on {replicas[0]} but {values[1]!r} on "
             f"{replicas[1]}{which}.",
-            hint=hint or _DIVERGENCE_HINTS.get(field, "every replica must run the same steps on the same data"))
+            hint=hint or _DIVERGENCE_HINTS.get(field, "every replica must run the same steps on the same data"),
+        )
 
 
 _DIVERGENCE_HINTS = {
     "step": "a replica skipped or repeated a step (an exception caught on one replica only, or a data-dependent "
-            "`continue`); every replica must call strategy.run and backward() the same number of times",
+    "`continue`); every replica must call strategy.run and backward() the same number of times",
     "global batch size": "every process must feed global batches of the same size (the same batch_size in each "
-                         "process's loader); use distribute_datasets_from_function for per-process pipelines",
+    "process's loader); use distribute_datasets_from_function for per-process pipelines",
     "batch": "a replica consumed a different number of batches from its distributed dataset; catch errors around "
-             "whole steps on every replica alike, or not at all",
+    "whole steps on every replica alike, or not at all",
     "parameters": "the replicas' parameters differ: create the model and optimizer inside strategy.scope(), and "
-                  "restore checkpoints on every replica",
+    "restore checkpoints on every replica",
     "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; parameters "
-                                 "created outside it start different on every replica and are never synchronised",
+    "created outside it start different on every replica and are never synchronised",
 }
 
 
@@ -242,4 +251,5 @@ class UnsynchronizedParameterError(ReplicaDivergenceError):
             f"Parameter {parameter} is used in strategy.run on {replica} (step {step}) but was created outside "
             "strategy.scope(): every replica initialised it differently and its gradients are never summed, so the "
             "replicas would train different models.",
-            hint=_DIVERGENCE_HINTS["unsynchronised parameters"])
+            hint=_DIVERGENCE_HINTS["unsynchronised parameters"],
+        )

@@ -20,6 +20,18 @@ from phalanx.values import ReduceOp
 _sys.modules[__name__ + ".coordinator"] = coordinator
 _sys.modules[__name__ + ".partitioners"] = partitioners
 
-__all__ = ["CentralStorageStrategy", "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
-           "InputOptions", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler",
-           "ReduceOp", "TerminationConfig", "ValueContext", "coordinator", "partitioners"]
+__all__ = [
+    "CentralStorageStrategy",
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "InputOptions",
+    "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
+    "PreemptionCheckpointHandler",
+    "ReduceOp",
+    "TerminationConfig",
+    "ValueContext",
+    "coordinator",
+    "partitioners",
+]

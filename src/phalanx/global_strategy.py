@@ -35,8 +35,10 @@ def experimental_set_strategy(strategy: Any) -> None:
     # Only the frame of the program-wide scope itself may be on the context stack.
     expected = 1 if _current["scope"] is not None else 0
     if len(context._STACK.get()) > expected:  # friend: only the stack's depth tells a nested scope
-        raise StrategyScopeError("experimental_set_strategy was called inside a strategy's scope (or run).",
-                                 hint="call it at the top level of the program, outside `with strategy.scope():`")
+        raise StrategyScopeError(
+            "experimental_set_strategy was called inside a strategy's scope (or run).",
+            hint="call it at the top level of the program, outside `with strategy.scope():`",
+        )
     if _current["scope"] is not None:
         scope, _current["scope"], _current["strategy"] = _current["scope"], None, None
         scope.__exit__(None, None, None)

@@ -65,8 +65,11 @@ def mark_loss_scaled() -> None:
         record.scaled = True
 
 
-def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Tensor | float | None = None,
-                         global_batch_size: int | None = None) -> torch.Tensor:
+def compute_average_loss(
+    per_example_loss: torch.Tensor,
+    sample_weight: torch.Tensor | float | None = None,
+    global_batch_size: int | None = None,
+) -> torch.Tensor:
     """Sums ``per_example_loss`` (times ``sample_weight``) and divides by the global batch size.
 
     Args:
@@ -94,11 +97,15 @@ def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: torch.Te
         # divisor is legitimate (micro-batches accumulated over several passes).
         local = loss.shape[0] if loss.dim() > 0 else None
         what = " (this replica's own batch)" if global_batch_size == local else ""
-        _warn_once("global_batch_size", (
-            f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is a slice "
-            f"of a global batch of {info.global_size}: the summed gradient is scaled by "
-            f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."),
-            stacklevel=2)  # the caller of compute_average_loss
+        _warn_once(
+            "global_batch_size",
+            (
+                f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is a "
+                f"slice of a global batch of {info.global_size}: the summed gradient is scaled by "
+                f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."
+            ),
+            stacklevel=2,
+        )  # the caller of compute_average_loss
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be a positive int; received {global_batch_size!r}")
     mark_loss_scaled()
@@ -128,13 +135,22 @@ class loss_scale_watch:  # lower case: used like a function by strategy.run
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         _RECORD.reset(self._token)
         reducer = self._reducer
-        if exc_type is None and reducer is not None and not self._record.scaled \
-                and reducer.reductions + reducer.skipped != self._before:
+        if (
+            exc_type is None
+            and reducer is not None
+            and not self._record.scaled
+            and reducer.reductions + reducer.skipped != self._before
+        ):
             n = self._world_size
-            _warn_once("unscaled", (
-                f"A backward pass ran inside strategy.run on {n} replicas, but the step's loss was not made with "
-                f"phalanx.nn.compute_average_loss. Gradients are SUMMED across replicas (as in tf.distribute), so a "
-                f"loss averaged over this replica's batch (e.g. cross_entropy(...) with reduction='mean') gives {n} "
-                f"times the one-device gradient. Use loss = phalanx.nn.compute_average_loss(per_example_loss) with "
-                f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."),
-                stacklevel=3)  # the caller of strategy.run
+            _warn_once(
+                "unscaled",
+                (
+                    f"A backward pass ran inside strategy.run on {n} replicas, but the step's loss was not made "
+                    f"with phalanx.nn.compute_average_loss. Gradients are SUMMED across replicas (as in "
+                    f"tf.distribute), so a loss averaged over this replica's batch (e.g. cross_entropy(...) with "
+                    f"reduction='mean') gives {n} "
+                    f"times the one-device gradient. Use loss = phalanx.nn.compute_average_loss(per_example_loss) with "
+                    f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."
+                ),
+                stacklevel=3,
+            )  # the caller of strategy.run

@@ -44,21 +44,36 @@ class Server:
         ClusterSpecError: a job other than ps/worker, an unknown task, or another protocol.
     """
 
-    def __init__(self, server_or_cluster_def: Any, job_name: str | None = None, task_index: int | None = None,
-                 protocol: str | None = None, config: Any = None, start: bool = True, *,
-                 cluster_secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        server_or_cluster_def: Any,
+        job_name: str | None = None,
+        task_index: int | None = None,
+        protocol: str | None = None,
+        config: Any = None,
+        start: bool = True,
+        *,
+        cluster_secret: str | bytes | None = None,
+    ) -> None:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
         if protocol not in (None, "grpc"):
             raise ClusterSpecError("protocol", protocol, "phalanx servers speak gRPC only", hint='use protocol="grpc"')
         if job_name not in ("ps", "worker"):
-            raise ClusterSpecError("job_name", job_name, "a phalanx Server serves a 'ps' or 'worker' task",
-                                   hint="the chief runs the program itself: create ParameterServerStrategy there")
+            raise ClusterSpecError(
+                "job_name",
+                job_name,
+                "a phalanx Server serves a 'ps' or 'worker' task",
+                hint="the chief runs the program itself: create ParameterServerStrategy there",
+            )
         spec = server_or_cluster_def
         spec = spec.as_dict() if isinstance(spec, ClusterSpec) else dict(spec)
         self._job, self._index = job_name, int(task_index or 0)
-        self._strategy = ParameterServerStrategy(SimpleClusterResolver(spec, task_type=job_name, task_id=self._index),
-                                                 cluster_secret=cluster_secret, serve_and_exit=False)
+        self._strategy = ParameterServerStrategy(
+            SimpleClusterResolver(spec, task_type=job_name, task_id=self._index),
+            cluster_secret=cluster_secret,
+            serve_and_exit=False,
+        )
         tasks = spec[job_name]
         address = tasks[self._index]  # a list, or a dict {index: address}
         self._target = f"grpc://{address}"
@@ -78,8 +93,9 @@ class Server:
     def start(self) -> None:
         """Starts serving in a background thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._strategy.serve,
-                                            name=f"phalanx-server-{self._job}:{self._index}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._strategy.serve, name=f"phalanx-server-{self._job}:{self._index}", daemon=True
+            )
             self._thread.start()
             # At exit, stop serving before Python shuts down the thread pools gRPC answers from
             # (concurrent.futures' exit hook); later requests would fail noisily in gRPC's threads.
@@ -105,5 +121,9 @@ class Server:
     @staticmethod
     def create_local_server(config: Any = None, start: bool = True) -> Server:
         """TF's single-task local server; phalanx has no use for one."""
-        raise ClusterSpecError("cluster", None, "a local in-process TF server has no phalanx equivalent",
-                               hint="use OneDeviceStrategy for one process, or Server(cluster, 'ps'|'worker', i)")
+        raise ClusterSpecError(
+            "cluster",
+            None,
+            "a local in-process TF server has no phalanx equivalent",
+            hint="use OneDeviceStrategy for one process, or Server(cluster, 'ps'|'worker', i)",
+        )

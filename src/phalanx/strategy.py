@@ -104,9 +104,16 @@ class StrategyExtended:
         input_sharding: how this process's input relates to the other workers'.
     """
 
-    def __init__(self, comm: Any, local_device: LogicalDevice, worker_devices: tuple[str, ...],
-                 parameter_devices: tuple[str, ...], cross_device_ops: CrossDeviceOps | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, input_sharding: InputSharding | None = None) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        local_device: LogicalDevice,
+        worker_devices: tuple[str, ...],
+        parameter_devices: tuple[str, ...],
+        cross_device_ops: CrossDeviceOps | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        input_sharding: InputSharding | None = None,
+    ) -> None:
         self._comm = comm
         self._local_device = local_device
         self._worker_devices = worker_devices
@@ -271,8 +278,10 @@ class StrategyExtended:
 
     # ---------------------------------------------------------------- variables
     def _variable_scope(self, owner: object, default_device: bool = True) -> variables.capture:
-        return variables.capture(variables.Capture(owner, self._torch_device, self._on_new_parameter,
-                                                   self._on_new_buffer), default_device)
+        return variables.capture(
+            variables.Capture(owner, self._torch_device, self._on_new_parameter, self._on_new_buffer), default_device
+        )
+
     def _on_new_parameter(self, param: torch.nn.Parameter) -> None:
         if self._created.get(id(param)) is param:
             return  # registered again (Keras re-registers a built model's variables)
@@ -310,8 +319,12 @@ class StrategyExtended:
         num_packs = self._cross_device_ops.num_packs
         if self._reducer is None:
             self._reducer = GradientReducer(
-                params, lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum"),
-                self._bucket_bytes, num_packs, guard=self._guard)
+                params,
+                lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum"),
+                self._bucket_bytes,
+                num_packs,
+                guard=self._guard,
+            )
         else:
             self._reducer.add(params, self._bucket_bytes, num_packs)
 
@@ -324,7 +337,7 @@ class StrategyExtended:
             self._comm.broadcast(flat, src=src)
             offset = 0
             for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def _before_run(self) -> None:
@@ -364,8 +377,10 @@ class StrategyExtended:
         """Many :meth:`reduce_to` in one fused collective per dtype (TF's gradient packing)."""
         op = ReduceOp.from_any(reduce_op)
         if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("reduce_to / batch_reduce_to are cross-replica APIs and were called inside run.",
-                               hint="call them in ReplicaContext.merge_call's function, or outside run")
+            raise ContextError(
+                "reduce_to / batch_reduce_to are cross-replica APIs and were called inside run.",
+                hint="call them in ReplicaContext.merge_call's function, or outside run",
+            )
         pairs = list(value_destination_pairs)
         tensors = [torch.as_tensor(local_results(v)[0]) for v, _ in pairs]
         reduced = self._all_reduce_tensors(tensors, op)
@@ -375,8 +390,9 @@ class StrategyExtended:
             out.append(t.to(dest_t.device) if isinstance(dest_t, torch.Tensor) else t)
         return out
 
-    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-               group: bool = True) -> Any:
+    def update(
+        self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, group: bool = True
+    ) -> Any:
         """Runs ``fn(var, *args, **kwargs)`` on this process's copy of ``var`` (cross-replica context).
 
         Every process holds one copy and runs the same update, so a mirrored variable stays
@@ -385,8 +401,10 @@ class StrategyExtended:
         if not callable(fn):
             raise NotCallableError(fn)
         if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("StrategyExtended.update is a cross-replica API and was called inside strategy.run.",
-                               hint="call it in ReplicaContext.merge_call's function")
+            raise ContextError(
+                "StrategyExtended.update is a cross-replica API and was called inside strategy.run.",
+                hint="call it in ReplicaContext.merge_call's function",
+            )
         local = lambda v: local_results(v)[0]  # noqa: E731
         args, kwargs = nest.map_structure(local, tuple(args)), nest.map_structure(local, dict(kwargs or {}))
         with torch.no_grad():
@@ -457,8 +475,11 @@ class StrategyExtended:
             pending = {id(p) for p in self._new_params}  # created in this run: synchronised at the next
             for name, p in module.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in self._synced and id(p) not in pending:
-                    raise UnsynchronizedParameterError(f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",
-                                                       self._comm.name(self._comm.rank), self._step)
+                    raise UnsynchronizedParameterError(
+                        f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",
+                        self._comm.name(self._comm.rank),
+                        self._step,
+                    )
 
         name = f"phalanx.strategy.first_run.{id(self)}.{me}"
         hooks.install(name, "module_forward_pre", watch)
@@ -495,11 +516,11 @@ class StrategyExtended:
             flat = torch.cat(pieces)
             flat = self._comm.all_reduce(flat, "mean" if op is ReduceOp.MEAN else "sum").wait()
             if extra is not None:
-                self._guard.verify(flat[flat.numel() - extra.numel():])
+                self._guard.verify(flat[flat.numel() - extra.numel() :])
             offset = 0
             for i in idx:
                 n = tensors[i].numel()
-                out[i] = flat[offset:offset + n].view(tensors[i].shape)
+                out[i] = flat[offset : offset + n].view(tensors[i].shape)
                 offset += n
         return out  # type: ignore[return-value]
 
@@ -515,7 +536,7 @@ class StrategyExtended:
         scalar = mine.dim() == 0
         everyone = self._all_gather_list(mine.reshape(1) if scalar else mine)
         first = sharding.worker_index * per_worker
-        parts = everyone[first:first + per_worker]
+        parts = everyone[first : first + per_worker]
         return tuple(p.reshape(()) if scalar else p for p in parts)
 
     def _all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -592,8 +613,11 @@ def owner_of(tensor: torch.Tensor) -> "StrategyExtended | None":
 
 def _ignored(api: str, parameter: str) -> None:
     """Warns that a parameter accepted for TF signature parity has no effect here."""
-    warnings.warn(f"{api}({parameter}=...) is accepted for TensorFlow compatibility and has no effect in phalanx",
-                  UserWarning, stacklevel=3)
+    warnings.warn(
+        f"{api}({parameter}=...) is accepted for TensorFlow compatibility and has no effect in phalanx",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
@@ -712,15 +736,20 @@ class Strategy:
         ext._comm.step = ext._step  # friend: the communicator names the step in its errors
         with context.enter_scope(self):
             ext._before_run()  # friend
-            with context.enter_replica(self, ext._comm.rank), ext._variable_scope(self, default_device=False), \
-                    global_batch.using(info), loss_scale_watch(ext._reducer, ext._comm.world_size):  # friend
+            with (
+                context.enter_replica(self, ext._comm.rank),
+                ext._variable_scope(self, default_device=False),
+                global_batch.using(info),
+                loss_scale_watch(ext._reducer, ext._comm.world_size),
+            ):  # friend
                 # friend: the first step watches for parameters no scope synchronised
                 result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)
             ext._after_run()  # friend
         return self._wrap_local(result)
 
-    def experimental_run_v2(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-                            options: Any = None) -> Any:
+    def experimental_run_v2(
+        self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None
+    ) -> Any:
         """TF 2.0's name for :meth:`run`."""
         return self.run(fn, args, kwargs, options)
 
@@ -731,8 +760,13 @@ class Strategy:
         # The repr of a PerReplica then says which replica it holds and of how many.
         ids, n = (getattr(self._extended, "replica_id", 0),), self.num_replicas_in_sync
         return nest.map_structure(
-            lambda v: v if isinstance(v, DistributedValues) or v is None
-            else PerReplica((v,), replica_ids=ids, num_replicas=n), structure)
+            lambda v: (
+                v
+                if isinstance(v, DistributedValues) or v is None
+                else PerReplica((v,), replica_ids=ids, num_replicas=n)
+            ),
+            structure,
+        )
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this worker's replicas, in replica order (``tf.distribute``'s definition).
@@ -768,8 +802,10 @@ class Strategy:
         """
         op = ReduceOp.from_any(reduce_op)
         if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("strategy.reduce is a cross-replica API and was called inside strategy.run.",
-                               hint="use phalanx.get_replica_context().all_reduce(...) in replica context")
+            raise ContextError(
+                "strategy.reduce is a cross-replica API and was called inside strategy.run.",
+                hint="use phalanx.get_replica_context().all_reduce(...) in replica context",
+            )
         leaves, spec = nest.flatten_with_spec(value)
         n = self.num_replicas_in_sync
         tensors, counts = [], []
@@ -778,7 +814,8 @@ class Strategy:
                 raise ContextError(
                     f"A value that is not per-replica cannot be SUM-reduced across {n} replicas; "
                     f"received {type(leaf).__name__}.",
-                    hint="reduce the PerReplica value returned by strategy.run")
+                    hint="reduce the PerReplica value returned by strategy.run",
+                )
             t = torch.as_tensor(local_results(leaf)[0])
             if axis is not None:
                 counts.append(torch.tensor(float(t.shape[axis]), device=t.device))
@@ -798,8 +835,10 @@ class Strategy:
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value along ``axis`` (a collective); same on every process."""
         if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("strategy.gather is a cross-replica API and was called inside strategy.run.",
-                               hint="use phalanx.get_replica_context().all_gather(value, axis)")
+            raise ContextError(
+                "strategy.gather is a cross-replica API and was called inside strategy.run.",
+                hint="use phalanx.get_replica_context().all_gather(value, axis)",
+            )
         return nest.map_structure(lambda v: self._extended._all_gather(v, axis), value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
@@ -852,8 +891,9 @@ class DefaultStrategy(Strategy):
     _is_default = True
 
     def __init__(self) -> None:
-        device = (LogicalDevice("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else LogicalDevice("cpu", 0))
+        device = (
+            LogicalDevice("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else LogicalDevice("cpu", 0)
+        )
         name = (tf_device_name(device),)
         super().__init__(StrategyExtended(LocalCommunicator(), device, name, name))
 

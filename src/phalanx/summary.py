@@ -38,8 +38,21 @@ from typing import Any, Iterator
 
 from phalanx.errors import PhalanxError
 
-__all__ = ["SummaryWriter", "SummaryError", "create_file_writer", "create_noop_writer", "scalar", "histogram",
-           "text", "flush", "record_if", "should_record_summaries", "get_step", "set_step", "experimental"]
+__all__ = [
+    "SummaryWriter",
+    "SummaryError",
+    "create_file_writer",
+    "create_noop_writer",
+    "scalar",
+    "histogram",
+    "text",
+    "flush",
+    "record_if",
+    "should_record_summaries",
+    "get_step",
+    "set_step",
+    "experimental",
+]
 
 
 class SummaryError(PhalanxError, ValueError):
@@ -72,8 +85,14 @@ class SummaryWriter:
     write, and only in the chief, so the other replicas never touch the file system.
     """
 
-    def __init__(self, logdir: str | os.PathLike[str] | None, *, max_queue: int | None = None,
-                 flush_millis: int | None = None, filename_suffix: str | None = None) -> None:
+    def __init__(
+        self,
+        logdir: str | os.PathLike[str] | None,
+        *,
+        max_queue: int | None = None,
+        flush_millis: int | None = None,
+        filename_suffix: str | None = None,
+    ) -> None:
         self._logdir = None if logdir is None else os.fspath(logdir)
         self._max_queue = 10 if max_queue is None else int(max_queue)
         self._flush_secs = 120 if flush_millis is None else max(1, int(flush_millis) // 1000)
@@ -97,10 +116,13 @@ class SummaryWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter as TorchWriter
             except ImportError as e:
-                raise SummaryError(f"Writing TensorBoard summaries needs the tensorboard package ({e}).",
-                                   hint='pip install "phalanx[tensorboard]" (or pip install tensorboard)') from e
-            self._writer = TorchWriter(self._logdir, max_queue=self._max_queue, flush_secs=self._flush_secs,
-                                       filename_suffix=self._suffix)
+                raise SummaryError(
+                    f"Writing TensorBoard summaries needs the tensorboard package ({e}).",
+                    hint='pip install "phalanx[tensorboard]" (or pip install tensorboard)',
+                ) from e
+            self._writer = TorchWriter(
+                self._logdir, max_queue=self._max_queue, flush_secs=self._flush_secs, filename_suffix=self._suffix
+            )
         return self._writer
 
     @contextlib.contextmanager
@@ -152,9 +174,14 @@ class SummaryWriter:
         return True
 
 
-def create_file_writer(logdir: str | os.PathLike[str], max_queue: int | None = None,
-                       flush_millis: int | None = None, filename_suffix: str | None = None,
-                       name: str | None = None, experimental_trackable: bool = False) -> SummaryWriter:
+def create_file_writer(
+    logdir: str | os.PathLike[str],
+    max_queue: int | None = None,
+    flush_millis: int | None = None,
+    filename_suffix: str | None = None,
+    name: str | None = None,
+    experimental_trackable: bool = False,
+) -> SummaryWriter:
     """A writer of TensorBoard event files in ``logdir``, written by the chief process only.
 
     Args:
@@ -181,8 +208,10 @@ def _resolve_step(step: int | None, name: str) -> int:
     if step is None:
         step = _state.step
     if step is None:
-        raise SummaryError(f"No step for summary {name!r}.",
-                           hint="pass step=..., or use writer.as_default(step=...) or phalanx.summary.set_step(n)")
+        raise SummaryError(
+            f"No step for summary {name!r}.",
+            hint="pass step=..., or use writer.as_default(step=...) or phalanx.summary.set_step(n)",
+        )
     return int(step)
 
 
@@ -190,9 +219,10 @@ def _plain(data: Any, name: str) -> Any:
     from phalanx.values import DistributedValues
 
     if isinstance(data, DistributedValues):
-        raise SummaryError(f"Summary {name!r} received a per-replica value {data!r}.",
-                           hint="reduce it first, e.g. strategy.reduce('SUM', value, axis=None), so the summary "
-                                "covers every replica")
+        raise SummaryError(
+            f"Summary {name!r} received a per-replica value {data!r}.",
+            hint="reduce it first, e.g. strategy.reduce('SUM', value, axis=None), so the summary covers every replica",
+        )
     try:
         import torch
 
@@ -214,8 +244,9 @@ def scalar(name: str, data: Any, step: int | None = None, description: str | Non
     return False if writer is None else writer._write("scalar", name, data, step)
 
 
-def histogram(name: str, data: Any, step: int | None = None, buckets: int | None = None,
-              description: str | None = None) -> bool:
+def histogram(
+    name: str, data: Any, step: int | None = None, buckets: int | None = None, description: str | None = None
+) -> bool:
     """Writes a histogram of ``data``'s values (e.g. a weight tensor); returns whether it was written."""
     del description
     writer = _default_writer()

@@ -46,8 +46,9 @@ class DistributedValues:
         values: the per-replica components held by this process, in local replica order.
     """
 
-    def __init__(self, values: Sequence[Any], *, replica_ids: Sequence[int] | None = None,
-                 num_replicas: int | None = None) -> None:
+    def __init__(
+        self, values: Sequence[Any], *, replica_ids: Sequence[int] | None = None, num_replicas: int | None = None
+    ) -> None:
         """Wraps this process's replica values.
 
         Args:
@@ -61,8 +62,7 @@ class DistributedValues:
         self._values = tuple(values)
         self._replica_ids = tuple(replica_ids) if replica_ids is not None else tuple(range(len(self._values)))
         if len(self._replica_ids) != len(self._values):
-            raise TypeError(f"{type(self).__name__}: {len(self._values)} values but replica_ids "
-                            f"{self._replica_ids!r}")
+            raise TypeError(f"{type(self).__name__}: {len(self._values)} values but replica_ids {self._replica_ids!r}")
         self._num_replicas = num_replicas
 
     @property

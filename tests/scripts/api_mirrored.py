@@ -49,6 +49,7 @@ except ContextError as e:
 # gather with uneven lengths
 res["gather"] = strategy.gather(uneven, axis=0).tolist()
 
+
 # replica context collectives
 def replica_fn():
     ctx = px.get_replica_context()
@@ -57,6 +58,7 @@ def replica_fn():
     g = ctx.all_gather(torch.full((2,), float(ctx.replica_id_in_sync_group)), axis=0)
     merged = ctx.merge_call(lambda s_, v: s_.reduce("SUM", v, axis=None) * 100, args=(torch.tensor(1.0),))
     return s, m, g, merged
+
 
 s, m, g, merged = strategy.run(replica_fn)
 res["ctx_sum"] = strategy.experimental_local_results(s)[rank].tolist()
@@ -85,9 +87,11 @@ try:
 except BatchSizeError as e:
     res["small_batch"] = str(e)
 
+
 # datasets from function with uneven lengths: replica r has r + 2 batches
 def dataset_fn(ctx):
     return [torch.ones(2, 1) * ctx.input_pipeline_id for _ in range(ctx.input_pipeline_id + 2)]
+
 
 steps = 0
 for batch in strategy.distribute_datasets_from_function(dataset_fn):
@@ -101,24 +105,35 @@ with strategy.scope():
     torch.manual_seed(rank)  # different init per replica: the broadcast must fix it
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def train(b):
     loss = px.nn.compute_average_loss(model(b).pow(2).sum(1))
     opt.zero_grad()
     loss.backward()
     opt.step()
     return loss
+
+
 # Different data per replica: one pipeline per process (the same global batches are what
 # experimental_distribute_dataset requires, and it would report different ones).
 for b in strategy.distribute_datasets_from_function(
-        lambda ctx: [torch.randn(4, 3) * (ctx.input_pipeline_id + 1) for _ in range(3)]):
+    lambda ctx: [torch.randn(4, 3) * (ctx.input_pipeline_id + 1) for _ in range(3)]
+):
     strategy.run(train, args=(b,))
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 res["param_checksum"] = strategy.gather(strategy.run(lambda: flat.sum().reshape(1)), axis=0).tolist()
 res["extended"] = [list(strategy.extended.worker_devices), list(strategy.extended.parameter_devices)]
-res["contract"] = {"process_index": strategy.extended.process_index, "replica_id": strategy.extended.replica_id,
-                   "num_replicas_in_sync": strategy.extended.num_replicas_in_sync,
-                   "device": str(strategy.extended.device), "step": strategy.extended.step,
-                   "broadcast": None, "all_reduce": None, "all_gather": None}
+res["contract"] = {
+    "process_index": strategy.extended.process_index,
+    "replica_id": strategy.extended.replica_id,
+    "num_replicas_in_sync": strategy.extended.num_replicas_in_sync,
+    "device": str(strategy.extended.device),
+    "step": strategy.extended.step,
+    "broadcast": None,
+    "all_reduce": None,
+    "all_gather": None,
+}
 t = torch.tensor([float(rank)])
 strategy.extended.broadcast([t], src=n - 1)
 res["contract"]["broadcast"] = float(t)

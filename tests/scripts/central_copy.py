@@ -56,12 +56,20 @@ computed = strategy.experimental_local_results(computed)[rank]
 torch.save({"computed": computed, "outside": outside, "reference": ref}, os.path.join(out, f"copy_{rank}.pt"))
 state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 with open(os.path.join(out, f"copy_{rank}.json"), "w") as f:
-    json.dump({"copy_mode": ext._copy_mode, "worker_devices": list(ext.worker_devices),
-               "parameter_devices": list(ext.parameter_devices),
-               "forward_on_compute_copy": all(seen["forward_on_compute_copy"]),
-               "steps": len(seen["forward_on_compute_copy"]),
-               "step_on_central_copy": all(seen["step_on_central_copy"]) and bool(seen["step_on_central_copy"]),
-               "step_devices": sorted(seen["step_devices"]), "outside_on_central": outside_on_central,
-               "params_with_state": len(opt.state), "num_params": len(params),
-               "state_devices": sorted({str(t.device) for t in state}),
-               "state_bytes": sum(t.numel() * t.element_size() for t in state)}, f)
+    json.dump(
+        {
+            "copy_mode": ext._copy_mode,
+            "worker_devices": list(ext.worker_devices),
+            "parameter_devices": list(ext.parameter_devices),
+            "forward_on_compute_copy": all(seen["forward_on_compute_copy"]),
+            "steps": len(seen["forward_on_compute_copy"]),
+            "step_on_central_copy": all(seen["step_on_central_copy"]) and bool(seen["step_on_central_copy"]),
+            "step_devices": sorted(seen["step_devices"]),
+            "outside_on_central": outside_on_central,
+            "params_with_state": len(opt.state),
+            "num_params": len(params),
+            "state_devices": sorted({str(t.device) for t in state}),
+            "state_bytes": sum(t.numel() * t.element_size() for t in state),
+        },
+        f,
+    )

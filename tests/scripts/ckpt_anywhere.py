@@ -60,10 +60,11 @@ result = {
     "saved_by": storage.read_manifest(path)["saved_by"],
     "values_only_saved_by": storage.read_manifest(values_only)["saved_by"],
     "step": int(fresh_step),
-    "restored_equal": all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                            fresh.state_dict().values())),
-    "momentum_equal": all(torch.equal(optimizer.state[p]["momentum_buffer"], fresh_optimizer.state[q]["momentum_buffer"])
-                          for p, q in zip(model.parameters(), fresh.parameters())),
+    "restored_equal": all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())),
+    "momentum_equal": all(
+        torch.equal(optimizer.state[p]["momentum_buffer"], fresh_optimizer.state[q]["momentum_buffer"])
+        for p, q in zip(model.parameters(), fresh.parameters())
+    ),
     "weight_sum": float(model.weight.sum()),
 }
 with open(os.path.join(out, f"result_{rank}.json"), "w") as f:

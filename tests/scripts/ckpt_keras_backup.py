@@ -57,10 +57,12 @@ class Executed(keras.callbacks.Callback):
 
 
 def main(out, kind):
-    strategy = {"one_device": lambda: px.OneDeviceStrategy("cpu"),
-                "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
-                "central": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-                "mwms": px.MultiWorkerMirroredStrategy}[kind]()
+    strategy = {
+        "one_device": lambda: px.OneDeviceStrategy("cpu"),
+        "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
+        "central": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+        "mwms": px.MultiWorkerMirroredStrategy,
+    }[kind]()
     rank = strategy.extended.process_index
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -71,17 +73,28 @@ def main(out, kind):
     backup = os.path.join(out, "backup")
     first, second = Executed(interrupt=True), Executed()
     try:
-        model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup), first])
+        model.fit(
+            x,
+            y,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), first],
+        )
         raise SystemExit("the first fit was not interrupted")
     except RuntimeError as e:
         if "interrupted at batch 2" not in str(e):
             raise
-    model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0,
-              callbacks=[keras.callbacks.BackupAndRestore(backup), second])
-    result = {"iterations": int(model.optimizer.iterations.numpy()), "canary": float(model.layers[0].count.numpy()),
-              "executed": first.batches + second.batches, "second_fit_epochs": second.epochs,
-              "backup_deleted": not os.path.exists(backup)}
+    model.fit(
+        x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), second]
+    )
+    result = {
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "canary": float(model.layers[0].count.numpy()),
+        "executed": first.batches + second.batches,
+        "second_fit_epochs": second.epochs,
+        "backup_deleted": not os.path.exists(backup),
+    }
     with open(os.path.join(out, f"result_{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -54,19 +54,27 @@ def build_strategy(kind):
 def build_objects(seed=0):
     """The model and training state; call inside a strategy's scope (or with none)."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 7), torch.nn.BatchNorm1d(7), torch.nn.Tanh(),
-                                torch.nn.Linear(7, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 7), torch.nn.BatchNorm1d(7), torch.nn.Tanh(), torch.nn.Linear(7, 1)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, step=Counter(), input=InputPosition(),
-                   tokens=torch.zeros((), dtype=torch.int64))
+    objects = dict(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step=Counter(),
+        input=InputPosition(),
+        tokens=torch.zeros((), dtype=torch.int64),
+    )
     return objects
 
 
 def batches(n):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(GLOBAL_BATCH, FEATURES, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(GLOBAL_BATCH, FEATURES, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)) for _ in range(n)
+    ]
 
 
 def dump(objects):

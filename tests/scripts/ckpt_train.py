@@ -45,7 +45,7 @@ def epoch_batches(epoch):
     g = torch.Generator().manual_seed(1000 + epoch)
     x = torch.randn(STEPS_PER_EPOCH * GLOBAL_BATCH, FEATURES, generator=g)
     y = torch.sin(x.sum(1, keepdim=True))
-    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+    return [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
 
 
 def main(out, mode):
@@ -61,21 +61,32 @@ def main(out, mode):
     manager = CheckpointManager(ckpt, os.path.join(out, "ckpts"), max_to_keep=2)
     handler = None
     if mode == "preempt":
+
         def stop():
             with open(os.path.join(out, f"preempted_{rank}.json"), "w") as f:
                 json.dump({"rank": rank, "total_run_calls": handler.total_run_calls, "applied": applied.value}, f)
             sys.exit(px.launch.runner.RESTART_EXIT_CODE)
 
-        handler = PreemptionCheckpointHandler(strategy.cluster_resolver, manager,
-                                              termination_config=TerminationConfig(exit_fn=stop))
+        handler = PreemptionCheckpointHandler(
+            strategy.cluster_resolver, manager, termination_config=TerminationConfig(exit_fn=stop)
+        )
         restored = manager.latest_checkpoint
     else:
         restored = manager.restore_or_initialize()
     if chief:
         with open(os.path.join(out, "attempts.jsonl"), "a") as f:
-            f.write(json.dumps({"attempt": attempt, "restored": restored, "applied": applied.value,
-                                "position": [position.epoch, position.batch],
-                                "total_run_calls": handler.total_run_calls if handler else None}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "restored": restored,
+                        "applied": applied.value,
+                        "position": [position.epoch, position.batch],
+                        "total_run_calls": handler.total_run_calls if handler else None,
+                    }
+                )
+                + "\n"
+            )
     log = open(os.path.join(out, "executed.log"), "a") if chief else None
 
     def train_step(batch):
@@ -115,8 +126,14 @@ def main(out, mode):
                 if mode in ("crash", "corrupt") and applied.value % 5 == 0:
                     manager.save()
     if chief:
-        torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}, "applied": applied.value,
-                    "optimizer": optimizer.state_dict()["state"]}, os.path.join(out, "final.pt"))
+        torch.save(
+            {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "applied": applied.value,
+                "optimizer": optimizer.state_dict()["state"],
+            },
+            os.path.join(out, "final.pt"),
+        )
 
 
 if __name__ == "__main__":

@@ -23,15 +23,16 @@ STEPS, GLOBAL_BATCH, FEATURES = 8, 24, 10
 
 
 def make_model():
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
 
 
 def data():
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=g)
     y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(STEPS * GLOBAL_BATCH, 1, generator=g)
-    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+    return [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
 
 
 def make_optimizer(name, params):
@@ -70,8 +71,7 @@ def main():
         rank = 0
     else:
         strategy = strategy_for(kind, n)
-        rank = int(strategy.experimental_local_results(
-            strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group))[0])
+        rank = px.process_index()
         torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
         with strategy.scope():
             model = make_model()

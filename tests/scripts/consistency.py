@@ -42,7 +42,7 @@ def micro_batches(micro, size=GLOBAL):
     n = STEPS * micro
     x = torch.randn(n * size, FEATURES, generator=g)
     y = torch.sin(x.sum(1, keepdim=True))
-    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
 def make_strategy(kind, n):

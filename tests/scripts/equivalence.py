@@ -24,8 +24,9 @@ STEPS, GLOBAL_BATCH, FEATURES = 20, 24, 10
 
 
 def make_model():
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
 
 
 def make_optimizer(name, params):
@@ -38,7 +39,7 @@ def data():
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=g)
     y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(STEPS * GLOBAL_BATCH, 1, generator=g)
-    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+    return [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
 
 
 def reference(opt_name):

@@ -30,7 +30,8 @@ def save():
 
 try:
     strategy = px.MultiWorkerMirroredStrategy(
-        communication_options=px.CommunicationOptions(timeout_seconds=float(os.environ.get("FAULT_TIMEOUT", "5"))))
+        communication_options=px.CommunicationOptions(timeout_seconds=float(os.environ.get("FAULT_TIMEOUT", "5")))
+    )
     torch.manual_seed(0)
     with strategy.scope():
         model = torch.nn.Linear(4, 1)
@@ -54,8 +55,9 @@ try:
         save()
         sys.exit(0)
     steps = 0
-    for i, x in enumerate(strategy.experimental_distribute_dataset(
-            data, px.InputOptions(auto_shard_policy=px.AutoShardPolicy.OFF))):
+    for i, x in enumerate(
+        strategy.experimental_distribute_dataset(data, px.InputOptions(auto_shard_policy=px.AutoShardPolicy.OFF))
+    ):
         if i == 5 and index == 1 and mode in ("die", "stall"):
             record["t_fault"] = time.time()
             save()

@@ -27,10 +27,11 @@ def main():
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g))
-               for _ in range(STEPS)]
+    batches = [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)) for _ in range(STEPS)
+    ]
     step_no = [0]
 
     def train_step(x, y):
@@ -53,8 +54,7 @@ def main():
         moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         record.append({"scale": float(scaler.get_scale()), "moved": moved})
         step_no[0] += 1
-    rank = strategy.run(lambda: px.get_replica_context().replica_id_in_sync_group)
-    rank = int(strategy.experimental_local_results(rank)[0])
+    rank = px.process_index()
     with open(os.path.join(out, f"scaler_{rank}.json"), "w") as f:
         json.dump({"steps": record, "params": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
 

@@ -89,20 +89,27 @@ x = rng.normal(size=(200, 8)).astype("float32")
 y = (x.sum(1) > 0).astype("float32")
 
 with strategy.scope():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(1, activation="sigmoid")])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy", metrics=["accuracy"])
 
-callbacks = [CountingCheckpoint(os.path.join(OUT, "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True),
-             FileTensorBoard(os.path.join(OUT, "tb"))]
+callbacks = [
+    CountingCheckpoint(os.path.join(OUT, "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True),
+    FileTensorBoard(os.path.join(OUT, "tb")),
+]
 if RANK == 1:
     callbacks.append(keras.callbacks.EarlyStopping(monitor="loss", min_delta=1.0, patience=1))
 history = model.fit(x, y, epochs=6, batch_size=20, callbacks=callbacks)
-first = {"epochs": history.epoch, "loss": history.history["loss"],
-         "iterations": int(model.optimizer.iterations.numpy())}
+first = {
+    "epochs": history.epoch,
+    "loss": history.history["loss"],
+    "iterations": int(model.optimizer.iterations.numpy()),
+}
 
 stopper = keras.callbacks.LambdaCallback(
-    on_train_batch_end=lambda batch, logs: setattr(model, "stop_training", batch == 3))
+    on_train_batch_end=lambda batch, logs: setattr(model, "stop_training", batch == 3)
+)
 history = model.fit(x, y, epochs=3, batch_size=20, callbacks=[stopper] if RANK == 0 else [], verbose=0)
 second = {"epochs": history.epoch, "iterations": int(model.optimizer.iterations.numpy())}
 

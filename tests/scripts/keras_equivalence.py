@@ -66,13 +66,18 @@ class Batches(keras.utils.PyDataset):
 
 
 def case_sgd():
-    model = keras.Sequential([
-        keras.layers.Dense(32, activation="relu", input_shape=(FEATURES,),
-                           kernel_regularizer=keras.regularizers.L2(1e-3)),
-        keras.layers.Dense(16, activation="tanh"),
-        keras.layers.Dense(CLASSES, activation="softmax")])
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model = keras.Sequential(
+        [
+            keras.layers.Dense(
+                32, activation="relu", input_shape=(FEATURES,), kernel_regularizer=keras.regularizers.L2(1e-3)
+            ),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+    )
     x, y = data(257, 1)  # 8 batches of 32 and one of 1
     return model, lambda: model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, shuffle=True, verbose=0)
 
@@ -81,26 +86,30 @@ def case_adam():
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(32, activation="relu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(hidden))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = data(250, 2)
     return model, lambda: model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, validation_split=0.2, verbose=0)
 
 
 def case_subclassed_dataloader():
     model = Subclassed()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = data(250, 3)
     xv, yv = data(45, 4)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
-                                         batch_size=GLOBAL_BATCH, shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=GLOBAL_BATCH, shuffle=True
+    )
     return model, lambda: model.fit(loader, epochs=1, validation_data=(xv, yv), verbose=0)
 
 
 def case_pydataset():
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(CLASSES, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = data(230, 5)
     return model, lambda: model.fit(Batches(x, y, 25), epochs=2, shuffle=True, verbose=0)
@@ -108,8 +117,9 @@ def case_pydataset():
 
 def case_lazy_sequential():
     # Nothing is built in scope (no input shape): phalanx.keras.distribute() adapts it explicitly.
-    model = keras.Sequential([keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(CLASSES, activation="softmax")])
+    model = keras.Sequential(
+        [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(CLASSES, activation="softmax")]
+    )
     if px.has_strategy():
         phalanx.keras.distribute(model)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -118,15 +128,28 @@ def case_lazy_sequential():
 
 
 def case_batchnorm():
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
-                              keras.layers.Activation("relu"), keras.layers.Dense(CLASSES, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(),
+            keras.layers.Activation("relu"),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = data(200, 6)
     return model, lambda: model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, verbose=0)
 
 
-CASES = {"sgd": case_sgd, "adam": case_adam, "subclassed_dataloader": case_subclassed_dataloader,
-         "pydataset": case_pydataset, "lazy_sequential": case_lazy_sequential, "batchnorm": case_batchnorm}
+CASES = {
+    "sgd": case_sgd,
+    "adam": case_adam,
+    "subclassed_dataloader": case_subclassed_dataloader,
+    "pydataset": case_pydataset,
+    "lazy_sequential": case_lazy_sequential,
+    "batchnorm": case_batchnorm,
+}
 
 
 def run_case(name, strategy, rank, out, prefix):
@@ -142,8 +165,11 @@ def run_case(name, strategy, rank, out, prefix):
     history = fit().history
     evaluation = model.evaluate(X_TEST, Y_TEST, batch_size=20, verbose=0, return_dict=True)
     predictions = model.predict(X_TEST, batch_size=20, verbose=0)
-    np.savez(os.path.join(out, f"{prefix}_{name}_{rank}.npz"), predictions=predictions,
-             **{f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())})
+    np.savez(
+        os.path.join(out, f"{prefix}_{name}_{rank}.npz"),
+        predictions=predictions,
+        **{f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())},
+    )
     with open(os.path.join(out, f"{prefix}_{name}_{rank}.json"), "w") as f:
         json.dump({"history": history, "evaluate": evaluation}, f)
 
@@ -157,9 +183,11 @@ if __name__ == "__main__":
         for name in CASES:
             run_case(name, one, 0, out, "one")
     else:
-        strategy = {"mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
-                    "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-                    "mwms": px.MultiWorkerMirroredStrategy}[mode]()
+        strategy = {
+            "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
+            "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+            "mwms": px.MultiWorkerMirroredStrategy,
+        }[mode]()
         rank = strategy.extended.process_index
         for name in CASES:
             run_case(name, strategy, rank, out, mode)

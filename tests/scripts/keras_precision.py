@@ -34,12 +34,21 @@ def data(n, seed):
 def build(variant, strategy_name):
     if variant.startswith("mixed"):
         keras.mixed_precision.set_global_policy(variant)
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(CLASSES, activation="softmax", dtype="float32")])
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(CLASSES, activation="softmax", dtype="float32"),
+        ]
+    )
     jit = variant == "jit" and strategy_name != "reference"
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=jit)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=jit,
+    )
     return model
 
 
@@ -48,10 +57,12 @@ def main():
     if name == "reference":
         strategy, rank = None, 0
     else:
-        strategy = {"mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
-                    "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-                    "mwms": px.MultiWorkerMirroredStrategy}[name]()
-        rank = px.process_index() if hasattr(px, "process_index") else int(os.environ.get("PHALANX_RANK", "0"))
+        strategy = {
+            "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
+            "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+            "mwms": px.MultiWorkerMirroredStrategy,
+        }[name]()
+        rank = px.process_index()
     keras.utils.set_random_seed(1234 + 1000 * rank)  # the chief's initial weights must win
     if strategy is None:
         model = build(variant, name)
@@ -66,8 +77,14 @@ def main():
     scale = getattr(model.optimizer, "dynamic_scale", None)
     np.savez(os.path.join(out, f"weights_{rank}.npz"), *[np.asarray(w) for w in model.get_weights()])
     with open(os.path.join(out, f"history_{rank}.json"), "w") as f:
-        json.dump({"history": history, "evaluate": evaluation,
-                   "loss_scale": None if scale is None else float(np.asarray(scale))}, f)
+        json.dump(
+            {
+                "history": history,
+                "evaluate": evaluation,
+                "loss_scale": None if scale is None else float(np.asarray(scale)),
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -32,11 +32,13 @@ def train_one_step(strategy, tag: str) -> None:
 
     strategy.run(step)
     # In a run of its own: CentralStorage's update is visible to every replica from the next run.
-    params = strategy.gather(strategy.run(lambda: torch.cat([p.detach().flatten() for p in model.parameters()])[None]),
-                             axis=0)
+    params = strategy.gather(
+        strategy.run(lambda: torch.cat([p.detach().flatten() for p in model.parameters()])[None]), axis=0
+    )
     assert params.shape[0] == 2 and torch.equal(params[0], params[1]), (tag, params)
-    print(f"{tag}: trained one step on replica {rank} of {strategy.num_replicas_in_sync}, pid {os.getpid()}",
-          flush=True)
+    print(
+        f"{tag}: trained one step on replica {rank} of {strategy.num_replicas_in_sync}, pid {os.getpid()}", flush=True
+    )
 
 
 first = px.MirroredStrategy(DEVICES)

@@ -81,16 +81,32 @@ for method in ("create", "read", "assign", "add", "apply", "ping", "shutdown"):
 for method in ("run", "resources", "ping", "shutdown"):
     results.append({"target": "worker", "payload": "raw pickle", **attempt(worker, method, [EVIL])})
 for method in ("run", "resources"):
-    results.append({"target": "worker", "payload": "pickle signed with a wrong secret",
-                    **attempt(worker, method, signed(method, [EVIL], secret=b"not-the-cluster-secret").chunks())})
-    results.append({"target": "worker", "payload": "pickle signed for another method",
-                    **attempt(worker, method, signed("ping", [EVIL]).chunks())})
-results.append({"target": "ps", "payload": "correctly signed pickle (a PS never unpickles)",
-                **attempt(ps, "create", signed("create", [EVIL], header={"vars": []}).chunks())})
+    results.append(
+        {
+            "target": "worker",
+            "payload": "pickle signed with a wrong secret",
+            **attempt(worker, method, signed(method, [EVIL], secret=b"not-the-cluster-secret").chunks()),
+        }
+    )
+    results.append(
+        {
+            "target": "worker",
+            "payload": "pickle signed for another method",
+            **attempt(worker, method, signed("ping", [EVIL]).chunks()),
+        }
+    )
+results.append(
+    {
+        "target": "ps",
+        "payload": "correctly signed pickle (a PS never unpickles)",
+        **attempt(ps, "create", signed("create", [EVIL], header={"vars": []}).chunks()),
+    }
+)
 for method in ("os.system", "builtins.eval", "__reduce__"):
     results.append({"target": "ps", "payload": "unknown method", **attempt(ps, method, signed(method).chunks())})
-    results.append({"target": "worker", "payload": "unknown method",
-                    **attempt(worker, method, signed(method).chunks())})
+    results.append(
+        {"target": "worker", "payload": "unknown method", **attempt(worker, method, signed(method).chunks())}
+    )
 
 # Altered tensor bytes: a captured `assign` of w = 1 with one byte of the tensor replaced.
 call(ps, "create", {"vars": [{"key": "w", "trainable": True}]}, [torch.zeros(4)])
@@ -101,9 +117,12 @@ after_tamper = call(ps, "read", {"keys": ["w"]}).tensors[0].tolist()
 
 # Replays over the network: each captured frame sent a second time.
 replays = {}
-for method, header, tensors in (("ping", {}, []), ("read", {"keys": ["w"]}, []),
-                                ("assign", {"keys": ["w"]}, [torch.full((4,), 2.0)]),
-                                ("add", {"keys": ["w"]}, [torch.ones(4)])):
+for method, header, tensors in (
+    ("ping", {}, []),
+    ("read", {"keys": ["w"]}, []),
+    ("assign", {"keys": ["w"]}, [torch.full((4,), 2.0)]),
+    ("add", {"keys": ["w"]}, [torch.ones(4)]),
+):
     captured = list(CLUSTER.encode(method, header, tensors).chunks())
     replays[method] = [attempt(ps, method, captured)["code"], attempt(ps, method, captured)["code"]]
 after_replay = call(ps, "read", {"keys": ["w"]}).tensors[0].tolist()  # 2 + 1 once: 3.0
@@ -166,13 +185,34 @@ sampler.join()
 rss["after"] = server.memory_info().rss
 time.sleep(0.5)  # anything the payloads could have started has had time to run
 
-listening = sorted({f"{c.laddr.ip}:{c.laddr.port}" for pid in pids.values()
-                    for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN})
+listening = sorted(
+    {
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for pid in pids.values()
+        for c in psutil.Process(pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+)
 after = {"ps": ping(ps), "worker": ping(worker)}
-(OUT / "attack.json").write_text(json.dumps({
-    "results": results, "marker_exists": MARKER.exists(), "listening": listening, "after": after,
-    "tampered": tampered, "after_tamper": after_tamper, "replays": replays, "after_replay": after_replay,
-    "flood": flood, "flood_s": flood_s, "flood_bytes_sent": 8 * (64 << 20), "rss": rss}, indent=1))
+(OUT / "attack.json").write_text(
+    json.dumps(
+        {
+            "results": results,
+            "marker_exists": MARKER.exists(),
+            "listening": listening,
+            "after": after,
+            "tampered": tampered,
+            "after_tamper": after_tamper,
+            "replays": replays,
+            "after_replay": after_replay,
+            "flood": flood,
+            "flood_s": flood_s,
+            "flood_bytes_sent": 8 * (64 << 20),
+            "rss": rss,
+        },
+        indent=1,
+    )
+)
 raw.close()
 for channel in (ps, worker):
     call(channel, "shutdown")

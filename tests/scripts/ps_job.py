@@ -158,10 +158,17 @@ if MODE == "converge":
     set_lr(FINE_LR)
     values += train(FINE_STEPS)
     elapsed = time.perf_counter() - t
-    write({"ps_loss": full_loss(model), "ref_loss": reference_loss(STEPS), "iterations": int(model.iterations),
-           "steps_per_s": STEPS / elapsed, "per_worker": [w.completed - d for w, d in zip(coordinator.workers, done_before)],
-           "updates": [s["updates"] for s in strategy.extended.parameter_server_stats()],
-           "losses": [float(v.fetch()[0]) for v in values[-5:]]})
+    write(
+        {
+            "ps_loss": full_loss(model),
+            "ref_loss": reference_loss(STEPS),
+            "iterations": int(model.iterations),
+            "steps_per_s": STEPS / elapsed,
+            "per_worker": [w.completed - d for w, d in zip(coordinator.workers, done_before)],
+            "updates": [s["updates"] for s in strategy.extended.parameter_server_stats()],
+            "losses": [float(v.fetch()[0]) for v in values[-5:]],
+        }
+    )
 
     result = {}
     # Between functions: exactly N iterations.
@@ -184,9 +191,13 @@ if MODE == "converge":
     coordinator.join()
     fetched = [v.fetch() for v in values]
     SEEN.extend((pid, count) for _, pid, count in fetched)
-    result["mid"] = {"scheduled": 30, "in_flight": in_flight, "iterations": int(model.iterations) - before,
-                     "all_fetched": len(fetched) == 30,
-                     "ran_on_victim": sum(p == victim2 for _, p, _ in fetched)}
+    result["mid"] = {
+        "scheduled": 30,
+        "in_flight": in_flight,
+        "iterations": int(model.iterations) - before,
+        "all_fetched": len(fetched) == 30,
+        "ran_on_victim": sum(p == victim2 for _, p, _ in fetched),
+    }
     # The supervisor restarts the killed workers; the coordinator reconnects and gives them work.
     result["t_restart_wait"] = time.time()
     deadline = time.monotonic() + 90
@@ -227,10 +238,19 @@ elif MODE == "ps_fault":
     t0 = time.time()
     coordinator.shutdown()
     shutdown_s = time.time() - t0
-    write({"error": type(error).__name__ if error else None, "message": str(error), "t_kill": t_kill,
-           "t_err": t_err, "detect_s": t_err - t_kill, "schedule_raised": schedule_raised,
-           "shutdown_s": shutdown_s, "checkpoint_step": torch.load(ckpt, weights_only=True)["step"],
-           "rpc_timeout": strategy.extended.rpc_timeout})
+    write(
+        {
+            "error": type(error).__name__ if error else None,
+            "message": str(error),
+            "t_kill": t_kill,
+            "t_err": t_err,
+            "detect_s": t_err - t_kill,
+            "schedule_raised": schedule_raised,
+            "shutdown_s": shutdown_s,
+            "checkpoint_step": torch.load(ckpt, weights_only=True)["step"],
+            "rpc_timeout": strategy.extended.rpc_timeout,
+        }
+    )
 
 elif MODE == "resume":
     state = torch.load(OUT / "ckpt.pt", weights_only=True)
@@ -267,5 +287,13 @@ elif MODE == "lstsq":
     except TransportError as e:
         plaintext = e.code
     channel.close()
-    write({"loss": full_loss(model), "optimum": optimum, "weight_error": (learned - solution.reshape(-1)).abs().max().item(),
-           "tls": tls is not None, "mutual": bool(tls and tls.mutual), "plaintext": plaintext})
+    write(
+        {
+            "loss": full_loss(model),
+            "optimum": optimum,
+            "weight_error": (learned - solution.reshape(-1)).abs().max().item(),
+            "tls": tls is not None,
+            "mutual": bool(tls and tls.mutual),
+            "plaintext": plaintext,
+        }
+    )

@@ -36,6 +36,7 @@ def check(name):
         except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
             res[name] = {"error": type(e).__name__, "text": str(e)[:500], "tb": traceback.format_exc()[-1500:]}
         return fn
+
     return deco
 
 
@@ -84,8 +85,10 @@ def _():
             np.random.shuffle(order)
             yield torch.as_tensor(order[:4].copy(), dtype=torch.float32)
 
-    return [strategy.gather(strategy.run(lambda t: t, args=(x,)), axis=0).tolist()
-            for x in strategy.experimental_distribute_dataset(batches())]
+    return [
+        strategy.gather(strategy.run(lambda t: t, args=(x,)), axis=0).tolist()
+        for x in strategy.experimental_distribute_dataset(batches())
+    ]
 
 
 @check("mismatch")
@@ -127,16 +130,21 @@ def _():
         mean_loss.update_state(loss_object(yb, logits))
         return loss
 
-    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
     for batch in strategy.experimental_distribute_dataset(batches):
         strategy.run(train_step, args=(batch,))
     flat = torch.cat([v.value.detach().reshape(-1) for v in model.weights])
     checksums = strategy.gather(strategy.run(lambda: flat.double().sum().reshape(1)), axis=0).tolist()
     # The global metric values equal those computed from everything, on one device.
     local_count = float(accuracy.variables[1].value)  # this replica's own count, kept
-    return {"checksums": checksums, "accuracy": float(accuracy.result()), "mean_loss": float(mean_loss.result()),
-            "local_count": local_count, "count_after": float(accuracy.variables[1].value),
-            "x_checksum": float(x.sum())}
+    return {
+        "checksums": checksums,
+        "accuracy": float(accuracy.result()),
+        "mean_loss": float(mean_loss.result()),
+        "local_count": local_count,
+        "count_after": float(accuracy.variables[1].value),
+        "x_checksum": float(x.sum()),
+    }
 
 
 @check("save")
@@ -166,9 +174,13 @@ def _():
     summed = strategy.extended.reduce_to("SUM", per_replica, destinations=v)
     a, b = strategy.extended.batch_reduce_to("MEAN", [(per_replica, v), (per_replica, v)])
     strategy.extended.update(v, lambda var, t: var.add_(t), args=(summed,))
-    return {"sum": summed.tolist(), "mean": a.tolist(), "v": v.detach().tolist(),
-            "created": strategy.extended.variable_created_in_scope(v),
-            "outside": strategy.extended.variable_created_in_scope(outside)}
+    return {
+        "sum": summed.tolist(),
+        "mean": a.tolist(),
+        "v": v.detach().tolist(),
+        "created": strategy.extended.variable_created_in_scope(v),
+        "outside": strategy.extended.variable_created_in_scope(outside),
+    }
 
 
 with open(os.path.join(out, f"sem_{rank}.json"), "w") as f:

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["direct_sublayers", "initial_epoch", "is_uninitialized", "learning_rate", "set_initial_epoch",
-           "set_initializer"]
+__all__ = [
+    "direct_sublayers",
+    "initial_epoch",
+    "is_uninitialized",
+    "learning_rate",
+    "set_initial_epoch",
+    "set_initializer",
+]
 
 
 def learning_rate(optimizer: Any) -> Any:

@@ -41,8 +41,20 @@ from phalanx.checkpoint.sharding import register_sharded_type
 from phalanx.checkpoint.state import Counter, InputPosition
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointMismatchError", "CheckpointNotFoundError",
-    "CorruptCheckpointError", "Counter", "InputPosition", "LoadStatus", "PreemptionCheckpointHandler",
-    "TerminationConfig", "UnsafeCheckpointError", "UnsupportedStateError", "latest_checkpoint", "load_state",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "Counter",
+    "InputPosition",
+    "LoadStatus",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+    "latest_checkpoint",
+    "load_state",
     "register_sharded_type",
 ]

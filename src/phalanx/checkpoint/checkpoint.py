@@ -65,8 +65,15 @@ class LoadStatus:
         unused: objects in the file that the Checkpoint does not name.
     """
 
-    def __init__(self, path: str | None, restored: list[str], missing: list[str], unused: list[str],
-                 deferred: list[keras_objects.Pending] | None = None, unmatched: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        restored: list[str],
+        missing: list[str],
+        unused: list[str],
+        deferred: list[keras_objects.Pending] | None = None,
+        unmatched: list[str] | None = None,
+    ) -> None:
         self.path, self.restored, self.missing = path, restored, missing
         self._unused = unused
         self._deferred = deferred or []
@@ -91,9 +98,12 @@ class LoadStatus:
         if self.path is None:
             raise CheckpointError("Nothing was restored (the path was None).")
         if self.missing or self.unused or self.pending:
-            raise CheckpointMismatchError(self.path, f"objects not in the checkpoint: {self.missing}; "
-                                                     f"saved objects not restored: {self.unused}; "
-                                                     f"waiting for their variables to be created: {self.pending}")
+            raise CheckpointMismatchError(
+                self.path,
+                f"objects not in the checkpoint: {self.missing}; "
+                f"saved objects not restored: {self.unused}; "
+                f"waiting for their variables to be created: {self.pending}",
+            )
         return self
 
     def assert_existing_objects_matched(self) -> "LoadStatus":
@@ -106,8 +116,10 @@ class LoadStatus:
         return self
 
     def __repr__(self) -> str:
-        return (f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, "
-                f"unused={self.unused}, pending={self.pending})")
+        return (
+            f"LoadStatus(path={self.path!r}, restored={self.restored}, missing={self.missing}, "
+            f"unused={self.unused}, pending={self.pending})"
+        )
 
 
 class Checkpoint:
@@ -194,8 +206,9 @@ class Checkpoint:
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
             state = (owners[name] or who.strategy.extended).state_to_save(obj)
-            doc, tensors = codec.encode(_state_of(obj, objects) if state is None else state, label=name,
-                                        materialize=who.is_writer)
+            doc, tensors = codec.encode(
+                _state_of(obj, objects) if state is None else state, label=name, materialize=who.is_writer
+            )
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
             if tensors:
                 entry["file"] = _file_name(name, files)
@@ -212,8 +225,10 @@ class Checkpoint:
         if who.any(error is not None):
             if error is not None:
                 raise error
-            raise CheckpointError(f"The chief failed to write the checkpoint {path!r}.",
-                                  hint="see the chief's (replica 0's) log for its error")
+            raise CheckpointError(
+                f"The chief failed to write the checkpoint {path!r}.",
+                hint="see the chief's (replica 0's) log for its error",
+            )
         return path
 
     # ---------------------------------------------------------------- restoring
@@ -267,8 +282,14 @@ class Checkpoint:
             hook = getattr(ext, "mark_parameters_changed", None)
             if hook is not None:
                 hook()
-        return LoadStatus(path, restored, sorted(set(live) - set(saved)), sorted(set(manifest["objects"]) - set(live)),
-                          deferred, unmatched)
+        return LoadStatus(
+            path,
+            restored,
+            sorted(set(live) - set(saved)),
+            sorted(set(manifest["objects"]) - set(live)),
+            deferred,
+            unmatched,
+        )
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(sorted(self._objects))})"
@@ -401,8 +422,9 @@ def _restore_into(name: str, live: Any, saved: Any) -> Any:
     """Puts ``saved`` into ``live`` in place; returns the replacement for immutable values."""
     if sharding.is_sharded(live):
         if not isinstance(saved, torch.Tensor):
-            raise CheckpointMismatchError(name, f"a sharded variable needs a tensor; the checkpoint holds "
-                                                f"{type(saved).__name__}")
+            raise CheckpointMismatchError(
+                name, f"a sharded variable needs a tensor; the checkpoint holds {type(saved).__name__}"
+            )
         sharding.assign_full(live, saved)
         return _IN_PLACE
     if isinstance(live, torch.Tensor):
@@ -412,9 +434,11 @@ def _restore_into(name: str, live: Any, saved: Any) -> Any:
         try:
             live.load_state_dict(saved)
         except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
-            raise CheckpointMismatchError(name, f"{type(live).__name__}.load_state_dict refused the saved "
-                                                f"state: {str(e).strip()[:500]}",
-                                          hint="restore into an object built the same way as the one saved") from e
+            raise CheckpointMismatchError(
+                name,
+                f"{type(live).__name__}.load_state_dict refused the saved state: {str(e).strip()[:500]}",
+                hint="restore into an object built the same way as the one saved",
+            ) from e
         return _IN_PLACE
     if isinstance(live, (dict, list)) and type(saved) is type(live):
         _assign_container(name, live, saved)
@@ -441,8 +465,7 @@ def _assign_container(path: str, live: Any, saved: Any) -> None:
             del live[stale]
     for k in keys:
         current = live.get(k) if isinstance(live, dict) else live[k]
-        if isinstance(current, torch.Tensor) and isinstance(saved[k], torch.Tensor) \
-                and current.shape == saved[k].shape:
+        if isinstance(current, torch.Tensor) and isinstance(saved[k], torch.Tensor) and current.shape == saved[k].shape:
             with torch.no_grad():
                 current.copy_(saved[k])
         elif isinstance(current, (dict, list)) and type(saved[k]) is type(current):

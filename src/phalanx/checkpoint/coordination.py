@@ -81,7 +81,8 @@ def find_strategy(captured: Any = None, owning: Any = None) -> Any:
             f"This process belongs to a multi-process job ({job}), but no strategy is known to the "
             "checkpoint, so every process would write the same files.",
             hint="create the strategy before saving; create the Checkpoint inside `with strategy.scope():`, "
-                 "or save inside it")
+            "or save inside it",
+        )
     return context.get_strategy()
 
 

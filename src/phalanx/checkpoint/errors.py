@@ -30,7 +30,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
         self.path = path
         super().__init__(
             f"No valid checkpoint at {path!r} (its MANIFEST.json is missing or incomplete).",
-            hint=hint or "pass a path returned by save(), or phalanx.checkpoint.latest_checkpoint(directory)")
+            hint=hint or "pass a path returned by save(), or phalanx.checkpoint.latest_checkpoint(directory)",
+        )
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -38,8 +39,10 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, path: str, problem: str) -> None:
         self.path = path
-        super().__init__(f"Checkpoint file {path!r} is damaged: {problem}.",
-                         hint="restore an older checkpoint (CheckpointManager.checkpoints lists them)")
+        super().__init__(
+            f"Checkpoint file {path!r} is damaged: {problem}.",
+            hint="restore an older checkpoint (CheckpointManager.checkpoints lists them)",
+        )
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -49,7 +52,8 @@ class UnsafeCheckpointError(CheckpointError):
         self.path = path
         super().__init__(
             f"Refused to load {path!r}: it is not a tensors-only file ({cause}). Nothing from it was executed.",
-            hint="checkpoints hold tensors and JSON only; never load files from an untrusted source")
+            hint="checkpoints hold tensors and JSON only; never load files from an untrusted source",
+        )
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -70,4 +74,5 @@ class UnsupportedStateError(CheckpointError, TypeError):
             f"Cannot checkpoint {path!r}: values of type {type(value).__name__} are not supported "
             f"(received {value!r:.80}).",
             hint="checkpoints hold tensors, numbers, strings, None, lists, tuples and dicts of them; give "
-                 "other objects state_dict()/load_state_dict() methods")
+            "other objects state_dict()/load_state_dict() methods",
+        )

@@ -52,14 +52,23 @@ def _has_own_variables(obj: Any) -> bool:
 
 
 def _is_keras_variable(obj: Any) -> bool:
-    return (callable(getattr(obj, "assign", None)) and hasattr(obj, "trainable") and hasattr(obj, "path")
-            and isinstance(getattr(obj, "value", None), torch.Tensor) and not isinstance(obj, torch.Tensor))
+    return (
+        callable(getattr(obj, "assign", None))
+        and hasattr(obj, "trainable")
+        and hasattr(obj, "path")
+        and isinstance(getattr(obj, "value", None), torch.Tensor)
+        and not isinstance(obj, torch.Tensor)
+    )
 
 
 def _has_keras_variables(obj: Any) -> bool:
     variables = getattr(obj, "variables", None)
-    return (not isinstance(obj, torch.nn.Module) and isinstance(variables, (list, tuple))
-            and all(_is_keras_variable(v) for v in variables) and len(variables) > 0)
+    return (
+        not isinstance(obj, torch.nn.Module)
+        and isinstance(variables, (list, tuple))
+        and all(_is_keras_variable(v) for v in variables)
+        and len(variables) > 0
+    )
 
 
 def is_keras_object(obj: Any) -> bool:
@@ -172,8 +181,15 @@ def _built(obj: Any) -> bool:
     return bool(getattr(obj, "built", True))
 
 
-def _restore_node(path: str, obj: Any, saved: dict[str, Any], skip: set[int], pending: list[Pending],
-                  unmatched: list[str], built: bool = False) -> None:
+def _restore_node(
+    path: str,
+    obj: Any,
+    saved: dict[str, Any],
+    skip: set[int],
+    pending: list[Pending],
+    unmatched: list[str],
+    built: bool = False,
+) -> None:
     own = saved.get(_VARS) or {}
     children = saved.get(_CHILDREN) or {}
     if not built and not _built(obj) and (own or children and not _children(obj, skip)):
@@ -198,9 +214,11 @@ def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
         targets = list(obj.variables)
     count = len(targets) if targets is not None else _own_variable_count(obj)
     if count is not None and count != len(own):
-        raise CheckpointMismatchError(path, f"{type(obj).__name__} has {count} variables here, the checkpoint "
-                                            f"holds {len(own)}",
-                                      hint="restore into an object built the same way as the one saved")
+        raise CheckpointMismatchError(
+            path,
+            f"{type(obj).__name__} has {count} variables here, the checkpoint holds {len(own)}",
+            hint="restore into an object built the same way as the one saved",
+        )
     if _initialize_from(path, obj, targets, own):
         return
     try:
@@ -210,9 +228,11 @@ def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
             for i, variable in enumerate(targets):
                 variable.assign(own[str(i)])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CheckpointMismatchError(path, f"{type(obj).__name__} refused the saved variables: "
-                                            f"{str(e).strip()[:400]}",
-                                      hint="restore into an object built the same way as the one saved") from e
+        raise CheckpointMismatchError(
+            path,
+            f"{type(obj).__name__} refused the saved variables: {str(e).strip()[:400]}",
+            hint="restore into an object built the same way as the one saved",
+        ) from e
 
 
 def _uninitialized(variable: Any) -> bool:
@@ -239,14 +259,19 @@ def _initialize_from(path: str, obj: Any, targets: list[Any] | None, own: dict[s
     for key, variable in pairs:
         value = own.get(key)
         if value is None or not (_uninitialized(variable) or _is_keras_variable(variable)):
-            raise CheckpointMismatchError(path, f"{type(obj).__name__} is being built without values for its "
-                                                f"variables and keeps them in a way phalanx cannot restore into",
-                                          hint="build the object before restoring (call it once on an input)")
+            raise CheckpointMismatchError(
+                path,
+                f"{type(obj).__name__} is being built without values for its "
+                f"variables and keeps them in a way phalanx cannot restore into",
+                hint="build the object before restoring (call it once on an input)",
+            )
         shape = tuple(getattr(variable, "shape", value.shape))
         if shape != tuple(value.shape):
-            raise CheckpointMismatchError(path, f"variable {key} has shape {shape} here, {tuple(value.shape)} in "
-                                                "the checkpoint", hint="restore into an object built the same way "
-                                                                       "as the one saved")
+            raise CheckpointMismatchError(
+                path,
+                f"variable {key} has shape {shape} here, {tuple(value.shape)} in the checkpoint",
+                hint="restore into an object built the same way as the one saved",
+            )
         if _uninitialized(variable):
             set_initializer(variable, _Constant(value))
         else:
@@ -274,15 +299,18 @@ def _own_variable_count(obj: Any) -> int | None:
     return len(store)
 
 
-def _defer(path: str, obj: Any, saved: dict[str, Any], skip: set[int], pending: list[Pending],
-           unmatched: list[str]) -> Pending:
+def _defer(
+    path: str, obj: Any, saved: dict[str, Any], skip: set[int], pending: list[Pending], unmatched: list[str]
+) -> Pending:
     """Applies ``saved`` right after ``obj.build`` next returns (its variables exist then)."""
     entry = Pending(path)
     build = getattr(obj, "build", None)
     if not callable(build):
-        raise CheckpointMismatchError(path, f"{type(obj).__name__} is not built and has no build() through which "
-                                            "its variables could be restored later",
-                                      hint="build the object (call it once, or build(input_shape)) before restoring")
+        raise CheckpointMismatchError(
+            path,
+            f"{type(obj).__name__} is not built and has no build() through which its variables could be restored later",
+            hint="build the object (call it once, or build(input_shape)) before restoring",
+        )
     had_own = "build" in vars(obj)
     previous = vars(obj).get("build")
 

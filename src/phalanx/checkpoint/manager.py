@@ -47,12 +47,20 @@ class CheckpointManager:
             is not a plain file name.
     """
 
-    def __init__(self, checkpoint: Checkpoint, directory: str, max_to_keep: int | None,
-                 checkpoint_name: str = "ckpt", step_counter: Any = None,
-                 checkpoint_interval: int | None = None, init_fn: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str,
+        max_to_keep: int | None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+    ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"CheckpointManager needs a phalanx.checkpoint.Checkpoint; received "
-                            f"{type(checkpoint).__name__}")
+            raise TypeError(
+                f"CheckpointManager needs a phalanx.checkpoint.Checkpoint; received {type(checkpoint).__name__}"
+            )
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be None or a positive integer; received {max_to_keep!r}")
         if not checkpoint_name or os.sep in checkpoint_name or checkpoint_name.startswith("."):
@@ -68,8 +76,11 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         # A restarted job picks up where the last one left the directory.
-        self._checkpoints = [path for path, _ in storage.list_checkpoints(self._directory)
-                             if self._pattern.fullmatch(os.path.basename(path))]
+        self._checkpoints = [
+            path
+            for path, _ in storage.list_checkpoints(self._directory)
+            if self._pattern.fullmatch(os.path.basename(path))
+        ]
         self._last_saved_step: int | None = None
 
     @property
@@ -112,14 +123,18 @@ class CheckpointManager:
             The path, or None when the interval said not to save yet.
         """
         step = int(self._step_counter) if self._step_counter is not None else None
-        if check_interval and self._interval is not None and self._last_saved_step is not None \
-                and step - self._last_saved_step < self._interval:
+        if (
+            check_interval
+            and self._interval is not None
+            and self._last_saved_step is not None
+            and step - self._last_saved_step < self._interval
+        ):
             return None
         counter = self._checkpoint.save_counter.assign_add(1)
         number = counter if checkpoint_number is None else int(checkpoint_number)
         path = os.path.join(self._directory, f"{self._name}-{number}")
         kept = [p for p in self._checkpoints if p != path] + [path]
-        dropped = kept[:-self._max_to_keep] if self._max_to_keep is not None else []
+        dropped = kept[: -self._max_to_keep] if self._max_to_keep is not None else []
 
         def delete_old() -> None:
             # Only once the new checkpoint is complete: a crash before this point leaves the old ones.
@@ -128,7 +143,7 @@ class CheckpointManager:
             storage.remove_leftovers(self._directory)
 
         self._checkpoint.write(path, _after_commit=delete_old)
-        self._checkpoints = kept[len(dropped):]
+        self._checkpoints = kept[len(dropped) :]
         self._last_saved_step = step
         return path
 

@@ -79,8 +79,13 @@ class PreemptionCheckpointHandler:
         ValueError: a Checkpoint without ``checkpoint_dir``, or created outside the main thread.
     """
 
-    def __init__(self, cluster_resolver: Any, checkpoint_or_checkpoint_manager: Checkpoint | CheckpointManager,
-                 checkpoint_dir: str | None = None, termination_config: TerminationConfig | None = None) -> None:
+    def __init__(
+        self,
+        cluster_resolver: Any,
+        checkpoint_or_checkpoint_manager: Checkpoint | CheckpointManager,
+        checkpoint_dir: str | None = None,
+        termination_config: TerminationConfig | None = None,
+    ) -> None:
         from phalanx.launch.runner import RESTART_EXIT_CODE
 
         target = checkpoint_or_checkpoint_manager
@@ -88,14 +93,17 @@ class PreemptionCheckpointHandler:
             self._manager = target
         elif isinstance(target, Checkpoint):
             if checkpoint_dir is None:
-                raise ValueError("PreemptionCheckpointHandler with a Checkpoint needs checkpoint_dir; or pass a "
-                                 "CheckpointManager")
+                raise ValueError(
+                    "PreemptionCheckpointHandler with a Checkpoint needs checkpoint_dir; or pass a CheckpointManager"
+                )
             self._manager = CheckpointManager(target, checkpoint_dir, max_to_keep=1)
         else:
             raise TypeError(f"expected a Checkpoint or CheckpointManager; received {type(target).__name__}")
         if threading.current_thread() is not threading.main_thread():
-            raise ValueError("Create the PreemptionCheckpointHandler in the main thread (it installs a SIGTERM "
-                             "handler, which Python allows only there).")
+            raise ValueError(
+                "Create the PreemptionCheckpointHandler in the main thread (it installs a SIGTERM "
+                "handler, which Python allows only there)."
+            )
         self.cluster_resolver = cluster_resolver
         self._config = termination_config or TerminationConfig()
         self._exit_code = RESTART_EXIT_CODE
@@ -126,8 +134,9 @@ class PreemptionCheckpointHandler:
     def save_checkpoint_if_preempted(self, *args: Any, **kwargs: Any) -> None:
         """Counts a step run by the caller, then saves and exits if any process was told to stop."""
         self._run_calls.assign_add(1)
-        local = self._noticed.is_set() or bool(self._config.termination_watcher_fn
-                                               and self._config.termination_watcher_fn())
+        local = self._noticed.is_set() or bool(
+            self._config.termination_watcher_fn and self._config.termination_watcher_fn()
+        )
         if not self._who.any(local):
             return
         step = self.total_run_calls
@@ -136,9 +145,12 @@ class PreemptionCheckpointHandler:
             where = "by save_fn"
         else:
             where = f"to {self._manager.save(check_interval=False)}"
-        print(f"phalanx: termination notice{' received here' if local else ' on a peer'}; all processes "
-              f"stopped after step {step}, saved {where}; exiting with code {self._exit_code} to be restarted",
-              file=sys.stderr, flush=True)
+        print(
+            f"phalanx: termination notice{' received here' if local else ' on a peer'}; all processes "
+            f"stopped after step {step}, saved {where}; exiting with code {self._exit_code} to be restarted",
+            file=sys.stderr,
+            flush=True,
+        )
         if self._config.exit_fn is not None:
             self._config.exit_fn()
         else:

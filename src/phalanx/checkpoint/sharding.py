@@ -40,9 +40,13 @@ class _ShardedCodec:
 _REGISTRY: list[_ShardedCodec] = []
 
 
-def register_sharded_type(cls: type, *, to_full: Callable[[Any], torch.Tensor],
-                          assign_full: Callable[[Any, torch.Tensor], None],
-                          layout: Callable[[Any], dict] | None = None) -> None:
+def register_sharded_type(
+    cls: type,
+    *,
+    to_full: Callable[[Any], torch.Tensor],
+    assign_full: Callable[[Any, torch.Tensor], None],
+    layout: Callable[[Any], dict] | None = None,
+) -> None:
     """Teaches checkpoints to store instances of ``cls`` as one full tensor.
 
     Args:
@@ -56,9 +60,12 @@ def register_sharded_type(cls: type, *, to_full: Callable[[Any], torch.Tensor],
 
 def _codec(obj: Any) -> _ShardedCodec | None:
     if hasattr(obj, "_phalanx_full_tensor_") and hasattr(obj, "_phalanx_assign_full_"):
-        return _ShardedCodec(type(obj), lambda o: o._phalanx_full_tensor_(),
-                             lambda o, t: o._phalanx_assign_full_(t),
-                             (lambda o: o._phalanx_layout_()) if hasattr(obj, "_phalanx_layout_") else None)
+        return _ShardedCodec(
+            type(obj),
+            lambda o: o._phalanx_full_tensor_(),
+            lambda o, t: o._phalanx_assign_full_(t),
+            (lambda o: o._phalanx_layout_()) if hasattr(obj, "_phalanx_layout_") else None,
+        )
     for codec in reversed(_REGISTRY):
         if isinstance(obj, codec.cls):
             return codec

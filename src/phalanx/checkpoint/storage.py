@@ -176,8 +176,14 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
             records[name] = {"bytes": len(data), "sha256": _digest([data])}  # hashed while writing
             _fault_point("after_file", i)
         previous = [m.get("sequence", 0) for _, m in list_checkpoints(parent)]
-        full = {"format": FORMAT, "version": VERSION, "sequence": max(previous, default=0) + 1,
-                "created_ns": time.time_ns(), **manifest, "files": records}
+        full = {
+            "format": FORMAT,
+            "version": VERSION,
+            "sequence": max(previous, default=0) + 1,
+            "created_ns": time.time_ns(),
+            **manifest,
+            "files": records,
+        }
         write_durable(os.path.join(tmp, MANIFEST), json.dumps(full, indent=1).encode())
         _fsync_dir(tmp)
         _fault_point("before_commit")
@@ -231,8 +237,10 @@ def read_manifest(path: str) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointNotFoundError(path, hint="this directory was not written by phalanx.checkpoint")
     if manifest.get("version") != VERSION:
-        raise CheckpointNotFoundError(path, hint=f"format version {manifest.get('version')!r} is not "
-                                                 f"{VERSION}; use the phalanx version that wrote it")
+        raise CheckpointNotFoundError(
+            path,
+            hint=f"format version {manifest.get('version')!r} is not {VERSION}; use the phalanx version that wrote it",
+        )
     return manifest
 
 
@@ -266,8 +274,10 @@ def find_problem(path: str, manifest: dict[str, Any] | None = None) -> str | Non
         except OSError as e:
             return f"{name} cannot be read ({e})"
         if actual != record.get("sha256"):
-            return f"{name} has the right size but its SHA-256 differs from the manifest's (its bytes changed " \
-                   "after it was written: a flipped bit, a partial overwrite)"
+            return (
+                f"{name} has the right size but its SHA-256 differs from the manifest's (its bytes changed "
+                "after it was written: a flipped bit, a partial overwrite)"
+            )
         _verified.remember(file, actual)
     return None
 
@@ -276,8 +286,7 @@ def is_complete(path: str) -> bool:
     """Whether ``path`` holds a checkpoint whose manifest and files are all present (sizes only)."""
     try:
         manifest = read_manifest(path)
-        return all(os.path.getsize(os.path.join(path, name)) == rec["bytes"]
-                   for name, rec in manifest["files"].items())
+        return all(os.path.getsize(os.path.join(path, name)) == rec["bytes"] for name, rec in manifest["files"].items())
     except (CheckpointNotFoundError, OSError, KeyError, TypeError):
         return False
 
@@ -323,8 +332,12 @@ def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, st
 
 
 def warn_skipped(path: str, problem: str) -> None:
-    log.warning("phalanx.checkpoint: skipped the damaged checkpoint %r: %s. Falling back to the previous "
-                "valid checkpoint; the training saved in this one is lost and will be redone.", path, problem)
+    log.warning(
+        "phalanx.checkpoint: skipped the damaged checkpoint %r: %s. Falling back to the previous "
+        "valid checkpoint; the training saved in this one is lost and will be redone.",
+        path,
+        problem,
+    )
 
 
 def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -347,6 +360,7 @@ def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torc
     except (RuntimeError, EOFError, ValueError) as e:  # not a torch.save file at all
         raise CorruptCheckpointError(file, f"not a tensor file ({str(e).strip()[:200]})") from e
     if not isinstance(tensors, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+    ):
         raise UnsafeCheckpointError(file, "it holds something other than a {name: tensor} dict")
     return tensors

@@ -123,9 +123,12 @@ def _check_addresses(jobs: Jobs) -> None:
                 if other is not None:
                     # An IPv4 task cannot reach an IPv6 listener: the job would only time out.
                     raise ClusterSpecError(
-                        key, address, f"an IPv{family} address in a cluster whose {other} has an IPv{10 - family} "
-                                      "address; tasks of one job must use one address family",
-                        hint="write every task's address as IPv4, or every one as IPv6 (or use hostnames)")
+                        key,
+                        address,
+                        f"an IPv{family} address in a cluster whose {other} has an IPv{10 - family} "
+                        "address; tasks of one job must use one address family",
+                        hint="write every task's address as IPv4, or every one as IPv6 (or use hostnames)",
+                    )
             # Compared as written: resolving names would be network I/O, and tasks on one
             # host that spell it differently still collide at bind time anyway.
             other = seen.setdefault((host.lower(), port), key)

@@ -49,8 +49,12 @@ _TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
 class Handle:
     """An asynchronous collective; :meth:`wait` returns its result tensor."""
 
-    def __init__(self, tensor: torch.Tensor, wait_fn: Callable[[], None] | None = None,
-                 post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        wait_fn: Callable[[], None] | None = None,
+        post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self._tensor, self._wait_fn, self._post = tensor, wait_fn, post
 
     def wait(self) -> torch.Tensor:
@@ -233,21 +237,42 @@ class ProcessGroupCommunicator:
             if not _JOB_STORES:
                 atexit.register(_JOB_STORES.clear)  # after every communicator closed (LIFO)
             _JOB_STORES[key] = rendezvous.connect_store(
-                rank=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
-                master_port=spec.master_port, bind_addr=spec.bind_addr, timeout=spec.rendezvous_timeout,
-                master_task=spec.name(0), task=me)
+                rank=spec.rank,
+                world_size=spec.world_size,
+                master_addr=spec.master_addr,
+                master_port=spec.master_port,
+                bind_addr=spec.bind_addr,
+                timeout=spec.rendezvous_timeout,
+                master_task=spec.name(0),
+                task=me,
+            )
         self._store = _JOB_STORES[key]
         if spec.store_prefix:
             self._store = dist.PrefixStore(spec.store_prefix, self._store)
-        fingerprint = {"world_size": spec.world_size, "master": f"{spec.master_addr}:{spec.master_port}",
-                       **dict(spec.fingerprint)}
-        self._peers = rendezvous.exchange(self._store, rank=spec.rank, world_size=spec.world_size,
-                                          fingerprint=fingerprint, timeout=spec.rendezvous_timeout, name=spec.name)
+        fingerprint = {
+            "world_size": spec.world_size,
+            "master": f"{spec.master_addr}:{spec.master_port}",
+            **dict(spec.fingerprint),
+        }
+        self._peers = rendezvous.exchange(
+            self._store,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            fingerprint=fingerprint,
+            timeout=spec.rendezvous_timeout,
+            name=spec.name,
+        )
         self._subgroups: list[Any] = []
         self.same_host = len({p["host"] for p in self._peers.values()}) == 1
         with self.errors_for("process group creation"):
-            self.pg = process_group.make_group(backend, dist.PrefixStore("pg", self._store), self.rank,
-                                               self.world_size, timeout=spec.timeout, bind_addr=spec.bind_addr)
+            self.pg = process_group.make_group(
+                backend,
+                dist.PrefixStore("pg", self._store),
+                self.rank,
+                self.world_size,
+                timeout=spec.timeout,
+                bind_addr=spec.bind_addr,
+            )
         self._shm, self._cross = self._fast_path(backend)
         self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL)
         # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
@@ -279,9 +304,12 @@ class ProcessGroupCommunicator:
         shm = None
         if len(mine) > 1:
             with self.errors_for("shared-memory set-up"):
-                shm = ShmAllReduce(mine.index(self.rank), len(mine),
-                                   dist.PrefixStore(f"shm/{order.index(str(self._peers[self.rank]['host']))}",
-                                                    self._store), timeout=self.spec.timeout)
+                shm = ShmAllReduce(
+                    mine.index(self.rank),
+                    len(mine),
+                    dist.PrefixStore(f"shm/{order.index(str(self._peers[self.rank]['host']))}", self._store),
+                    timeout=self.spec.timeout,
+                )
         cross = None
         if len(hosts) > 1:
             k = mine.index(self.rank)
@@ -291,9 +319,14 @@ class ProcessGroupCommunicator:
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
         """Ranks that are dead or stopped (see :func:`phalanx.comm.health.unresponsive_peers`)."""
-        return health.unresponsive_peers(self._peers, self.rank, rendezvous.host_id(),
-                                         (self.spec.master_addr, self.spec.master_port), self.world_size,
-                                         HEARTBEAT_INTERVAL)
+        return health.unresponsive_peers(
+            self._peers,
+            self.rank,
+            rendezvous.host_id(),
+            (self.spec.master_addr, self.spec.master_port),
+            self.world_size,
+            HEARTBEAT_INTERVAL,
+        )
 
     @contextlib.contextmanager
     def errors_for(self, operation: str) -> Iterator[None]:
@@ -311,16 +344,22 @@ class ProcessGroupCommunicator:
             text = str(e)
             peers = [self.spec.name(r) for r in self._unresponsive_peers()] if hasattr(self, "_peers") else []
             first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            raise classify(e)(peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}",
-                              cause=first_line[:300]) from e
+            raise classify(e)(
+                peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}", cause=first_line[:300]
+            ) from e
 
     _translate = errors_for  # the former private name
 
     # ----------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         """Starts an in-place all-reduce of ``tensor``; ``op`` is sum, mean, max, min or product."""
-        native = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                  "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[op]
+        native = {
+            "sum": dist.ReduceOp.SUM,
+            "mean": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+            "product": dist.ReduceOp.PRODUCT,
+        }[op]
         if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
             return self._hierarchical_all_reduce(tensor, op, native)
         with self.errors_for("all-reduce"):
@@ -334,8 +373,12 @@ class ProcessGroupCommunicator:
                 self._shm.all_reduce(tensor, "sum" if op == "mean" else op)
             except PeerUnavailableError as e:  # keep its kind (dead vs stalled); name peers the job's way
                 peers = [self.spec.name(r) for r in self._unresponsive_peers()]
-                raise type(e)(peers, step=self.step, operation=f"all-reduce on {self.spec.name(self.rank)}",
-                              cause=str(e.args[0]).split(" HINT:")[0][:300]) from e
+                raise type(e)(
+                    peers,
+                    step=self.step,
+                    operation=f"all-reduce on {self.spec.name(self.rank)}",
+                    cause=str(e.args[0]).split(" HINT:")[0][:300],
+                ) from e
         with self.errors_for("all-reduce"):
             if self._cross is not None:
                 self._cross.allreduce([tensor], native).wait()
@@ -386,8 +429,13 @@ class ProcessGroupCommunicator:
     def subgroup(self, ranks: list[int], tag: str) -> Any:
         """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
         with self.errors_for(f"creating group {tag}"):
-            group = process_group.gloo_group(dist.PrefixStore(f"sub/{tag}", self._store), ranks.index(self.rank),
-                                             len(ranks), timeout=self.spec.timeout, bind_addr=self.spec.bind_addr)
+            group = process_group.gloo_group(
+                dist.PrefixStore(f"sub/{tag}", self._store),
+                ranks.index(self.rank),
+                len(ranks),
+                timeout=self.spec.timeout,
+                bind_addr=self.spec.bind_addr,
+            )
         self._subgroups.append(group)
         return group
 

@@ -77,11 +77,11 @@ class FieldGuard:
                 buffer = torch.zeros(self.world_size * len(mine), dtype=dtype)
                 cached = self._buffers[dtype] = (buffer, buffer.numpy())
             at = self.rank * len(mine)
-            cached[1][at:at + len(mine)] = mine  # type: ignore[index]
+            cached[1][at : at + len(mine)] = mine  # type: ignore[index]
             return cached[0]
         out = [0] * (self.world_size * len(mine))
         at = self.rank * len(mine)
-        out[at:at + len(mine)] = mine
+        out[at : at + len(mine)] = mine
         return torch.tensor(out, dtype=dtype, device=device)
 
     def decode(self, summed: torch.Tensor) -> list[list[int]]:
@@ -91,10 +91,15 @@ class FieldGuard:
         if digits > 1:
             raw = [(raw[i] << 16) | (raw[i + 1] << 8) | raw[i + 2] for i in range(0, len(raw), 3)]
         w = self._width
-        return [raw[r * w:(r + 1) * w] for r in range(self.world_size)]
+        return [raw[r * w : (r + 1) * w] for r in range(self.world_size)]
 
-    def check(self, summed: torch.Tensor, name: Callable[[int], str], step: int | None = None,
-              on_parameters: Callable[[int], str | None] | None = None) -> None:
+    def check(
+        self,
+        summed: torch.Tensor,
+        name: Callable[[int], str],
+        step: int | None = None,
+        on_parameters: Callable[[int], str | None] | None = None,
+    ) -> None:
         """Raises :class:`ReplicaDivergenceError` if any replica's row differs from this replica's.
 
         Args:
@@ -111,7 +116,7 @@ class FieldGuard:
         flat = summed.tolist()  # the usual case, every row alike, in one conversion and a few list compares
         w = len(flat) // self.world_size
         head = flat[:w]
-        if all(flat[i:i + w] == head for i in range(w, len(flat), w)):
+        if all(flat[i : i + w] == head for i in range(w, len(flat), w)):
             return
         rows = self.decode(summed)
         first = rows[0]
@@ -124,8 +129,10 @@ class FieldGuard:
                     field = FIELDS[i]
                     parameter = on_parameters(r) if field == "parameters" and on_parameters else None
                     if field == "parameters" and 0 in (a, b):
-                        values: tuple = ("not fingerprinted" if a == 0 else f"fingerprint {a:06x}",
-                                         "not fingerprinted" if b == 0 else f"fingerprint {b:06x}")
+                        values: tuple = (
+                            "not fingerprinted" if a == 0 else f"fingerprint {a:06x}",
+                            "not fingerprinted" if b == 0 else f"fingerprint {b:06x}",
+                        )
                     elif field == "parameters":
                         values = (f"fingerprint {a:06x}", f"fingerprint {b:06x}")
                     else:
@@ -157,8 +164,12 @@ class ReplicaGuard:
             order on every replica.
     """
 
-    def __init__(self, comm: object, fields: Callable[[], tuple[int, int, int]],
-                 params: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+    def __init__(
+        self,
+        comm: object,
+        fields: Callable[[], tuple[int, int, int]],
+        params: Callable[[], list[tuple[str, torch.Tensor]]],
+    ) -> None:
         self._comm = comm
         self._fields = FieldGuard(comm.rank, comm.world_size)  # type: ignore[attr-defined]
         self._values = fields
@@ -180,8 +191,9 @@ class ReplicaGuard:
                 h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
         return 1 + h % (_LIMIT - 1)
 
-    def encode(self, dtype: torch.dtype, device: torch.device | str = "cpu", *,
-               with_parameters: bool = True) -> torch.Tensor | None:
+    def encode(
+        self, dtype: torch.dtype, device: torch.device | str = "cpu", *, with_parameters: bool = True
+    ) -> torch.Tensor | None:
         """This replica's contribution, to append to a tensor of ``dtype`` being all-reduced (SUM)."""
         if digits_for(dtype) is None:
             return None
@@ -209,6 +221,6 @@ class ReplicaGuard:
         every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
         a, b = every[0].tolist(), every[other].tolist()
         for i, label in enumerate(self._labels):
-            if a[2 * i:2 * i + 2] != b[2 * i:2 * i + 2]:
+            if a[2 * i : 2 * i + 2] != b[2 * i : 2 * i + 2]:
                 return label
         return None

@@ -82,8 +82,14 @@ class Heartbeat:
         self._thread.join(timeout=timeout)
 
 
-def unresponsive_peers(peers: dict[int, dict[str, Any]], rank: int, host: str, master: tuple[str, int],
-                       world_size: int, interval: float = HEARTBEAT_INTERVAL) -> list[int]:
+def unresponsive_peers(
+    peers: dict[int, dict[str, Any]],
+    rank: int,
+    host: str,
+    master: tuple[str, int],
+    world_size: int,
+    interval: float = HEARTBEAT_INTERVAL,
+) -> list[int]:
     """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest.
 
     Args:
@@ -105,8 +111,9 @@ def unresponsive_peers(peers: dict[int, dict[str, Any]], rank: int, host: str, m
             time.sleep(0.02)
     if remote:
         try:
-            client = dist.TCPStore(master[0], master[1], world_size, False, datetime.timedelta(seconds=2),
-                                   wait_for_workers=False)
+            client = dist.TCPStore(
+                master[0], master[1], world_size, False, datetime.timedelta(seconds=2), wait_for_workers=False
+            )
 
             def beats() -> dict[int, bytes]:
                 return {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}

@@ -53,6 +53,7 @@ class InMemoryStore:
             while not all(k in self._data for k in keys):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"store keys {[k for k in keys if k not in self._data]} not set "
-                                       f"within {self.timeout_s}s")
+                    raise TimeoutError(
+                        f"store keys {[k for k in keys if k not in self._data]} not set within {self.timeout_s}s"
+                    )
                 self._cond.wait(left)

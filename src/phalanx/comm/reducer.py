@@ -59,9 +59,15 @@ class GradientReducer:
         guard: checks that the replicas agree, riding on the first bucket of every pass.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], all_reduce: Callable[[torch.Tensor], Any],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1, keep_grads: bool = True,
-                 guard: Any = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        all_reduce: Callable[[torch.Tensor], Any],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        num_packs: int = 1,
+        keep_grads: bool = True,
+        guard: Any = None,
+    ) -> None:
         self._all_reduce = all_reduce
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
         # dropping .grad frees its memory and makes the optimizer skip the parameter.
@@ -83,8 +89,9 @@ class GradientReducer:
         self._guard_len = 0
         self.add(params, bucket_bytes, num_packs)
 
-    def add(self, params: list[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            num_packs: int = 1) -> None:
+    def add(
+        self, params: list[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_packs: int = 1
+    ) -> None:
         """Registers more parameters (created in a later ``scope()``) in new buckets."""
         params = [p for p in params if p.requires_grad and id(p) not in self._where]
         if not params:
@@ -95,8 +102,11 @@ class GradientReducer:
         size = 0
         for p in reversed(params):
             # A bucket holds one dtype and one device, so it can be flattened into one tensor.
-            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
+            if current and (
+                size + p.numel() * p.element_size() > cap
+                or p.dtype != current[0].dtype
+                or p.device != current[0].device
+            ):
                 self._new_bucket(current)
                 current, size = [], 0
             current.append(p)
@@ -153,7 +163,8 @@ class GradientReducer:
             b, pos = self._where[id(param)]
             self._buckets[b].ready.add(pos)
             while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
-                    self._buckets[self._next].params):
+                self._buckets[self._next].params
+            ):
                 self._launch(self._buckets[self._next])
                 self._next += 1
 
@@ -187,11 +198,11 @@ class GradientReducer:
             for index, bucket in enumerate(self._buckets):
                 flat = bucket.handle.wait()
                 if index == 0 and self._guard_len:
-                    self.guard.verify(flat[flat.numel() - self._guard_len:])
+                    self.guard.verify(flat[flat.numel() - self._guard_len :])
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
-                    chunk = flat[offset:offset + n].view_as(p)
+                    chunk = flat[offset : offset + n].view_as(p)
                     key = id(p)
                     # What .grad held before this synchronisation: set aside by the hook, or (a
                     # parameter this pass did not reach) still in place.

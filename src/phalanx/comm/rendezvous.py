@@ -43,18 +43,34 @@ def host_id() -> str:
 def _address_error(task: str, host: str, port: int, err: OSError) -> ClusterSpecError:
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if isinstance(err, socket.gaierror):
-        return ClusterSpecError(task, address, f"the host {host!r} does not resolve ({err.strerror or err})",
-                                hint="use a hostname or IP that every task can resolve")
+        return ClusterSpecError(
+            task,
+            address,
+            f"the host {host!r} does not resolve ({err.strerror or err})",
+            hint="use a hostname or IP that every task can resolve",
+        )
     if err.errno == errno.EADDRINUSE:
-        return ClusterSpecError(task, address, f"port {port} is taken by another program on this host",
-                                hint="stop that program, or give this task another port (port 0 in tests)")
+        return ClusterSpecError(
+            task,
+            address,
+            f"port {port} is taken by another program on this host",
+            hint="stop that program, or give this task another port (port 0 in tests)",
+        )
     if err.errno == errno.EADDRNOTAVAIL:
-        return ClusterSpecError(task, address, f"{host!r} is not an address of this host",
-                                hint="each task's address must be one of its own host's addresses; the task "
-                                     "index may be wrong for this machine")
+        return ClusterSpecError(
+            task,
+            address,
+            f"{host!r} is not an address of this host",
+            hint="each task's address must be one of its own host's addresses; the task "
+            "index may be wrong for this machine",
+        )
     if err.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
-        return ClusterSpecError(task, address, f"this host has no {'IPv6' if ':' in host else 'IPv4'} support",
-                                hint="use addresses of one family (all IPv4 or all IPv6)")
+        return ClusterSpecError(
+            task,
+            address,
+            f"this host has no {'IPv6' if ':' in host else 'IPv4'} support",
+            hint="use addresses of one family (all IPv4 or all IPv6)",
+        )
     return ClusterSpecError(task, address, f"cannot listen there: {err}", hint="check the address and port")
 
 
@@ -62,8 +78,9 @@ def _resolve(host: str, port: int, task: str) -> tuple[int, Any]:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
-        raise _address_error(task, host, port, e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))) \
-            from None
+        raise _address_error(
+            task, host, port, e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))
+        ) from None
     return family, sockaddr
 
 
@@ -94,8 +111,17 @@ def check_bind_address(host: str, task: str = "task") -> None:
     listen_socket(host, 0, task).close()
 
 
-def connect_store(*, rank: int, world_size: int, master_addr: str, master_port: int, bind_addr: str,
-                  timeout: float, master_task: str, task: str) -> dist.TCPStore:
+def connect_store(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    bind_addr: str,
+    timeout: float,
+    master_task: str,
+    task: str,
+) -> dist.TCPStore:
     """Rank 0 serves the store on the master address; the others connect, within ``timeout``.
 
     Raises:
@@ -106,8 +132,9 @@ def connect_store(*, rank: int, world_size: int, master_addr: str, master_port: 
     delta = datetime.timedelta(seconds=timeout)
     if rank == 0:
         sock = listen_socket(bind_addr or master_addr, master_port, task)
-        return dist.TCPStore(master_addr, master_port, world_size, True, delta,
-                             wait_for_workers=False, master_listen_fd=sock.detach())
+        return dist.TCPStore(
+            master_addr, master_port, world_size, True, delta, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -124,8 +151,10 @@ def connect_store(*, rank: int, world_size: int, master_addr: str, master_port: 
     where = f"{master_task} at {master_addr}:{master_port}"
     error = box.get("error")
     if error is None and _accepts(master_addr, master_port):
-        cause = (f"port {master_port} accepts connections but never answered as a phalanx rendezvous store "
-                 "(another program holds it?)")
+        cause = (
+            f"port {master_port} accepts connections but never answered as a phalanx rendezvous store "
+            "(another program holds it?)"
+        )
     else:
         first = str(error).strip().splitlines()[0][:200] if error is not None and str(error).strip() else ""
         cause = f"nothing answered at port {master_port}" + (f" ({first})" if first else "")
@@ -141,8 +170,9 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def exchange(store: Any, *, rank: int, world_size: int, fingerprint: dict[str, Any], timeout: float,
-             name: Any) -> dict[int, dict[str, Any]]:
+def exchange(
+    store: Any, *, rank: int, world_size: int, fingerprint: dict[str, Any], timeout: float, name: Any
+) -> dict[int, dict[str, Any]]:
     """Publishes this rank's fingerprint, waits for everyone's and compares them.
 
     Returns:
@@ -166,8 +196,9 @@ def exchange(store: Any, *, rank: int, world_size: int, fingerprint: dict[str, A
         # A peer that believes in a larger world publishes a rank we do not expect.
         if store.check([f"rdzv/{world_size}"]):
             extra = json.loads(store.get(f"rdzv/{world_size}"))
-            raise ClusterSpecMismatchError("world_size", world_size, extra["fingerprint"].get("world_size"),
-                                           f"rank {world_size}")
+            raise ClusterSpecMismatchError(
+                "world_size", world_size, extra["fingerprint"].get("world_size"), f"rank {world_size}"
+            )
         if len(peers) == world_size:
             return peers
         if time.monotonic() > deadline:

@@ -60,17 +60,23 @@ from phalanx.errors import (
 
 __all__ = ["ShmAllReduce"]
 
-_UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply,
-           "max": np.maximum, "min": np.minimum}
-_TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul,
-              "max": torch.maximum, "min": torch.minimum}
+_UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply, "max": np.maximum, "min": np.minimum}
+_TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
 _OP_CODES = {name: code for code, name in enumerate(_UFUNCS)}
 # Data moves as numpy arrays over the tensors' memory: numpy never starts threads, while a
 # torch op above 32768 elements enters the intra-op pool, and with 2 threads in each of 2
 # processes on 2 cores, pool threads and waiting peers starve each other (1 MB: 130 ms).
-_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-            torch.bfloat16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
-            torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+_STORAGE = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.bfloat16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_STORAGE)}
 # numpy has no bfloat16 and no vectorised float16 math (40x slower than torch), and no
 # truncating integer division: these use torch ops of at most at::internal::GRAIN_SIZE
@@ -120,8 +126,9 @@ class _Segment:
             if create:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size != size:
-                raise DistributedRuntimeError(f"Shared segment {path} has the wrong size.",
-                                              hint="all ranks must pass the same capacity_bytes")
+                raise DistributedRuntimeError(
+                    f"Shared segment {path} has the wrong size.", hint="all ranks must pass the same capacity_bytes"
+                )
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         except BaseException:
@@ -175,12 +182,11 @@ class _Reduction:
                 return
         # torch math, in pieces that stay on this thread (one piece if torch has one thread)
         piece = max(1, out.size) if torch.get_num_threads() == 1 else _GRAIN
-        view = (lambda a: torch.from_numpy(a).view(self.dtype)) if self.dtype == torch.bfloat16 \
-            else torch.from_numpy
+        view = (lambda a: torch.from_numpy(a).view(self.dtype)) if self.dtype == torch.bfloat16 else torch.from_numpy
         for i in range(0, out.size, piece):
-            o = view(out[i:i + piece])
+            o = view(out[i : i + piece])
             if self.ufunc is None:
-                ins = [view(src[i:i + piece]) for src in srcs]
+                ins = [view(src[i : i + piece]) for src in srcs]
                 self.torch_fn(ins[0], ins[1], out=o)
                 for t in ins[2:]:
                     self.torch_fn(o, t, out=o)
@@ -217,8 +223,16 @@ class ShmAllReduce:
         tensor([1., 1., 1.])
     """
 
-    def __init__(self, rank: int, world_size: int, store: Any, *, prefix: str = "phalanx",
-                 timeout: float = 30.0, capacity_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        *,
+        prefix: str = "phalanx",
+        timeout: float = 30.0,
+        capacity_bytes: int = 16 << 20,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size}).")
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
@@ -229,8 +243,7 @@ class ShmAllReduce:
             return
         chunk = min(capacity_bytes // (2 * world_size), _MAX_CHUNK_BYTES) // 4096 * 4096
         if chunk <= 0:
-            raise ValueError(f"capacity_bytes={capacity_bytes} is too small; need at least "
-                             f"{2 * world_size * 4096}.")
+            raise ValueError(f"capacity_bytes={capacity_bytes} is too small; need at least {2 * world_size * 4096}.")
         self._chunk_bytes = chunk
         self._header = -(-(world_size + 1) * _RANK_BYTES // 4096) * 4096  # block 0: magic, world_size
         self._stride = _RANK_BYTES // 8
@@ -255,14 +268,16 @@ class ShmAllReduce:
             except FileNotFoundError:
                 raise DistributedRuntimeError(
                     f"Rank {rank} cannot open shared segment {name!r} in {_SHM_DIR}.",
-                    hint="ShmAllReduce needs every rank on one host (and one /dev/shm)") from None
+                    hint="ShmAllReduce needs every rank on one host (and one /dev/shm)",
+                ) from None
         try:
             if rank == 0:
                 seg.words[1], seg.words[0] = n, _MAGIC
                 store.set(f"{base}/name", name)
             elif (seg.words[0], seg.words[1]) != (_MAGIC, n):
-                raise DistributedRuntimeError(f"Shared segment {name!r} is not for this job.",
-                                              hint="all ranks must pass the same world_size")
+                raise DistributedRuntimeError(
+                    f"Shared segment {name!r} is not for this job.", hint="all ranks must pass the same world_size"
+                )
             store.set(f"{base}/pid/{rank}", f"{os.getpid()} {_start_time(os.getpid())}")
             keys = [f"{base}/pid/{j}" for j in range(n)]
             try:
@@ -287,8 +302,9 @@ class ShmAllReduce:
         views = self._seg.views.get(dtype)
         if views is None:
             n, chunk, at = self.world_size, self._chunk_bytes, self._header
-            views = [[self._seg.bytes[at + (p * n + r) * chunk:][:chunk].view(dtype)
-                      for r in range(n)] for p in range(2)]
+            views = [
+                [self._seg.bytes[at + (p * n + r) * chunk :][:chunk].view(dtype) for r in range(n)] for p in range(2)
+            ]
             self._seg.views[dtype] = views
         return views
 
@@ -316,11 +332,12 @@ class ShmAllReduce:
             raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(_UFUNCS)}.")
         code = _DTYPE_CODES.get(tensor.dtype)
         if code is None or tensor.device.type != "cpu":
-            raise TypeError(f"ShmAllReduce supports CPU tensors of dtype "
-                            f"{[str(d) for d in _STORAGE]}; got {tensor.dtype} on {tensor.device}.")
+            raise TypeError(
+                f"ShmAllReduce supports CPU tensors of dtype "
+                f"{[str(d) for d in _STORAGE]}; got {tensor.dtype} on {tensor.device}."
+            )
         if self._closed:
-            raise DistributedRuntimeError("ShmAllReduce is closed.",
-                                          hint="create a new instance (on every rank)")
+            raise DistributedRuntimeError("ShmAllReduce is closed.", hint="create a new instance (on every rank)")
         if self.world_size == 1 or tensor.numel() == 0:
             return tensor
         raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
@@ -335,7 +352,7 @@ class ShmAllReduce:
                 else:
                     step_elems = self._chunk_bytes // flat.itemsize
                     for c in range(0, flat.size, step_elems):
-                        self._large(flat[c:c + step_elems], reduce, sig)
+                        self._large(flat[c : c + step_elems], reduce, sig)
             if not arr.flags.c_contiguous:
                 np.copyto(arr, flat.reshape(arr.shape))
         except BaseException:  # mid-collective: our steps no longer match the peers'
@@ -425,15 +442,22 @@ class ShmAllReduce:
                 raise DistributedRuntimeError(
                     f"shm all_reduce: ranks {bad} passed a different numel/dtype/op than rank "
                     f"{self.rank} (numel={sig >> 8}).",
-                    hint="call all_reduce with the same tensor shape, dtype and op on every rank")
+                    hint="call all_reduce with the same tensor shape, dtype and op on every rank",
+                )
 
     def _check_peers(self, pending: list[int], expired: bool) -> None:
         dead = [j for j in pending if not _alive(*self._peers[j])]
         if dead:
             raise PeerUnavailableError(
-                [f"rank {j}" for j in dead], step=None, operation="shm all_reduce",
-                cause=f"process {', '.join(str(self._peers[j][0]) for j in dead)} exited")
+                [f"rank {j}" for j in dead],
+                step=None,
+                operation="shm all_reduce",
+                cause=f"process {', '.join(str(self._peers[j][0]) for j in dead)} exited",
+            )
         if expired:
             raise CollectiveTimeoutError(
-                [f"rank {j}" for j in pending], step=None, operation="shm all_reduce",
-                cause=f"alive but did not arrive within {self.timeout:g}s")
+                [f"rank {j}" for j in pending],
+                step=None,
+                operation="shm all_reduce",
+                cause=f"alive but did not arrive within {self.timeout:g}s",
+            )

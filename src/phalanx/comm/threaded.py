@@ -34,7 +34,12 @@ from phalanx.comm.memory_store import InMemoryStore
 from phalanx.errors import CollectiveTimeoutError, DistributedRuntimeError
 
 _OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+    "sum": torch.add,
+    "mean": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+    "product": torch.mul,
+}
 
 
 class ThreadedWorld:
@@ -81,14 +86,20 @@ class ThreadedCommunicator:
         try:
             self._world.barrier.wait(self._world.timeout)
         except threading.BrokenBarrierError:
-            raise CollectiveTimeoutError([], step=self.step, operation=f"{operation} on {self.name(self.rank)}",
-                                         cause=f"not every rank arrived within {self._world.timeout:g}s") from None
+            raise CollectiveTimeoutError(
+                [],
+                step=self.step,
+                operation=f"{operation} on {self.name(self.rank)}",
+                cause=f"not every rank arrived within {self._world.timeout:g}s",
+            ) from None
 
     def _same_shape(self, tensors: list[torch.Tensor], operation: str) -> None:
         shapes = {(tuple(t.shape), t.dtype) for t in tensors}
         if len(shapes) > 1:
-            raise DistributedRuntimeError(f"{operation}: ranks passed different shapes/dtypes {sorted(map(str, shapes))}.",
-                                          hint="every rank must call the same collectives with the same tensors")
+            raise DistributedRuntimeError(
+                f"{operation}: ranks passed different shapes/dtypes {sorted(map(str, shapes))}.",
+                hint="every rank must call the same collectives with the same tensors",
+            )
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
@@ -149,8 +160,9 @@ class ThreadedCommunicator:
         return None
 
 
-def run_threaded(world_size: int, fn: Callable[[ThreadedCommunicator], Any], timeout: float = 30.0,
-                 collective_timeout: float = 10.0) -> list[Any]:
+def run_threaded(
+    world_size: int, fn: Callable[[ThreadedCommunicator], Any], timeout: float = 30.0, collective_timeout: float = 10.0
+) -> list[Any]:
     """Runs ``fn(comm)`` on ``world_size`` threads, one rank each; returns the results in rank order.
 
     Raises:
@@ -169,8 +181,9 @@ def run_threaded(world_size: int, fn: Callable[[ThreadedCommunicator], Any], tim
             errors[rank] = e
             world.barrier.abort()  # peers waiting in a collective stop now, not at their timeout
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"phalanx-rank-{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"phalanx-rank-{r}", daemon=True) for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -187,8 +200,9 @@ def run_threaded(world_size: int, fn: Callable[[ThreadedCommunicator], Any], tim
     return results
 
 
-def per_rank_errors(world_size: int, fn: Callable[[ThreadedCommunicator], Any],
-                    timeout: float = 30.0) -> list[BaseException | None]:
+def per_rank_errors(
+    world_size: int, fn: Callable[[ThreadedCommunicator], Any], timeout: float = 30.0
+) -> list[BaseException | None]:
     """Like :func:`run_threaded` but returns each rank's exception (or None) instead of raising."""
     out: list[BaseException | None] = [None] * world_size
 

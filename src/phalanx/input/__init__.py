@@ -4,5 +4,16 @@ from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, I
 from phalanx.input.distributed_dataset import DatasetFromFunction, DistributedDataset, DistributedIterator
 from phalanx.input.spec import EmptyOptionalError, Optional, TensorSpec
 
-__all__ = ["AutoShardPolicy", "DatasetFromFunction", "DistributedDataset", "DistributedIterator", "EmptyOptionalError",
-           "InputContext", "InputOptions", "InputReplicationMode", "Optional", "TensorSpec", "ValueContext"]
+__all__ = [
+    "AutoShardPolicy",
+    "DatasetFromFunction",
+    "DistributedDataset",
+    "DistributedIterator",
+    "EmptyOptionalError",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Optional",
+    "TensorSpec",
+    "ValueContext",
+]

@@ -72,7 +72,8 @@ class InputContext:
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(
                 f"The global batch size ({global_batch_size}) must be divisible by "
-                f"num_replicas_in_sync ({self.num_replicas_in_sync}).")
+                f"num_replicas_in_sync ({self.num_replicas_in_sync})."
+            )
         return global_batch_size // self.num_replicas_in_sync
 
 

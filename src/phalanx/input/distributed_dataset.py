@@ -87,7 +87,8 @@ class _Placer:
         if not self.enabled:
             return element
         return nest.map_structure(
-            lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, element)
+            lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, element
+        )
 
 
 class DistributedIterator:
@@ -178,16 +179,23 @@ def _fingerprint(element: Any) -> float:
 
 
 def check_same_batch(ext: Any, element: Any, index: int) -> None:
-    """Raises :class:`InputMismatchError` on every replica if the processes' global batches differ."""
-    f = _fingerprint(element)
-    both = ext.communicator.all_reduce(torch.tensor([f, -f], dtype=torch.float64), "max").wait()
+    """Raises :class:`InputMismatchError` on every replica if the processes' global batches differ.
+
+    Batches of different sizes are left to the consistency guard of the step that follows, which
+    names both replicas and both sizes (``ReplicaDivergenceError``, field "global batch size").
+    """
+    f, size = _fingerprint(element), float(batch_size_of(element))
+    both = ext.communicator.all_reduce(torch.tensor([f, -f, size, -size], dtype=torch.float64), "max").wait()
+    if float(both[2]) != -float(both[3]):
+        return
     if float(both[0]) != -float(both[1]):
         raise InputMismatchError(
             f"The processes read different global batches (batch {index} of this pass; on "
             f"{ext.process_name()} its fingerprint is {f:.6g}, the largest is {float(both[0]):.6g}).",
             hint="every process must produce the same global batches: seed the shuffling (e.g. "
-                 "DataLoader(generator=torch.Generator().manual_seed(epoch))), or give each process its own "
-                 "data with distribute_datasets_from_function")
+            "DataLoader(generator=torch.Generator().manual_seed(epoch))), or give each process its own "
+            "data with distribute_datasets_from_function",
+        )
 
 
 class DistributedDataset:
@@ -195,8 +203,9 @@ class DistributedDataset:
 
     def __init__(self, strategy: "Strategy", dataset: Iterable[Any], options: InputOptions | None = None) -> None:
         if not hasattr(dataset, "__iter__"):
-            raise TypeError(f"experimental_distribute_dataset needs an iterable of batches; received "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"experimental_distribute_dataset needs an iterable of batches; received {type(dataset).__name__}"
+            )
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
@@ -206,8 +215,10 @@ class DistributedDataset:
         shardable = callable(getattr(dataset, "shard", None))
         # (number of parts, index of ours) each batch read by this process is split into
         if workers > 1 and policy is AutoShardPolicy.FILE and not shardable:
-            raise ValueError(f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
-                             f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches.")
+            raise ValueError(
+                f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
+                f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches."
+            )
         if workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
             dataset = dataset.shard(workers, ext.input_sharding.worker_index)  # type: ignore[attr-defined]
             self._split = (local_world, ext.process_index % local_world)
@@ -267,9 +278,13 @@ class DistributedDataset:
                 raise BatchSizeError(size, num)
             first = False
             start, end = slice_bounds(size, num, index)
-            yield nest.map_structure(
-                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t,  # noqa: B023 - applied now
-                element), size
+            yield (
+                nest.map_structure(
+                    lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t,  # noqa: B023 - applied now
+                    element,
+                ),
+                size,
+            )
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
@@ -292,8 +307,12 @@ class DistributedDataset:
 class DatasetFromFunction:
     """One input pipeline per process, built by ``dataset_fn(InputContext)``; see module doc."""
 
-    def __init__(self, strategy: "Strategy", dataset_fn: Callable[[InputContext], Iterable[Any]],
-                 options: InputOptions | None = None) -> None:
+    def __init__(
+        self,
+        strategy: "Strategy",
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> None:
         self._strategy = strategy
         self._options = options or InputOptions()
         ext = strategy.extended
@@ -358,13 +377,16 @@ def _agreed(ext: Any, elements: Iterator[Any]) -> Iterator[tuple[Any, int]]:
         # One small collective per step: does anyone still have data, and how many examples
         # make up this step's global batch?
         flags = ext.all_reduce(
-            [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)], ReduceOp.SUM)[0]
+            [torch.tensor([float(element is not None), float(local_size)], dtype=torch.float64)], ReduceOp.SUM
+        )[0]
         if flags[0] == 0:
             return
         if element is None:
             if last is None:
-                raise ValueError(f"The input of {ext.process_name()} produced no batch at all while "
-                                 "others did; every input pipeline needs at least one batch.")
+                raise ValueError(
+                    f"The input of {ext.process_name()} produced no batch at all while "
+                    "others did; every input pipeline needs at least one batch."
+                )
             element = nest.map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, last)
         else:
             last = element

@@ -33,6 +33,7 @@ class TensorSpec:
 
 def spec_of(element: Any) -> Any:
     """The structure of :class:`TensorSpec` describing ``element`` (non-tensors are kept as they are)."""
+
     def one(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return TensorSpec((None, *leaf.shape[1:]) if leaf.dim() else (), leaf.dtype)
@@ -72,8 +73,10 @@ class Optional:
             EmptyOptionalError: there is none.
         """
         if not self._has:
-            raise EmptyOptionalError("get_value() of an empty Optional: the distributed dataset is exhausted.",
-                                     hint="check has_value() first")
+            raise EmptyOptionalError(
+                "get_value() of an empty Optional: the distributed dataset is exhausted.",
+                hint="check has_value() first",
+            )
         return self._value
 
     @property

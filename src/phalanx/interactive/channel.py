@@ -42,8 +42,10 @@ class Channel:
             return None
         (size,) = _HEADER.unpack(header)
         if size > MAX_MESSAGE:
-            raise LaunchError(f"A control message of {size} bytes exceeds the limit of {MAX_MESSAGE}.",
-                              hint="the peer is not a phalanx replica of this session")
+            raise LaunchError(
+                f"A control message of {size} bytes exceeds the limit of {MAX_MESSAGE}.",
+                hint="the peer is not a phalanx replica of this session",
+            )
         data = self._read(size)
         if data is None:
             return None
@@ -75,8 +77,9 @@ class Channel:
             pass
 
 
-def accept_authenticated(listener: socket.socket, secret: str, timeout: float,
-                         check: Callable[[], None] | None = None) -> tuple[Channel, int]:
+def accept_authenticated(
+    listener: socket.socket, secret: str, timeout: float, check: Callable[[], None] | None = None
+) -> tuple[Channel, int]:
     """Accepts one replica that proves it knows ``secret``; returns its channel and rank.
 
     ``check`` is called every 0.2 s while waiting; it raises to give up early (a replica died).
@@ -94,16 +97,22 @@ def accept_authenticated(listener: socket.socket, secret: str, timeout: float,
                 check()
             if time.monotonic() < deadline:
                 continue
-            raise LaunchError(f"No replica connected back within {timeout:.0f} s.",
-                              hint="see the replicas' logs for the reason they did not start") from None
+            raise LaunchError(
+                f"No replica connected back within {timeout:.0f} s.",
+                hint="see the replicas' logs for the reason they did not start",
+            ) from None
         sock.settimeout(max(1.0, deadline - time.monotonic()))
         channel = Channel(sock)
         try:
             hello = channel.recv()
         except (LaunchError, ValueError):
             hello = None
-        if (hello and hello.get("op") == "hello" and isinstance(hello.get("secret"), str)
-                and hmac.compare_digest(hello["secret"].encode(), secret.encode())):
+        if (
+            hello
+            and hello.get("op") == "hello"
+            and isinstance(hello.get("secret"), str)
+            and hmac.compare_digest(hello["secret"].encode(), secret.encode())
+        ):
             sock.settimeout(None)
             return channel, int(hello["rank"])
         channel.close()  # a stranger: drop it and keep waiting

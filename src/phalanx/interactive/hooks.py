@@ -17,8 +17,10 @@ class InterruptedAtStep(KeyboardInterrupt):
 
     def __init__(self, step: int) -> None:
         self.step = step
-        super().__init__(f"interrupted as every replica started step {step} of this cell "
-                         f"({step - 1} complete steps ran on each; the replicas are in step)")
+        super().__init__(
+            f"interrupted as every replica started step {step} of this cell "
+            f"({step - 1} complete steps ran on each; the replicas are in step)"
+        )
 
 
 def short_traceback(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:

@@ -30,8 +30,9 @@ from phalanx.interactive.control import Control
 from phalanx.launch.env import ReplicaEnv
 
 # Cell magics that start a program: run by replica 0 only.
-_SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system", "sx", "perl", "ruby", "pypy",
-                                "python2", "python3", "writefile"})
+_SHELL_CELL_MAGICS = frozenset(
+    {"bash", "sh", "script", "system", "sx", "perl", "ruby", "pypy", "python2", "python3", "writefile"}
+)
 
 
 def die_with_parent() -> None:
@@ -48,8 +49,9 @@ def ipython_shell() -> Any:
 class ReplicaSession:
     """Replica ``rank`` of an interactive session (see the module docstring)."""
 
-    def __init__(self, rank: int, world_size: int, channel: Channel, control: Control, env: ReplicaEnv,
-                 mode: str, shell: Any) -> None:
+    def __init__(
+        self, rank: int, world_size: int, channel: Channel, control: Control, env: ReplicaEnv, mode: str, shell: Any
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self.channel, self.control, self.env = channel, control, env
         self.mode, self.shell = mode, shell
@@ -61,17 +63,21 @@ class ReplicaSession:
     def env_for(self, strategy: Any, world_size: int) -> ReplicaEnv:
         """The identity of the next strategy this replica constructs (the order is the cells')."""
         if self.replaying:
-            raise LaunchError("A multi-replica strategy of an earlier cell is not recreated while a spawned "
-                              "replica replays the history (its replicas are gone); the cell that starts "
-                              "this session does that.")
+            raise LaunchError(
+                "A multi-replica strategy of an earlier cell is not recreated while a spawned "
+                "replica replays the history (its replicas are gone); the cell that starts "
+                "this session does that."
+            )
         index, self._strategies = self._strategies, self._strategies + 1
         if index == 0:
             return self.env
         self.channel.send({"op": "port", "index": index, "world_size": world_size})
         reply = self.channel.recv()
         if reply is None or reply.get("op") != "port" or reply.get("port") is None:
-            raise LaunchError(f"Replica {self.rank} got no address for strategy {index} from replica 0 "
-                              f"({(reply or {}).get('error', 'connection closed')}).")
+            raise LaunchError(
+                f"Replica {self.rank} got no address for strategy {index} from replica 0 "
+                f"({(reply or {}).get('error', 'connection closed')})."
+            )
         return ReplicaEnv(**{**self.env.__dict__, "master_port": int(reply["port"])})
 
     def strategy_closed(self, strategy: Any) -> None:
@@ -102,8 +108,15 @@ class ReplicaSession:
 
     def report(self, cell: int, error: BaseException | None) -> None:
         text = "".join(traceback.format_exception(error)) if error is not None else ""
-        self.channel.send({"op": "done", "id": cell, "ok": error is None, "error": text,
-                           "type": type(error).__name__ if error is not None else ""})
+        self.channel.send(
+            {
+                "op": "done",
+                "id": cell,
+                "ok": error is None,
+                "error": text,
+                "type": type(error).__name__ if error is not None else "",
+            }
+        )
 
     def serve(self) -> None:
         """Runs the cells replica 0 sends until it says to exit or goes away."""

@@ -88,8 +88,9 @@ def start_method() -> str:
     if raw not in ("", "fork", "spawn"):
         from phalanx.errors import ClusterSpecError
 
-        raise ClusterSpecError(START_ENV, raw, "must be fork or spawn",
-                               hint="leave it unset: fork, or spawn once CUDA is initialised")
+        raise ClusterSpecError(
+            START_ENV, raw, "must be fork or spawn", hint="leave it unset: fork, or spawn once CUDA is initialised"
+        )
     if raw:
         return raw
     torch = sys.modules.get("torch")
@@ -149,9 +150,16 @@ class Session:
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.log_dir = os.path.join(log_root(), self.run_id)
         os.makedirs(self.log_dir, exist_ok=True)
-        self.env = ReplicaEnv(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
-                              master_addr="127.0.0.1", master_port=free_port(), run_id=self.run_id,
-                              log_dir=self.log_dir)
+        self.env = ReplicaEnv(
+            rank=0,
+            world_size=world_size,
+            local_rank=0,
+            local_world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            run_id=self.run_id,
+            log_dir=self.log_dir,
+        )
         self.shell = ipython_shell() if mode == "ipython" else None
         self.control = Control(world_size, os.path.join(self.log_dir, "control") if self.method == "spawn" else None)
         self.replicas: dict[int, _Replica] = {}
@@ -179,15 +187,19 @@ class Session:
         """Starts replicas 1..N-1. Returns ``(session, env)`` for this process: in a forked child,
         the child's own :class:`ReplicaSession` and identity."""
         if self.mode == "program" and self.method == "spawn":
-            raise LaunchError("A multi-replica strategy in `python -c` or `python -` cannot spawn fresh "
-                              "replicas (CUDA is initialised, or PHALANX_INTERACTIVE_START=spawn): "
-                              "there is no source to start them from.",
-                              hint="save the code to train.py and run `python train.py`")
+            raise LaunchError(
+                "A multi-replica strategy in `python -c` or `python -` cannot spawn fresh "
+                "replicas (CUDA is initialised, or PHALANX_INTERACTIVE_START=spawn): "
+                "there is no source to start them from.",
+                hint="save the code to train.py and run `python train.py`",
+            )
         if self.mode == "repl" and self.method == "spawn":
-            raise LaunchError("The plain Python REPL cannot spawn fresh replicas (CUDA is initialised, or "
-                              "PHALANX_INTERACTIVE_START=spawn): it keeps no history of what ran before.",
-                              hint="create the strategy before anything touches CUDA, or use IPython "
-                                   "(`ipython`, Jupyter), which replays its history")
+            raise LaunchError(
+                "The plain Python REPL cannot spawn fresh replicas (CUDA is initialised, or "
+                "PHALANX_INTERACTIVE_START=spawn): it keeps no history of what ran before.",
+                hint="create the strategy before anything touches CUDA, or use IPython "
+                "(`ipython`, Jupyter), which replays its history",
+            )
         started = time.perf_counter()
         hooks.session = self
         try:
@@ -215,8 +227,12 @@ class Session:
         elif self.mode == "repl":
             sys.ps1 = _LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
         what = "the rest of the program" if self.mode == "program" else "every cell from this one on"
-        print(f"phalanx: started replicas 1..{self.world_size - 1} ({self.method}); they run {what}. "
-              f"Their output is in {self.log_dir}/replica_<k>.log", file=sys.stderr, flush=True)
+        print(
+            f"phalanx: started replicas 1..{self.world_size - 1} ({self.method}); they run {what}. "
+            f"Their output is in {self.log_dir}/replica_<k>.log",
+            file=sys.stderr,
+            flush=True,
+        )
         return self, self.env
 
     def _replica_env(self, rank: int) -> ReplicaEnv:
@@ -233,8 +249,9 @@ class Session:
                 ours.close()
                 for replica in self.replicas.values():
                     replica.channel.close()
-                child = ReplicaSession(rank, self.world_size, Channel(theirs), self.control,
-                                       self._replica_env(rank), self.mode, self.shell)
+                child = ReplicaSession(
+                    rank, self.world_size, Channel(theirs), self.control, self._replica_env(rank), self.mode, self.shell
+                )
                 become_forked_replica(child, parent, self.log_path(rank))
                 return child
             theirs.close()
@@ -251,19 +268,31 @@ class Session:
         try:
             for rank in range(1, self.world_size):
                 env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_") or k == "PHALANX_LOG_ROOT"}
-                env.update(PHALANX_INTERACTIVE_RANK=str(rank), PHALANX_INTERACTIVE_ADDR=address,
-                           PHALANX_INTERACTIVE_SECRET=secret, PYTHONUNBUFFERED="1")
+                env.update(
+                    PHALANX_INTERACTIVE_RANK=str(rank),
+                    PHALANX_INTERACTIVE_ADDR=address,
+                    PHALANX_INTERACTIVE_SECRET=secret,
+                    PYTHONUNBUFFERED="1",
+                )
                 with open(self.log_path(rank), "wb") as log:
                     processes[rank] = subprocess.Popen(
-                        [sys.executable, "-m", "phalanx.interactive.replica"], env=env, stdout=log,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(),
-                        preexec_fn=_new_group_dying_with_parent)
+                        [sys.executable, "-m", "phalanx.interactive.replica"],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=os.getcwd(),
+                        preexec_fn=_new_group_dying_with_parent,
+                    )
+
             def check() -> None:
                 for rank, process in processes.items():
                     if process.poll() is not None:
-                        raise LaunchError(f"Replica {rank} (pid {process.pid}) {_describe(process.returncode)} "
-                                          f"before it connected. Last lines of {self.log_path(rank)}:\n"
-                                          f"{self._tail(rank)}")
+                        raise LaunchError(
+                            f"Replica {rank} (pid {process.pid}) {_describe(process.returncode)} "
+                            f"before it connected. Last lines of {self.log_path(rank)}:\n"
+                            f"{self._tail(rank)}"
+                        )
 
             for _ in processes:
                 channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S, check)
@@ -277,8 +306,9 @@ class Session:
             listener.close()
         cells = self._history()
         for rank, replica in self.replicas.items():
-            replica.channel.send({"op": "init", "env": self._replica_env(rank).__dict__, "mode": self.mode,
-                                  "control": self.control.path})
+            replica.channel.send(
+                {"op": "init", "env": self._replica_env(rank).__dict__, "mode": self.mode, "control": self.control.path}
+            )
             replica.channel.send({"op": "replay", "cells": cells})
 
     def _history(self) -> list[str]:
@@ -292,10 +322,12 @@ class Session:
             with self._cond:
                 self.ports.append(None)
                 self._cond.notify_all()
-            raise LaunchError(f"This session's replicas are {self.world_size} processes; a strategy over "
-                              f"{world_size} devices cannot use them.",
-                              hint="call strategy.close() on the session's strategies first (a cell of its "
-                                   "own), then create the new one")
+            raise LaunchError(
+                f"This session's replicas are {self.world_size} processes; a strategy over "
+                f"{world_size} devices cannot use them.",
+                hint="call strategy.close() on the session's strategies first (a cell of its "
+                "own), then create the new one",
+            )
         with self._cond:
             port = free_port()
             self.ports.append(port)
@@ -327,8 +359,14 @@ class Session:
             raise hooks.InterruptedAtStep(self.steps)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if (self._stop_requested or not self.running or self.broken or self.closed
-                or threading.current_thread() is not threading.main_thread() or max(self.control.steps()) == 0):
+        if (
+            self._stop_requested
+            or not self.running
+            or self.broken
+            or self.closed
+            or threading.current_thread() is not threading.main_thread()
+            or max(self.control.steps()) == 0
+        ):
             self._interrupt_everyone(signum, frame)
             return
         self._stop_requested = True
@@ -377,8 +415,12 @@ class Session:
         if self.broken:
             if not self._told_broken:
                 self._told_broken = True
-                print(f"phalanx: this strategy's replicas are gone ({self.broken}); cells run on this "
-                      "process only. Create a new strategy to start new replicas.", file=sys.stderr, flush=True)
+                print(
+                    f"phalanx: this strategy's replicas are gone ({self.broken}); cells run on this "
+                    "process only. Create a new strategy to start new replicas.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         self.cell += 1
         self.steps = 0
@@ -409,8 +451,11 @@ class Session:
         while True:
             with self._cond:
                 pending = [r for r in self.replicas.values() if r.rank not in self._done and r.exit is None]
-                failed = [r for r in self.replicas.values()
-                          if r.exit is not None or not self._done.get(r.rank, {"ok": True})["ok"]]
+                failed = [
+                    r
+                    for r in self.replicas.values()
+                    if r.exit is not None or not self._done.get(r.rank, {"ok": True})["ok"]
+                ]
                 if not pending:
                     break
                 if failed and trouble_since is None:
@@ -431,8 +476,10 @@ class Session:
             self._break(f"replica {dead[0].rank} {dead[0].exit}")
         if killed:
             waiting = ", ".join(str(r.rank) for r in pending)
-            self._break(f"replica(s) {waiting} could not finish cell {self.cell} (blocked in a collective "
-                        "after another replica stopped)")
+            self._break(
+                f"replica(s) {waiting} could not finish cell {self.cell} (blocked in a collective "
+                "after another replica stopped)"
+            )
         if self.broken is None and not self.closed and not any(r() is not None for r in self.strategies):
             self.close()
         return result
@@ -441,14 +488,23 @@ class Session:
         for replica in sorted(self.replicas.values(), key=lambda r: r.rank):
             report = self._done.get(replica.rank)
             if report is not None and not report["ok"]:
-                if error is not None and report.get("type") == type(error).__name__ and not isinstance(
-                        error, PhalanxError):
+                if (
+                    error is not None
+                    and report.get("type") == type(error).__name__
+                    and not isinstance(error, PhalanxError)
+                ):
                     return None  # the same error everywhere: replica 0's own traceback says it all
-                return ReplicaCellError(replica.rank, f"(pid {replica.pid}) failed in this cell, "
-                                        f"as shown in {self.log_path(replica.rank)}", report["error"])
+                return ReplicaCellError(
+                    replica.rank,
+                    f"(pid {replica.pid}) failed in this cell, as shown in {self.log_path(replica.rank)}",
+                    report["error"],
+                )
             if report is None and replica.exit is not None:
-                return ReplicaCellError(replica.rank, f"(pid {replica.pid}) {replica.exit}",
-                                        f"last lines of {self.log_path(replica.rank)}:\n{self._tail(replica.rank)}")
+                return ReplicaCellError(
+                    replica.rank,
+                    f"(pid {replica.pid}) {replica.exit}",
+                    f"last lines of {self.log_path(replica.rank)}:\n{self._tail(replica.rank)}",
+                )
         return None
 
     def _tail(self, rank: int, lines: int = 15) -> str:
@@ -519,8 +575,12 @@ class Session:
             return  # a replica at the end of the program; _finish_program reads its status
         if code not in (0, None) and self._exit_code == 0:
             self._exit_code = 1
-        print(f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}. Last lines of "
-              f"{self.log_path(replica.rank)}:\n{self._tail(replica.rank)}\n", file=sys.stderr, flush=True)
+        print(
+            f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}. Last lines of "
+            f"{self.log_path(replica.rank)}:\n{self._tail(replica.rank)}\n",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.mode == "program":
             threading.Thread(target=self._end_program_later, daemon=True).start()
             return
@@ -544,8 +604,9 @@ class Session:
                 except OSError:
                     pass
             deadline = time.monotonic() + EXIT_GRACE_S
-            while time.monotonic() < deadline and any(r.poll() is None for r in self.replicas.values()
-                                                      if r.exit is None or r.process is not None):
+            while time.monotonic() < deadline and any(
+                r.poll() is None for r in self.replicas.values() if r.exit is None or r.process is not None
+            ):
                 time.sleep(0.01)
         for replica in self.replicas.values():
             if replica.poll() is None:
@@ -597,9 +658,13 @@ class Session:
         if failed is not None:
             self.closed = True
             self._stop_replicas(graceful=False)
-            print(f"phalanx: root cause (first failure): replica {failed.rank} (pid {failed.pid}) "
-                  f"{_describe(failed._status)}. Last lines of {self.log_path(failed.rank)}:\n"
-                  f"{self._tail(failed.rank)}", file=sys.stderr, flush=True)
+            print(
+                f"phalanx: root cause (first failure): replica {failed.rank} (pid {failed.pid}) "
+                f"{_describe(failed._status)}. Last lines of {self.log_path(failed.rank)}:\n"
+                f"{self._tail(failed.rank)}",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
             os._exit(1)
 

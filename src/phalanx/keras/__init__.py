@@ -43,8 +43,9 @@ from phalanx.keras._version import SUPPORTED, UnsupportedKerasError, check_keras
 try:
     import keras  # noqa: E402
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise UnsupportedKerasError(f"phalanx.keras needs Keras 3 ({SUPPORTED}); importing keras failed: {e}",
-                                hint="pip install 'phalanx[keras]'") from e
+    raise UnsupportedKerasError(
+        f"phalanx.keras needs Keras 3 ({SUPPORTED}); importing keras failed: {e}", hint="pip install 'phalanx[keras]'"
+    ) from e
 
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
@@ -64,7 +65,17 @@ from phalanx.strategy import RUN_OBSERVERS  # noqa: E402
 if observe_run not in RUN_OBSERVERS:
     RUN_OBSERVERS.append(observe_run)  # metrics used in custom loops report global values
 
-__all__ = ["Coordinator", "DatasetCreator", "DistributedModel", "InputMismatchError", "SUPPORTED",
-           "PsAdapter", "SyncAdapter", "UnsupportedKerasError", "UnsupportedMetricError",
-           "UnsupportedOptimizerError", "distribute",
-           "distributed_model"]
+__all__ = [
+    "Coordinator",
+    "DatasetCreator",
+    "DistributedModel",
+    "InputMismatchError",
+    "SUPPORTED",
+    "PsAdapter",
+    "SyncAdapter",
+    "UnsupportedKerasError",
+    "UnsupportedMetricError",
+    "UnsupportedOptimizerError",
+    "distribute",
+    "distributed_model",
+]

@@ -30,17 +30,21 @@ def parse_version(version: str) -> tuple[int, int]:
     """``"3.15.1"`` -> ``(3, 15)``; pre-release and local suffixes are ignored."""
     match = re.match(r"^\s*(\d+)\.(\d+)", str(version))
     if not match:
-        raise UnsupportedKerasError(f"Cannot read the Keras version {version!r}.",
-                                    hint=f"install Keras {SUPPORTED}: pip install 'phalanx[keras]'")
+        raise UnsupportedKerasError(
+            f"Cannot read the Keras version {version!r}.",
+            hint=f"install Keras {SUPPORTED}: pip install 'phalanx[keras]'",
+        )
     return int(match.group(1)), int(match.group(2))
 
 
 def check_keras_version(version: str, backend: str) -> None:
     """Raises :class:`UnsupportedKerasError` unless ``version`` is supported and ``backend`` is torch."""
     if not MIN_VERSION <= parse_version(version) < MAX_VERSION:
-        raise UnsupportedKerasError(f"phalanx.keras supports Keras {SUPPORTED}; found keras {version}.",
-                                    hint="pip install 'phalanx[keras]'")
+        raise UnsupportedKerasError(
+            f"phalanx.keras supports Keras {SUPPORTED}; found keras {version}.", hint="pip install 'phalanx[keras]'"
+        )
     if backend != "torch":
         raise UnsupportedKerasError(
             f"phalanx.keras needs Keras' torch backend; Keras was imported with the {backend!r} backend.",
-            hint="set KERAS_BACKEND=torch before the first `import keras` (or import phalanx.keras first)")
+            hint="set KERAS_BACKEND=torch before the first `import keras` (or import phalanx.keras first)",
+        )

@@ -52,10 +52,21 @@ _cb = keras.callbacks
 
 # Callbacks that write files or the terminal; they run on the chief only.
 CHIEF_ONLY: tuple[type, ...] = tuple(
-    c for c in (getattr(_cb, name, None) for name in
-                ("ModelCheckpoint", "TensorBoard", "CSVLogger", "RemoteMonitor", "ProgbarLogger", "BackupAndRestore",
-                 "OrbaxCheckpoint"))
-    if c is not None) + (TensorBoard,)
+    c
+    for c in (
+        getattr(_cb, name, None)
+        for name in (
+            "ModelCheckpoint",
+            "TensorBoard",
+            "CSVLogger",
+            "RemoteMonitor",
+            "ProgbarLogger",
+            "BackupAndRestore",
+            "OrbaxCheckpoint",
+        )
+    )
+    if c is not None
+) + (TensorBoard,)
 
 # Callbacks that may change the training state at train begin (restore a backup), on the chief.
 RESTORING: tuple[type, ...] = tuple(c for c in (getattr(_cb, "BackupAndRestore", None),) if c is not None)
@@ -63,11 +74,26 @@ RESTORING: tuple[type, ...] = tuple(c for c in (getattr(_cb, "BackupAndRestore",
 # Built-in callbacks known never to set stop_training between batches; anything else that acts
 # between batches makes the replicas agree after every batch.
 _NEVER_STOP_MID_EPOCH: tuple[type, ...] = tuple(
-    c for c in (getattr(_cb, name, None) for name in
-                ("ProgbarLogger", "History", "ModelCheckpoint", "TensorBoard", "CSVLogger", "RemoteMonitor",
-                 "LearningRateScheduler", "ReduceLROnPlateau", "BackupAndRestore", "EarlyStopping",
-                 "SwapEMAWeights", "OrbaxCheckpoint"))
-    if c is not None) + (TensorBoard,)
+    c
+    for c in (
+        getattr(_cb, name, None)
+        for name in (
+            "ProgbarLogger",
+            "History",
+            "ModelCheckpoint",
+            "TensorBoard",
+            "CSVLogger",
+            "RemoteMonitor",
+            "LearningRateScheduler",
+            "ReduceLROnPlateau",
+            "BackupAndRestore",
+            "EarlyStopping",
+            "SwapEMAWeights",
+            "OrbaxCheckpoint",
+        )
+    )
+    if c is not None
+) + (TensorBoard,)
 
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
@@ -79,8 +105,9 @@ def _overrides(callback: Any, name: str) -> bool:
 
 def may_stop_mid_epoch(callbacks: list[Any]) -> bool:
     """Whether any callback acts between batches and is not known to leave ``stop_training`` alone."""
-    return any(not isinstance(cb, _NEVER_STOP_MID_EPOCH) and any(_overrides(cb, h) for h in _BATCH_HOOKS)
-               for cb in callbacks)
+    return any(
+        not isinstance(cb, _NEVER_STOP_MID_EPOCH) and any(_overrides(cb, h) for h in _BATCH_HOOKS) for cb in callbacks
+    )
 
 
 def for_replica(callbacks: list[Any], is_chief: bool) -> list[Any]:
@@ -103,7 +130,8 @@ class Coordinator(keras.callbacks.Callback):
         self._local_mid_epoch = may_stop_mid_epoch(callbacks)
         self._mid_epoch = self._local_mid_epoch
         self._restores = bool(strategy.extended.should_checkpoint) and any(
-            isinstance(cb, RESTORING) for cb in callbacks)
+            isinstance(cb, RESTORING) for cb in callbacks
+        )
 
     def _sum(self, values: list[float]) -> torch.Tensor:
         ext = self._strategy.extended
@@ -172,5 +200,7 @@ def sync_random_state(strategy: "Strategy") -> None:
     torch.set_rng_state(torch_state)
     values = ints.tolist()
     n_keys = len(keys)
-    np.random.set_state((kind, np.array(values[4:4 + n_keys], dtype=np.uint32), values[0], values[1], float(floats[0])))
-    random.setstate((values[2], tuple(values[4 + n_keys:]), float(floats[1]) if values[3] else None))
+    np.random.set_state(
+        (kind, np.array(values[4 : 4 + n_keys], dtype=np.uint32), values[0], values[1], float(floats[0]))
+    )
+    random.setstate((values[2], tuple(values[4 + n_keys :]), float(floats[1]) if values[3] else None))

@@ -73,7 +73,7 @@ def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
         values = [f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})]
         values += [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
         for v in values:
-            for item in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
+            for item in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(item, keras.metrics.Metric):
                     found.setdefault(id(item), item)
                 elif depth > 0 and isinstance(item, (types.FunctionType, types.MethodType)):
@@ -119,8 +119,11 @@ def adapt(metric: Any, strategy: Strategy) -> Any:
 
     def result() -> Any:
         s = ref()
-        if s is None or s.num_replicas_in_sync == 1 or (
-                context.get_replica_context() is not None and context.get_strategy() is s):
+        if (
+            s is None
+            or s.num_replicas_in_sync == 1
+            or (context.get_replica_context() is not None and context.get_strategy() is s)
+        ):
             return original()
         return global_result(metric, s, original)
 
@@ -182,9 +185,11 @@ def resolve_metric(service: Any, pid: tuple, run: Any) -> Any:
     if entry is None or entry[0] != config:
         metric = keras.metrics.deserialize(json.loads(config))
         if len(metric.variables) != len(specs):
-            raise UnsupportedMetricError(f"the metric rebuilt on {service.task} has {len(metric.variables)} "
-                                         f"variables; the chief's has {len(specs)}",
-                                         hint="use a built-in or registered Keras metric")
+            raise UnsupportedMetricError(
+                f"the metric rebuilt on {service.task} has {len(metric.variables)} "
+                f"variables; the chief's has {len(specs)}",
+                hint="use a built-in or registered Keras metric",
+            )
         for v, spec_json in zip(metric.variables, specs):
             service.adopt(spec_json, v.value)
         entry = metrics[key] = (config, metric)
@@ -205,8 +210,10 @@ def place_on_parameter_servers(metric: Any, extended: Any) -> None:
         return
     strategy = extended.container_strategy
     if not getattr(metric, "_phalanx_in_scope", True):
-        raise UnsupportedMetricError(f"The Keras metric {metric.name!r} was not created in strategy.scope().",
-                                     hint="create it inside `with strategy.scope():`")
+        raise UnsupportedMetricError(
+            f"The Keras metric {metric.name!r} was not created in strategy.scope().",
+            hint="create it inside `with strategy.scope():`",
+        )
     tensors = [v.value for v in metric.variables if extended.variable_json(v.value) is None]
     if tensors:
         extended.adopt_variables(tensors)  # creates them on the servers (chief only)

@@ -132,15 +132,19 @@ def distribute(model: Any, strategy: "Strategy | None" = None) -> Any:
         raise TypeError(f"phalanx.keras.distribute needs a keras.Model; received {type(model).__name__}")
     if strategy is None:
         if not context.has_strategy():
-            raise StrategyScopeError("phalanx.keras.distribute(model) was called outside any strategy scope.",
-                                     hint="pass the strategy, or call it inside `with strategy.scope():`")
+            raise StrategyScopeError(
+                "phalanx.keras.distribute(model) was called outside any strategy scope.",
+                hint="pass the strategy, or call it inside `with strategy.scope():`",
+            )
         strategy = context.get_strategy()
     existing = distributed_model(model)
     if existing is not None:
         if existing.strategy is not strategy:
-            raise StrategyScopeError(f"The Keras model {model.name!r} already belongs to {existing.strategy!r}; "
-                                     f"it cannot also be distributed by {strategy!r}.",
-                                     hint="create the model again inside the new strategy's scope")
+            raise StrategyScopeError(
+                f"The Keras model {model.name!r} already belongs to {existing.strategy!r}; "
+                f"it cannot also be distributed by {strategy!r}.",
+                hint="create the model again inside the new strategy's scope",
+            )
         return model
     adapter_for(model, strategy)
     return model
@@ -221,14 +225,14 @@ class DistributedModel:
         self._writing = False  # inside the chief's own save: nested saves are not collective
         discovery.attach(model, self)
         for method in ("fit", "evaluate", "predict"):
-            wrapper = functools.update_wrapper(functools.partial(getattr(self, method)),
-                                               getattr(type(model), method))
+            wrapper = functools.update_wrapper(functools.partial(getattr(self, method)), getattr(type(model), method))
             # object.__setattr__: an instance attribute, bypassing Keras' and torch's tracking.
             object.__setattr__(model, method, wrapper)
         for method in _WRITERS:
             if hasattr(type(model), method):
-                wrapper = functools.update_wrapper(functools.partial(self._write_once, method),
-                                                   getattr(type(model), method))
+                wrapper = functools.update_wrapper(
+                    functools.partial(self._write_once, method), getattr(type(model), method)
+                )
                 object.__setattr__(model, method, wrapper)
         # Also now, in case the model is adapted by its own first fit() (a model without input
         # shape, fitted inside the scope): that fit then takes phalanx's step functions.
@@ -303,8 +307,11 @@ class DistributedModel:
         if error is not None:
             raise error
         if float(failed[0]) > 0:
-            raise WriteError(f"model.{method}(...) failed on another replica; see its error (the chief's output "
-                             "or its replica log).", hint="the file may be missing or incomplete")
+            raise WriteError(
+                f"model.{method}(...) failed on another replica; see its error (the chief's output "
+                "or its replica log).",
+                hint="the file may be missing or incomplete",
+            )
         return result
 
     @staticmethod
@@ -369,7 +376,8 @@ class SyncAdapter(DistributedModel):
             cbl.callbacks.append(coordinator)
         else:
             arguments["callbacks"] = px_callbacks.for_replica(user, self.is_chief) + [
-                px_callbacks.Coordinator(self.strategy, user)]
+                px_callbacks.Coordinator(self.strategy, user)
+            ]
         if not self.is_chief:
             arguments["verbose"] = 0
         self._prepare()
@@ -457,8 +465,9 @@ class SyncAdapter(DistributedModel):
             versions = [version_counter(v.value) for v in candidates]
         logs = self._run_local(raw, step, step.share)
         if versions is not None:
-            changed = torch.tensor([float(version_counter(v.value) != before)
-                                    for v, before in zip(candidates, versions)])
+            changed = torch.tensor(
+                [float(version_counter(v.value) != before) for v, before in zip(candidates, versions)]
+            )
             changed = self._ext.all_reduce([changed], ReduceOp.SUM)[0] if len(candidates) else changed
             self._stat_vars = [v for v, c in zip(candidates, changed.tolist()) if c > 0]
         stat_vars = self._stat_vars or []
@@ -514,8 +523,9 @@ class SyncAdapter(DistributedModel):
             v.assign(torch.zeros_like(v.value))
         return saved
 
-    def _merge(self, step: _Step, metric_vars: list[Any], saved: list[torch.Tensor],
-               extra: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _merge(
+        self, step: _Step, metric_vars: list[Any], saved: list[torch.Tensor], extra: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Global metric state = saved + every replica's contribution; ``extra`` summed.
 
         One collective per dtype (float32 metrics, the float64 ``extra``), shared with the check
@@ -532,11 +542,12 @@ class SyncAdapter(DistributedModel):
                 f"({self._ext.process_name()}) has {step.global_size}, the sum over "
                 f"{self._num_replicas} replicas is {float(reduced[0][0]):g}.",
                 hint="every worker must call fit/evaluate/predict with the same data and batch_size; "
-                     "batch_size is the global batch")
+                "batch_size is the global batch",
+            )
         n = len(metric_vars)
-        for v, base, total in zip(metric_vars, saved, reduced[1:1 + n]):
+        for v, base, total in zip(metric_vars, saved, reduced[1 : 1 + n]):
             v.assign(base + total.to(base.dtype))
-        return list(reduced[1 + n:])
+        return list(reduced[1 + n :])
 
     def _global_logs(self, logs: Any, step: _Step) -> Any:
         """Replaces the step's local metric values by the global ones (the same on every replica)."""

@@ -80,8 +80,10 @@ class DatasetCreator:
         import inspect
 
         try:
-            takes = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-                        for p in inspect.signature(self.dataset_fn).parameters.values())
+            takes = any(
+                p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                for p in inspect.signature(self.dataset_fn).parameters.values()
+            )
         except (TypeError, ValueError):
             takes = True
         return self.dataset_fn(input_context) if takes else self.dataset_fn()
@@ -107,35 +109,60 @@ def torch_optimizer_config(optimizer: Any) -> dict[str, Any]:
     name = type(optimizer).__name__
     for option in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
         if getattr(optimizer, option, None):
-            raise UnsupportedOptimizerError(f"{name}({option}=...) cannot be applied on parameter servers",
-                                            hint=f"drop {option}, or clip inside a custom train_step")
+            raise UnsupportedOptimizerError(
+                f"{name}({option}=...) cannot be applied on parameter servers",
+                hint=f"drop {option}, or clip inside a custom train_step",
+            )
     if getattr(optimizer, "use_ema", False):
         raise UnsupportedOptimizerError(f"{name}(use_ema=True) cannot be applied on parameter servers")
     lr = _learning_rate(optimizer)
     wd = getattr(optimizer, "weight_decay", None) or 0.0
     if name != "AdamW" and wd:
-        raise UnsupportedOptimizerError(f"{name}(weight_decay={wd}) is decoupled in Keras but not in torch.optim",
-                                        hint="use keras.optimizers.AdamW for weight decay")
+        raise UnsupportedOptimizerError(
+            f"{name}(weight_decay={wd}) is decoupled in Keras but not in torch.optim",
+            hint="use keras.optimizers.AdamW for weight decay",
+        )
     if name == "SGD":
         # Keras: v = m*v - lr*g; w += v.  torch: b = m*b + g; w -= lr*b.  The same for a constant rate.
-        return {"class": "SGD", "hyper": {"lr": lr, "momentum": float(optimizer.momentum),
-                                          "nesterov": bool(optimizer.nesterov)}}
+        return {
+            "class": "SGD",
+            "hyper": {"lr": lr, "momentum": float(optimizer.momentum), "nesterov": bool(optimizer.nesterov)},
+        }
     if name in ("Adam", "AdamW"):
-        hyper = {"lr": lr, "betas": [float(optimizer.beta_1), float(optimizer.beta_2)],
-                 "eps": float(optimizer.epsilon), "amsgrad": bool(optimizer.amsgrad)}
+        hyper = {
+            "lr": lr,
+            "betas": [float(optimizer.beta_1), float(optimizer.beta_2)],
+            "eps": float(optimizer.epsilon),
+            "amsgrad": bool(optimizer.amsgrad),
+        }
         if name == "AdamW":
             hyper["weight_decay"] = float(wd)
         return {"class": name, "hyper": hyper}
     if name == "RMSprop":
-        return {"class": "RMSprop", "hyper": {"lr": lr, "alpha": float(optimizer.rho), "eps": float(optimizer.epsilon),
-                                              "momentum": float(optimizer.momentum),
-                                              "centered": bool(optimizer.centered)}}
+        # Keras' update (epsilon inside the square root), not torch.optim.RMSprop's: see ps/optimizers.py.
+        return {
+            "class": "KerasRMSprop",
+            "hyper": {
+                "lr": lr,
+                "rho": float(optimizer.rho),
+                "eps": float(optimizer.epsilon),
+                "momentum": float(optimizer.momentum),
+                "centered": bool(optimizer.centered),
+            },
+        }
     if name == "Adagrad":
-        return {"class": "Adagrad", "hyper": {"lr": lr, "eps": float(optimizer.epsilon),
-                                              "initial_accumulator_value":
-                                                  float(optimizer.initial_accumulator_value)}}
-    raise UnsupportedOptimizerError(f"Keras optimizer {name} has no torch.optim equivalent for parameter servers",
-                                    hint="use SGD, Adam, AdamW, RMSprop or Adagrad")
+        return {
+            "class": "Adagrad",
+            "hyper": {
+                "lr": lr,
+                "eps": float(optimizer.epsilon),
+                "initial_accumulator_value": float(optimizer.initial_accumulator_value),
+            },
+        }
+    raise UnsupportedOptimizerError(
+        f"Keras optimizer {name} has no torch.optim equivalent for parameter servers",
+        hint="use SGD, Adam, AdamW, RMSprop or Adagrad",
+    )
 
 
 # ---------------------------------------------------------------------------------- the worker's model
@@ -150,8 +177,10 @@ def reference(model: Any, extended: Any) -> tuple | None:
     for v in model.variables:
         spec_json = extended.variable_json(v.value)
         if spec_json is None and v.trainable:
-            raise PhalanxError(f"the Keras variable {v.path} was not created on the parameter servers",
-                               hint="create and compile the model inside `with strategy.scope():`")
+            raise PhalanxError(
+                f"the Keras variable {v.path} was not created on the parameter servers",
+                hint="create and compile the model inside `with strategy.scope():`",
+            )
         specs.append(spec_json)
     cached = _MODEL_CONFIG.get(model)
     if cached is None:
@@ -169,8 +198,11 @@ def resolve(service: Any, payload: tuple, run: Any) -> Any:
         model = keras.saving.deserialize_keras_object(json.loads(config))
         model.compile_from_config(json.loads(compile_config))
         if len(model.variables) != len(specs):
-            raise PhalanxError(f"the model rebuilt on {service.task} has {len(model.variables)} variables; the "
-                               f"chief's has {len(specs)}", hint="the model's config must rebuild the same model")
+            raise PhalanxError(
+                f"the model rebuilt on {service.task} has {len(model.variables)} variables; the "
+                f"chief's has {len(specs)}",
+                hint="the model's config must rebuild the same model",
+            )
         for v, spec_json in zip(model.variables, specs):
             if spec_json is not None:
                 service.adopt(spec_json, v.value)  # the Keras variable's own tensor is the worker's copy
@@ -230,8 +262,9 @@ def train_step(model: Any, iterator: Any, optimizer_config: dict[str, Any]) -> t
     """One training step on a worker: the scheduled function of ``fit``. Returns the batch's logs and size."""
     batch = next(iterator)
     batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    data = keras.tree.map_structure(lambda t: torch.as_tensor(np.asarray(t)) if not isinstance(t, torch.Tensor)
-                                    else t, batch)
+    data = keras.tree.map_structure(
+        lambda t: torch.as_tensor(np.asarray(t)) if not isinstance(t, torch.Tensor) else t, batch
+    )
     _PS_CONFIG[model.optimizer] = optimizer_config
     model.reset_metrics()
     logs = model.train_step(data)
@@ -252,13 +285,14 @@ class _ArrayBatches:
         while True:
             order = rng.permutation(n) if self.shuffle else np.arange(n)
             for start in range(0, n, self.batch_size):
-                idx = order[start:start + self.batch_size]
+                idx = order[start : start + self.batch_size]
                 yield keras.tree.map_structure(lambda a: np.asarray(a)[idx], self.arrays)  # noqa: B023 - applied now
 
 
 def _arrays_fn(arrays: tuple, batch_size: int, shuffle: bool) -> Callable[[Any], Any]:
     def dataset_fn(ctx: Any) -> Any:
         return _ArrayBatches(arrays, batch_size, shuffle, seed=1000 + ctx.input_pipeline_id)
+
     return dataset_fn
 
 
@@ -272,7 +306,9 @@ def _repeat_fn(dataset: Any) -> Callable[[], Any]:
                     yield batch
                 if empty:
                     raise ValueError("the dataset given to fit yields no batches")
+
         return forever()
+
     return dataset_fn
 
 
@@ -293,8 +329,10 @@ def _input(arguments: dict[str, Any]) -> tuple[Callable[..., Any], int | None]:
         except TypeError:
             steps = None
         return _repeat_fn(x), steps
-    raise TypeError(f"fit under ParameterServerStrategy takes arrays, a re-iterable dataset or a DatasetCreator; "
-                    f"received {type(x).__name__}")
+    raise TypeError(
+        f"fit under ParameterServerStrategy takes arrays, a re-iterable dataset or a DatasetCreator; "
+        f"received {type(x).__name__}"
+    )
 
 
 def _is_batch_iterable(x: Any) -> bool:
@@ -308,18 +346,25 @@ def fit(dm: Any, arguments: dict[str, Any]) -> Any:
 
     model, strategy = dm.model, dm.strategy
     if getattr(model, "optimizer", None) is None:
-        raise PhalanxError("fit under ParameterServerStrategy needs a compiled model",
-                           hint="call model.compile(...) inside `with strategy.scope():`")
-    unsupported = {k: arguments[k] for k in ("validation_split", "class_weight", "validation_steps")
-                   if arguments.get(k)}
+        raise PhalanxError(
+            "fit under ParameterServerStrategy needs a compiled model",
+            hint="call model.compile(...) inside `with strategy.scope():`",
+        )
+    unsupported = {
+        k: arguments[k] for k in ("validation_split", "class_weight", "validation_steps") if arguments.get(k)
+    }
     if unsupported:
-        raise PhalanxError(f"fit under ParameterServerStrategy does not support {sorted(unsupported)}",
-                           hint="pass validation_data instead of validation_split")
+        raise PhalanxError(
+            f"fit under ParameterServerStrategy does not support {sorted(unsupported)}",
+            hint="pass validation_data instead of validation_split",
+        )
     dataset_fn, default_steps = _input(arguments)
     steps = arguments.get("steps_per_epoch") or default_steps
     if not steps:
-        raise PhalanxError("fit under ParameterServerStrategy needs steps_per_epoch for this input",
-                           hint="pass steps_per_epoch=N, as TF requires with ParameterServerStrategy")
+        raise PhalanxError(
+            "fit under ParameterServerStrategy needs steps_per_epoch for this input",
+            hint="pass steps_per_epoch=N, as TF requires with ParameterServerStrategy",
+        )
     epochs, initial_epoch = int(arguments.get("epochs", 1)), int(arguments.get("initial_epoch", 0))
     verbose = arguments.get("verbose", "auto")
     verbose = 1 if verbose == "auto" else verbose
@@ -327,8 +372,15 @@ def fit(dm: Any, arguments: dict[str, Any]) -> Any:
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     callbacks = arguments.get("callbacks")
     if not isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                                 verbose=verbose, epochs=epochs, steps=steps, model=model)
+        callbacks = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps,
+            model=model,
+        )
     model.stop_training = False
     optimizer = model.optimizer
     callbacks.on_train_begin()
@@ -352,9 +404,16 @@ def fit(dm: Any, arguments: dict[str, Any]) -> Any:
             callbacks.on_train_batch_end(step, logs)
         coordinator.join()  # every step applied; the chief's copy holds the servers' values
         if arguments.get("validation_data") is not None and _due(epoch, arguments.get("validation_freq", 1)):
-            logs.update({f"val_{k}": v for k, v in _evaluate(model, arguments["validation_data"],
-                                                              arguments.get("validation_batch_size")
-                                                              or arguments.get("batch_size")).items()})
+            logs.update(
+                {
+                    f"val_{k}": v
+                    for k, v in _evaluate(
+                        model,
+                        arguments["validation_data"],
+                        arguments.get("validation_batch_size") or arguments.get("batch_size"),
+                    ).items()
+                }
+            )
         callbacks.on_epoch_end(epoch, logs)
         if model.stop_training:
             break

@@ -47,9 +47,18 @@ class TensorBoard(keras.callbacks.Callback):
             nothing is written for them.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str] = "logs", histogram_freq: int = 0, write_graph: bool = True,
-                 write_images: bool = False, write_steps_per_second: bool = False, update_freq: str | int = "epoch",
-                 profile_batch: Any = 0, embeddings_freq: int = 0, embeddings_metadata: Any = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] = "logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        write_images: bool = False,
+        write_steps_per_second: bool = False,
+        update_freq: str | int = "epoch",
+        profile_batch: Any = 0,
+        embeddings_freq: int = 0,
+        embeddings_metadata: Any = None,
+    ) -> None:
         super().__init__()
         if update_freq not in ("epoch", "batch") and not (isinstance(update_freq, int) and update_freq > 0):
             raise ValueError(f"update_freq must be 'epoch', 'batch' or a positive int; received {update_freq!r}")
@@ -83,7 +92,7 @@ class TensorBoard(keras.callbacks.Callback):
             if self.histogram_freq and epoch % self.histogram_freq == 0:
                 for weight in self.model.weights:
                     summary.histogram(f"{weight.path}/histogram", np.asarray(keras.ops.convert_to_numpy(weight)))
-        validation = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
+        validation = {k[len("val_") :]: v for k, v in logs.items() if k.startswith("val_")}
         if validation:
             with self._validation.as_default(step=epoch):
                 for name, value in validation.items():

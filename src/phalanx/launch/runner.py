@@ -74,12 +74,16 @@ def run_job(spec: JobSpec) -> int:
     if spec.ps > 0:
         from phalanx.ps.launcher import ClusterJob, run_cluster
 
-        return run_cluster(ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir,
-                                      tee=spec.tee, tls=spec.tls))
+        return run_cluster(
+            ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir, tee=spec.tee, tls=spec.tls)
+        )
     run = RunDirectory(spec.log_dir or None).create()
     sup = Supervisor(tee=spec.tee)
-    here = "every replica writes here, prefixed" if spec.tee else (
-        "replica 0 writes here; " if spec.node_rank == 0 else "")
+    here = (
+        "every replica writes here, prefixed"
+        if spec.tee
+        else ("replica 0 writes here; " if spec.node_rank == 0 else "")
+    )
     sup.say(f"{spec.nproc} replica(s) on this host; {here}logs in {run.path}")
     with forwarded_signals():
         try:
@@ -109,15 +113,30 @@ def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
     tasks = []
     for local in range(spec.nproc):
         rank = spec.node_rank * spec.nproc + local
-        env = ReplicaEnv(rank=rank, world_size=world, local_rank=local, local_world_size=spec.nproc,
-                         master_addr=spec.master_addr, master_port=port, node_rank=spec.node_rank,
-                         num_nodes=spec.nnodes, run_id=run.run_id, log_dir=run.path)
+        env = ReplicaEnv(
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            local_world_size=spec.nproc,
+            master_addr=spec.master_addr,
+            master_port=port,
+            node_rank=spec.node_rank,
+            num_nodes=spec.nnodes,
+            run_id=run.run_id,
+            log_dir=run.path,
+        )
         to_terminal = rank == 0 and not spec.tee  # replica 0 writes to the terminal, untouched
-        tasks.append(Task(name=f"replica {rank}", command=(sys.executable, *spec.command),
-                          env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt)},
-                          log_path=None if to_terminal else run.log_path(f"replica_{rank}"),
-                          error_path=run.error_path(f"replica_{rank}"), done_path=run.done_path(f"replica_{rank}"),
-                          info=f"node {spec.node_rank}, local rank {local}"))
+        tasks.append(
+            Task(
+                name=f"replica {rank}",
+                command=(sys.executable, *spec.command),
+                env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt)},
+                log_path=None if to_terminal else run.log_path(f"replica_{rank}"),
+                error_path=run.error_path(f"replica_{rank}"),
+                done_path=run.done_path(f"replica_{rank}"),
+                info=f"node {spec.node_rank}, local rank {local}",
+            )
+        )
     return tasks
 
 

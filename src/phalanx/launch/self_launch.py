@@ -40,17 +40,19 @@ def _script_command() -> list[str]:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if os.environ.get("PYTEST_CURRENT_TEST"):
-        raise LaunchError("A multi-replica strategy cannot start its replicas from inside pytest.",
-                          hint="run the training code as a script (python train.py) or with "
-                               "`phalanx run -n N train.py`")
+        raise LaunchError(
+            "A multi-replica strategy cannot start its replicas from inside pytest.",
+            hint="run the training code as a script (python train.py) or with `phalanx run -n N train.py`",
+        )
     if spec is not None and spec.name and spec.name != "__main__":
         return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
     script = getattr(main, "__file__", None)
     if not script or not os.path.exists(script):
-        raise LaunchError("A multi-replica strategy needs a script to start its replicas from; this "
-                          "interpreter runs no script file (interactive or `python -c`).",
-                          hint="save the code to train.py and run `python train.py` or "
-                               "`phalanx run -n N train.py`")
+        raise LaunchError(
+            "A multi-replica strategy needs a script to start its replicas from; this "
+            "interpreter runs no script file (interactive or `python -c`).",
+            hint="save the code to train.py and run `python train.py` or `phalanx run -n N train.py`",
+        )
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
 
@@ -70,9 +72,11 @@ def launch(world_size: int) -> ReplicaLauncher:
         if _job is None:
             _job = ReplicaLauncher(world_size)
         elif _job.world_size != world_size:
-            raise LaunchError(f"This program already runs {_job.world_size} replica processes; a strategy over "
-                              f"{world_size} devices cannot run on them.",
-                              hint=f"give every multi-replica strategy of the program {_job.world_size} devices")
+            raise LaunchError(
+                f"This program already runs {_job.world_size} replica processes; a strategy over "
+                f"{world_size} devices cannot run on them.",
+                hint=f"give every multi-replica strategy of the program {_job.world_size} devices",
+            )
         return _job
 
 
@@ -84,9 +88,16 @@ class ReplicaLauncher:
         self.command = _script_command()
         self.run = RunDirectory().create()
         self.run_id, self.log_dir = self.run.run_id, self.run.path
-        self.env = ReplicaEnv(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
-                              master_addr="127.0.0.1", master_port=free_port(), run_id=self.run_id,
-                              log_dir=self.log_dir)
+        self.env = ReplicaEnv(
+            rank=0,
+            world_size=world_size,
+            local_rank=0,
+            local_world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            run_id=self.run_id,
+            log_dir=self.log_dir,
+        )
         self.supervisor = Supervisor()
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._main_exiting = threading.Event()
@@ -94,11 +105,17 @@ class ReplicaLauncher:
         self._lock = threading.Lock()
         for rank in range(1, world_size):
             identity = ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank})
-            self.supervisor.start(Task(name=f"replica {rank}", command=tuple(self.command),
-                                       env=identity.to_environ(), log_path=self.run.log_path(f"replica_{rank}"),
-                                       error_path=self.run.error_path(f"replica_{rank}"),
-                                       done_path=self.run.done_path(f"replica_{rank}"),
-                                       info=f"local rank {rank}"))
+            self.supervisor.start(
+                Task(
+                    name=f"replica {rank}",
+                    command=tuple(self.command),
+                    env=identity.to_environ(),
+                    log_path=self.run.log_path(f"replica_{rank}"),
+                    error_path=self.run.error_path(f"replica_{rank}"),
+                    done_path=self.run.done_path(f"replica_{rank}"),
+                    info=f"local rank {rank}",
+                )
+            )
         if not quiet:
             self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
         self._install_excepthook()
@@ -180,4 +197,3 @@ def _exit(code: int) -> None:
         with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
             stream.flush()
     os._exit(code)
-

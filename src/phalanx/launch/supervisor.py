@@ -350,20 +350,25 @@ class Supervisor:
             log = open(task.log_path, "ab")  # noqa: SIM115 - the child owns it from here
         stdout = subprocess.PIPE if piped else log
         try:
-            popen = subprocess.Popen(list(task.command), env=env, stdout=stdout,
-                                     stderr=subprocess.STDOUT if log is not None else None,
-                                     stdin=subprocess.DEVNULL,
-                                     # Not thread-safe in general (PLW1509); this one calls only
-                                     # async-signal-safe functions, resolved before the fork.
-                                     preexec_fn=functools.partial(_child_setup, os.getpid()))  # noqa: PLW1509
+            popen = subprocess.Popen(
+                list(task.command),
+                env=env,
+                stdout=stdout,
+                stderr=subprocess.STDOUT if log is not None else None,
+                stdin=subprocess.DEVNULL,
+                # Not thread-safe in general (PLW1509); this one calls only
+                # async-signal-safe functions, resolved before the fork.
+                preexec_fn=functools.partial(_child_setup, os.getpid()),
+            )  # noqa: PLW1509
         except BaseException:
             if log is not None:
                 log.close()
             raise
         run = Running(task, popen, time.monotonic())
         if piped:
-            run._pump = threading.Thread(target=self._pump, args=(popen.stdout, log, task.name),
-                                         name=f"phalanx-tee-{task.name}", daemon=True)
+            run._pump = threading.Thread(
+                target=self._pump, args=(popen.stdout, log, task.name), name=f"phalanx-tee-{task.name}", daemon=True
+            )
             run._pump.start()
         elif log is not None:
             log.close()
@@ -434,8 +439,16 @@ class Supervisor:
                 if run not in self._runs:
                     continue
                 self._runs.remove(run)
-                exit = Exit(run.task, run.pid, code, len(self._exits), run.stopped_by_supervisor, message, timestamp,
-                            run.failed_at is not None and code < 0)
+                exit = Exit(
+                    run.task,
+                    run.pid,
+                    code,
+                    len(self._exits),
+                    run.stopped_by_supervisor,
+                    message,
+                    timestamp,
+                    run.failed_at is not None and code < 0,
+                )
                 self._exits.append(exit)
             ended.append(exit)
         return ended
@@ -476,8 +489,9 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(run.pid, sig)
 
-    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, *,
-             runs: Sequence[Running] | None = None) -> None:
+    def stop(
+        self, sig: int = signal.SIGTERM, grace: float | None = None, *, runs: Sequence[Running] | None = None
+    ) -> None:
         """Signal forwarding: ``sig`` to every task, ``grace`` seconds, then SIGKILL to what is left."""
         runs = [r for r in (runs if runs is not None else self.alive()) if r.popen.poll() is None]
         if not runs:
@@ -535,8 +549,12 @@ class Supervisor:
             elif shutil.which("py-spy"):
                 try:
                     stacks[run.task.name] = subprocess.run(
-                        ["py-spy", "dump", "--pid", str(run.pid)], check=False, capture_output=True, text=True,
-                        timeout=10).stdout
+                        ["py-spy", "dump", "--pid", str(run.pid)],
+                        check=False,
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                    ).stdout
                 except (OSError, subprocess.SubprocessError) as e:
                     stacks[run.task.name] = f"(py-spy failed: {e})"
             else:
@@ -634,21 +652,27 @@ def wait_for_the_rest(sup: Supervisor, *, primary: str = "replica 0", notice_aft
         waited = time.monotonic() - start
         if busy and not noticed and waited >= notice_after:
             noticed = True
-            sup.say(f"{primary} has finished; waiting up to {limit:g} s for "
-                    + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy) + " to finish")
+            sup.say(
+                f"{primary} has finished; waiting up to {limit:g} s for "
+                + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy)
+                + " to finish"
+            )
         if waited >= limit:
             if not busy:
-                sup.say(", ".join(r.task.name for r in alive) + f" finished but still tore down {limit:g} s "
-                        "later; stopped")
+                sup.say(
+                    ", ".join(r.task.name for r in alive) + f" finished but still tore down {limit:g} s later; stopped"
+                )
                 sup.kill()
                 sup.poll()
                 return 0
             stacks = sup.dump_stacks(busy)
             first = busy[0]
-            sup.say(f"root cause (first failure): {_who(first.task, first.pid)} was still running {limit:g} s after "
-                    f"{primary} finished normally (blocked in a collective that {primary} never joined, or "
-                    f"a program that does more on some replicas). Where it was:\n"
-                    + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:]))
+            sup.say(
+                f"root cause (first failure): {_who(first.task, first.pid)} was still running {limit:g} s after "
+                f"{primary} finished normally (blocked in a collective that {primary} never joined, or "
+                f"a program that does more on some replicas). Where it was:\n"
+                + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:])
+            )
             if len(busy) > 1:
                 sup.say("also still running: " + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy[1:]))
             sup.stop(signal.SIGTERM)
@@ -672,4 +696,3 @@ def _catches(pid: int, sig: int) -> bool:
 def exit_status(code: int) -> int:
     """A shell exit status for a task's return code (128 + n for a signal)."""
     return 128 - code if code < 0 else code
-

@@ -55,9 +55,27 @@ def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Pa
 
     return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
 
+
 __all__ = [
-    "AuthenticationError", "CancelledError", "ClusterCoordinator", "ClusterSecretError", "CoordinatorClosedError",
-    "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "ParameterServerUnavailableError",
-    "Partitioner", "PerWorkerDataset", "PerWorkerIterator", "RemoteError", "RemoteValue", "RemoteVariable",
-    "ShardedVariable", "TaskUnavailableError", "VariableError", "WorkerState", "WorkerUnavailableError", "serve",
+    "AuthenticationError",
+    "CancelledError",
+    "ClusterCoordinator",
+    "ClusterSecretError",
+    "CoordinatorClosedError",
+    "FixedShardsPartitioner",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "ParameterServerUnavailableError",
+    "Partitioner",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "RemoteError",
+    "RemoteValue",
+    "RemoteVariable",
+    "ShardedVariable",
+    "TaskUnavailableError",
+    "VariableError",
+    "WorkerState",
+    "WorkerUnavailableError",
+    "serve",
 ]

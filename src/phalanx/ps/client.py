@@ -68,8 +68,9 @@ class RemoteTask:
             ``chief:*`` as the chief's sign of life).
     """
 
-    def __init__(self, job: str, index: int, address: str, transport: Any, secret: bytes, rpc_timeout: float,
-                 sender: str = "") -> None:
+    def __init__(
+        self, job: str, index: int, address: str, transport: Any, secret: bytes, rpc_timeout: float, sender: str = ""
+    ) -> None:
         self.job, self.index, self.address = job, index, address
         self.name = f"{job}:{index}"
         self._transport = transport
@@ -96,19 +97,28 @@ class RemoteTask:
         if e.transient or e.code == "cancelled":
             return self.unavailable(f"{method}: {e.code} ({e.detail})")
         if e.code == "unauthenticated":
-            return AuthenticationError(f"{self.name} at {self.address} refused our {method!r} request: {e.detail}",
-                                       hint="every task must have the same PHALANX_CLUSTER_SECRET")
+            return AuthenticationError(
+                f"{self.name} at {self.address} refused our {method!r} request: {e.detail}",
+                hint="every task must have the same PHALANX_CLUSTER_SECRET",
+            )
         if e.code == "not_found":
             if self.job == "ps":
                 # A parameter server that no longer knows a variable has restarted and lost its state.
-                return self.unavailable(f"{method}: {e.detail} (the parameter server restarted and lost its variables?)")
+                return self.unavailable(
+                    f"{method}: {e.detail} (the parameter server restarted and lost its variables?)"
+                )
             return VariableError(f"{self.name}: {e.detail}")
         if e.code == "invalid":
             return VariableError(f"{self.name} refused {method!r}: {e.detail}")
         return ProtocolError(f"{self.name} failed {method!r}: {e.code} ({e.detail})")
 
-    def encode(self, method: str, header: Mapping[str, Any] | None = None, tensors: Sequence[torch.Tensor] = (),
-               blobs: Sequence[bytes] = ()) -> wire.Frame:
+    def encode(
+        self,
+        method: str,
+        header: Mapping[str, Any] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+        blobs: Sequence[bytes] = (),
+    ) -> wire.Frame:
         return self._signer.encode(method, header, tensors, blobs)
 
     def decode(self, method: str, reply: Reply) -> wire.Message:
@@ -116,18 +126,28 @@ class RemoteTask:
         try:
             return self._verifier.decode(method, reply.chunks, reply_to=reply.call.head)
         except AuthenticationError as e:
-            raise AuthenticationError(f"{self.name} at {self.address}: its reply to {method!r} was refused: {e}",
-                                           hint="every task must have the same PHALANX_CLUSTER_SECRET") from None
+            raise AuthenticationError(
+                f"{self.name} at {self.address}: its reply to {method!r} was refused: {e}",
+                hint="every task must have the same PHALANX_CLUSTER_SECRET",
+            ) from None
 
-    def call(self, method: str, header: Mapping[str, Any] | None = None, tensors: Sequence[torch.Tensor] = (),
-             blobs: Sequence[bytes] = (), *, timeout: float | None = -1.0, attempts: int = TRANSIENT_ATTEMPTS
-             ) -> wire.Message:
+    def call(
+        self,
+        method: str,
+        header: Mapping[str, Any] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+        blobs: Sequence[bytes] = (),
+        *,
+        timeout: float | None = -1.0,
+        attempts: int = TRANSIENT_ATTEMPTS,
+    ) -> wire.Message:
         """Sends one request and returns the verified reply."""
         body = self.encode(method, header, tensors, blobs)
         return self.call_encoded(method, body, timeout=timeout, attempts=attempts)
 
-    def call_encoded(self, method: str, frame: wire.Frame, *, timeout: float | None = -1.0,
-                     attempts: int = TRANSIENT_ATTEMPTS) -> wire.Message:
+    def call_encoded(
+        self, method: str, frame: wire.Frame, *, timeout: float | None = -1.0, attempts: int = TRANSIENT_ATTEMPTS
+    ) -> wire.Message:
         timeout = self.rpc_timeout if timeout == -1.0 else timeout
         for attempt in range(1, attempts + 1):
             try:
@@ -145,8 +165,7 @@ class RemoteTask:
         return _Pending(self._channel.start(method, frame.chunks(), timeout), frame)
 
 
-def call_all(calls: Sequence[tuple[RemoteTask, str, Mapping[str, Any], Sequence[torch.Tensor]]]
-             ) -> list[wire.Message]:
+def call_all(calls: Sequence[tuple[RemoteTask, str, Mapping[str, Any], Sequence[torch.Tensor]]]) -> list[wire.Message]:
     """Sends requests to several tasks at once and returns their replies in order.
 
     A request that fails transiently is retried on its own (see :class:`RemoteTask`); the first
@@ -187,11 +206,18 @@ class Keepalive:
         interval: seconds between rounds of pings.
     """
 
-    def __init__(self, tasks: Sequence[tuple[str, int, str]], transport: Any, secret: bytes, interval: float,
-                 sender: str = "chief:0") -> None:
+    def __init__(
+        self,
+        tasks: Sequence[tuple[str, int, str]],
+        transport: Any,
+        secret: bytes,
+        interval: float,
+        sender: str = "chief:0",
+    ) -> None:
         timeout = max(0.5, min(5.0, interval))
-        self._tasks = [RemoteTask(job, index, address, transport, secret, timeout, sender=sender)
-                       for job, index, address in tasks]
+        self._tasks = [
+            RemoteTask(job, index, address, transport, secret, timeout, sender=sender) for job, index, address in tasks
+        ]
         self._interval = interval
         self._stop = threading.Event()
         self._refused: set[str] = set()

@@ -133,13 +133,16 @@ class PerWorkerIterator(_Resource):
         return {"kind": self.kind, "id": self.id, "dataset": self.dataset.id}
 
     def __next__(self) -> Any:
-        raise TypeError("a per-worker iterator is consumed on the workers: pass it to a function given to "
-                        "coordinator.schedule(fn, args=(iterator,)) and call next(iterator) there")
+        raise TypeError(
+            "a per-worker iterator is consumed on the workers: pass it to a function given to "
+            "coordinator.schedule(fn, args=(iterator,)) and call next(iterator) there"
+        )
 
 
 class _Closure:
-    def __init__(self, coordinator: ClusterCoordinator, number: int, fn: Any, payload: bytes,
-                 resources: list[_Resource]) -> None:
+    def __init__(
+        self, coordinator: ClusterCoordinator, number: int, fn: Any, payload: bytes, resources: list[_Resource]
+    ) -> None:
         self.id = f"{getattr(fn, '__name__', type(fn).__name__)}#{number}"
         self.payload = payload
         self.resources = resources
@@ -193,8 +196,11 @@ class _ClosureQueue:
             self.cv.notify_all()
 
     def _cancelled(self) -> CancelledError:
-        why = f"an earlier scheduled function failed ({type(self._error).__name__}: {self._error})" \
-            if self._error is not None else "the coordinator shut down"
+        why = (
+            f"an earlier scheduled function failed ({type(self._error).__name__}: {self._error})"
+            if self._error is not None
+            else "the coordinator shut down"
+        )
         return CancelledError(f"Scheduled function cancelled: {why}.")
 
     def cancel_queued(self, error: BaseException) -> int:

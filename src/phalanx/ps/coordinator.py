@@ -65,8 +65,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx.ps")
 
 # Types that are never replaced by a reference: most of what a function's pickle holds.
-_PLAIN = frozenset({str, int, float, bool, bytes, tuple, list, dict, set, frozenset, type(None), type,
-                    types.FunctionType, types.CodeType, types.CellType, types.ModuleType, types.BuiltinFunctionType})
+_PLAIN = frozenset(
+    {
+        str,
+        int,
+        float,
+        bool,
+        bytes,
+        tuple,
+        list,
+        dict,
+        set,
+        frozenset,
+        type(None),
+        type,
+        types.FunctionType,
+        types.CodeType,
+        types.CellType,
+        types.ModuleType,
+        types.BuiltinFunctionType,
+    }
+)
 _IDLE_PING = 5.0  # seconds between pings to an idle worker (keeps its orphan timer fresh, notices deaths)
 
 
@@ -177,8 +196,11 @@ class _WorkerDispatcher:
         incarnation = reply.header.get("incarnation")
         if incarnation != self.incarnation:
             if self.incarnation is not None:
-                log.warning("phalanx coordinator: %s is back (pid %s); its per-worker datasets are rebuilt",
-                            self.task.name, reply.header.get("pid"))
+                log.warning(
+                    "phalanx coordinator: %s is back (pid %s); its per-worker datasets are rebuilt",
+                    self.task.name,
+                    reply.header.get("pid"),
+                )
             self._built.clear()
             self.incarnation, self.pid = incarnation, reply.header.get("pid")
         self.state = WorkerState.IDLE
@@ -319,8 +341,9 @@ class ClusterCoordinator:
         if not callable(fn):
             raise NotCallableError(fn)
         if self._closed:
-            raise CoordinatorClosedError("schedule() after the coordinator shut down.",
-                                         hint="create a new strategy and coordinator")
+            raise CoordinatorClosedError(
+                "schedule() after the coordinator shut down.", hint="create a new strategy and coordinator"
+            )
         self._raise_if_fatal()
         self._queue.raise_if_error()
         if not isinstance(args, (tuple, list)):
@@ -430,8 +453,12 @@ class ClusterCoordinator:
             self._last_worker_seen = time.monotonic()
         elif time.monotonic() - self._last_worker_seen > self._ext.worker_recovery_timeout:
             w = self._workers[0].task
-            raise WorkerUnavailableError(w.index, w.address, f"no worker has answered for "
-                                         f"{self._ext.worker_recovery_timeout:.0f}s (PHALANX_WORKER_RECOVERY_TIMEOUT)")
+            raise WorkerUnavailableError(
+                w.index,
+                w.address,
+                f"no worker has answered for "
+                f"{self._ext.worker_recovery_timeout:.0f}s (PHALANX_WORKER_RECOVERY_TIMEOUT)",
+            )
 
     def _complete(self, closure: _Closure, reply: Any, dispatcher: _WorkerDispatcher) -> None:
         header = reply.header
@@ -439,15 +466,17 @@ class ClusterCoordinator:
             try:
                 value = pickling.loads(reply.blobs[0])
             except Exception as e:  # noqa: BLE001 - the value exists but cannot be rebuilt here
-                self._closure_failed(closure, ProtocolError(f"the return value of {closure.id} cannot be "
-                                                            f"unpickled on the chief: {e}"))
+                self._closure_failed(
+                    closure, ProtocolError(f"the return value of {closure.id} cannot be unpickled on the chief: {e}")
+                )
                 return
             closure.remote_value._set_value(value)  # friend: ps.closures
             self._queue.finished()
             return
         if header.get("kind") == "ps_unavailable":
-            error = ParameterServerUnavailableError(int(header["ps"]), str(header["address"]),
-                                                    f"{header['cause']} (seen by {dispatcher.task.name})")
+            error = ParameterServerUnavailableError(
+                int(header["ps"]), str(header["address"]), f"{header['cause']} (seen by {dispatcher.task.name})"
+            )
             self._set_fatal(error)
             closure.remote_value._set_error(error)  # friend: ps.closures
             self._queue.finished()
@@ -459,11 +488,16 @@ class ClusterCoordinator:
             except Exception:  # noqa: BLE001 - fall back to the text below
                 error = None
         if not isinstance(error, BaseException):
-            error = RemoteError(str(header.get("task")), str(header.get("type")), str(header.get("message")),
-                                str(header.get("traceback")))
+            error = RemoteError(
+                str(header.get("task")),
+                str(header.get("type")),
+                str(header.get("message")),
+                str(header.get("traceback")),
+            )
         elif hasattr(error, "add_note"):
-            error.add_note(f"(raised by {closure.id} on {header.get('task')}; remote traceback:\n"
-                           f"{header.get('traceback')})")
+            error.add_note(
+                f"(raised by {closure.id} on {header.get('task')}; remote traceback:\n{header.get('traceback')})"
+            )
         self._closure_failed(closure, error)
 
     def _closure_failed(self, closure: _Closure, error: BaseException) -> None:
@@ -482,10 +516,16 @@ class ClusterCoordinator:
                 except (TaskUnavailableError, AuthenticationError, ProtocolError) as e:
                     if self._stop.is_set():
                         return
-                    self._set_fatal(e if isinstance(e, ParameterServerUnavailableError) else
-                                    ParameterServerUnavailableError(task.index, task.address, str(e)))
+                    self._set_fatal(
+                        e
+                        if isinstance(e, ParameterServerUnavailableError)
+                        else ParameterServerUnavailableError(task.index, task.address, str(e))
+                    )
                     return
                 if reply.header.get("incarnation") != incarnation:
-                    self._set_fatal(ParameterServerUnavailableError(
-                        task.index, task.address, "it restarted, and its variables were lost with the old process"))
+                    self._set_fatal(
+                        ParameterServerUnavailableError(
+                            task.index, task.address, "it restarted, and its variables were lost with the old process"
+                        )
+                    )
                     return

@@ -46,9 +46,15 @@ class ParameterServerUnavailableError(TaskUnavailableError):
     job = "ps"
 
     def __init__(self, index: int, address: str, cause: str) -> None:
-        super().__init__(index, address, cause, hint=(
-            "the variables on a parameter server are lost with it: restart the parameter server and the "
-            "coordinator (chief) and restore the variables from the last checkpoint"))
+        super().__init__(
+            index,
+            address,
+            cause,
+            hint=(
+                "the variables on a parameter server are lost with it: restart the parameter server and the "
+                "coordinator (chief) and restore the variables from the last checkpoint"
+            ),
+        )
 
 
 class WorkerUnavailableError(TaskUnavailableError):
@@ -81,8 +87,9 @@ class ClusterSecretError(PhalanxError, ValueError):
         super().__init__(
             f"PHALANX_CLUSTER_SECRET={value_description}: {problem}.",
             hint="set the same random PHALANX_CLUSTER_SECRET (at least 16 characters) in every task, e.g. "
-                 "`export PHALANX_CLUSTER_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`; "
-                 "`phalanx run --ps N --workers M` generates one for its cluster")
+            "`export PHALANX_CLUSTER_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`; "
+            "`phalanx run --ps N --workers M` generates one for its cluster",
+        )
 
 
 class AuthenticationError(PhalanxError, PermissionError):
@@ -100,11 +107,16 @@ class OrphanedError(PhalanxError, RuntimeError):
 
     def __init__(self, task: str, timeout: float, ever_seen: bool) -> None:
         self.task_name, self.timeout = task, timeout
-        what = "since the chief's last authenticated request" if ever_seen else \
-            "since it started, and the chief never sent an authenticated request"
-        super().__init__(f"{task}: no word from the chief for {timeout:g}s (PHALANX_ORPHAN_TIMEOUT) {what}; exiting.",
-                         hint="the chief died, or it does not hold this cluster's PHALANX_CLUSTER_SECRET (its log "
-                              "says 'refused'); restart the job, with the same secret in every task")
+        what = (
+            "since the chief's last authenticated request"
+            if ever_seen
+            else "since it started, and the chief never sent an authenticated request"
+        )
+        super().__init__(
+            f"{task}: no word from the chief for {timeout:g}s (PHALANX_ORPHAN_TIMEOUT) {what}; exiting.",
+            hint="the chief died, or it does not hold this cluster's PHALANX_CLUSTER_SECRET (its log "
+            "says 'refused'); restart the job, with the same secret in every task",
+        )
 
 
 class ProtocolError(PhalanxError, ValueError):

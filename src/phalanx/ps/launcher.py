@@ -79,14 +79,22 @@ class _Cluster:
         for kind, n in kinds:
             for index in range(n):
                 name = f"{kind}:{index}"
-                env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}}),
-                       SECRET_ENV: secret, "PHALANX_RESTART_COUNT": "0", **tls_env}
+                env = {
+                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}}),
+                    SECRET_ENV: secret,
+                    "PHALANX_RESTART_COUNT": "0",
+                    **tls_env,
+                }
                 if "OMP_NUM_THREADS" not in os.environ:
                     env["OMP_NUM_THREADS"] = _threads(kind, job.num_workers)
                 to_terminal = kind == "chief" and not job.tee
-                self.tasks[name] = Task(name=name, command=(sys.executable, *job.command), env=env,
-                                        log_path=None if to_terminal else self.run.log_path(f"{kind}_{index}"),
-                                        error_path=self.run.error_path(f"{kind}_{index}"))
+                self.tasks[name] = Task(
+                    name=name,
+                    command=(sys.executable, *job.command),
+                    env=env,
+                    log_path=None if to_terminal else self.run.log_path(f"{kind}_{index}"),
+                    error_path=self.run.error_path(f"{kind}_{index}"),
+                )
         self.restarts = {name: 0 for name in self.tasks}
 
     def log_path(self, name: str) -> str | None:
@@ -107,14 +115,18 @@ class _Cluster:
                     continue  # told to stop by the coordinator: the chief is ending too
                 if name.startswith("worker:") and self.restarts[name] < self.job.max_restarts:
                     self.restarts[name] += 1
-                    self.sup.say(f"{name} failed with {describe_exit_code(ended.code)}; restarting it "
-                                 f"({self.restarts[name]} of {self.job.max_restarts})")
+                    self.sup.say(
+                        f"{name} failed with {describe_exit_code(ended.code)}; restarting it "
+                        f"({self.restarts[name]} of {self.job.max_restarts})"
+                    )
                     env = {**ended.task.env, "PHALANX_RESTART_COUNT": str(self.restarts[name])}
                     self.tasks[name] = dataclasses.replace(ended.task, env=env)
                     self.sup.start(self.tasks[name])
                 else:
-                    self.sup.say(f"{name} (pid {ended.pid}) failed with {describe_exit_code(ended.code)}"
-                                 + (f"; its log: {ended.task.log_path}" if ended.task.log_path else ""))
+                    self.sup.say(
+                        f"{name} (pid {ended.pid}) failed with {describe_exit_code(ended.code)}"
+                        + (f"; its log: {ended.task.log_path}" if ended.task.log_path else "")
+                    )
             time.sleep(0.05)
 
     def stop(self, grace: float) -> None:
@@ -130,13 +142,17 @@ class _Cluster:
 def run_cluster(job: ClusterJob) -> int:
     """Runs the cluster until the chief ends; returns the chief's exit code."""
     if job.num_ps < 1 or job.num_workers < 1:
-        raise ValueError(f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
-                         f"ps={job.num_ps}, workers={job.num_workers}")
+        raise ValueError(
+            f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
+            f"ps={job.num_ps}, workers={job.num_workers}"
+        )
     sup = Supervisor(tee=job.tee)
     cluster = _Cluster(job, sup)
     here = "every task writes here, prefixed; " if job.tee else "the chief writes here; "
-    sup.say(f"chief + {job.num_workers} worker(s) + {job.num_ps} parameter server(s) on {job.host}; "
-            f"{here}logs in {cluster.log_dir}")
+    sup.say(
+        f"chief + {job.num_workers} worker(s) + {job.num_ps} parameter server(s) on {job.host}; "
+        f"{here}logs in {cluster.log_dir}"
+    )
     with forwarded_signals():
         try:
             cluster.start_all()

@@ -129,6 +129,8 @@ def num_shards_for(partitioner: Callable[..., Sequence[int]] | None, shape: Sequ
         return 1
     parts = list(partitioner(tuple(int(d) for d in shape), dtype))
     if len(parts) != len(shape) or any(int(p) != 1 for p in parts[1:]) or not 1 <= int(parts[0]) <= int(shape[0]):
-        raise ValueError(f"variable_partitioner returned {parts} for shape {list(shape)}; expected "
-                         f"[k, 1, ...] with 1 <= k <= {shape[0]} (partitioning along axis 0 only)")
+        raise ValueError(
+            f"variable_partitioner returned {parts} for shape {list(shape)}; expected "
+            f"[k, 1, ...] with 1 <= k <= {shape[0]} (partitioning along axis 0 only)"
+        )
     return int(parts[0])

@@ -41,8 +41,9 @@ _TYPES: tuple[type, ...] = ()
 _LOCK = threading.Lock()
 
 
-def register_reference(kind: str, type_: type, to_ref: Callable[[Any, Any], Any],
-                       from_ref: Callable[[Any, Any, Any], Any]) -> None:
+def register_reference(
+    kind: str, type_: type, to_ref: Callable[[Any, Any], Any], from_ref: Callable[[Any, Any, Any], Any]
+) -> None:
     """Lets objects of ``type_`` in a scheduled function travel as a reference the worker resolves.
 
     The extension point through which layers above the parameter-server machinery (Keras) ship

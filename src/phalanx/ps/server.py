@@ -38,6 +38,7 @@ import torch
 
 from phalanx.ps import wire
 from phalanx.ps.client import PS_SERVICE
+from phalanx.ps.optimizers import SERVER_OPTIMIZERS
 from phalanx.ps.service import SignedService
 from phalanx.ps.transport import ServiceError
 
@@ -47,12 +48,23 @@ _REFUSED_OPTIMIZERS = {"LBFGS"}  # needs a closure that re-evaluates the loss: n
 
 
 def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimizer class called ``name``; nothing outside ``torch.optim`` is accepted."""
+    """The ``torch.optim`` optimizer class called ``name``, or one of phalanx's own
+    (:data:`phalanx.ps.optimizers.SERVER_OPTIMIZERS`); nothing else is accepted."""
+    if isinstance(name, str) and name in SERVER_OPTIMIZERS:
+        return SERVER_OPTIMIZERS[name]
     cls = getattr(torch.optim, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if (not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer) or cls is torch.optim.Optimizer
-            or not cls.__module__.startswith("torch.optim") or name in _REFUSED_OPTIMIZERS):
-        raise ServiceError("invalid", f"optimizer {name!r} is not a torch.optim optimizer that a parameter server "
-                                      f"can run (LBFGS and optimizers outside torch.optim are not supported)")
+    if (
+        not isinstance(cls, type)
+        or not issubclass(cls, torch.optim.Optimizer)
+        or cls is torch.optim.Optimizer
+        or not cls.__module__.startswith("torch.optim")
+        or name in _REFUSED_OPTIMIZERS
+    ):
+        raise ServiceError(
+            "invalid",
+            f"optimizer {name!r} is not a torch.optim optimizer that a parameter server "
+            f"can run (LBFGS and optimizers outside torch.optim are not supported)",
+        )
     return cls
 
 
@@ -81,7 +93,9 @@ class _Slot:
             cls = optimizer_class(name)
             accepted = inspect.signature(cls.__init__).parameters
             try:
-                self.optimizer = cls([self.value], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
+                self.optimizer = cls(
+                    [self.value], **{k: v for k, v in hyper.items() if k in accepted and k != "params"}
+                )
             except (TypeError, ValueError) as e:
                 raise ServiceError("invalid", f"cannot build {name}: {e}") from None
             self.optimizer_class = name
@@ -146,16 +160,25 @@ class ParameterServerService(SignedService):
     @staticmethod
     def _check(slot: _Slot, key: str, value: torch.Tensor) -> None:
         if value.shape != slot.value.shape or value.dtype != slot.value.dtype:
-            raise ServiceError("invalid", f"variable {key!r} is {slot.value.dtype} {list(slot.value.shape)}; "
-                                          f"received {value.dtype} {list(value.shape)}")
+            raise ServiceError(
+                "invalid",
+                f"variable {key!r} is {slot.value.dtype} {list(slot.value.shape)}; "
+                f"received {value.dtype} {list(value.shape)}",
+            )
 
     # ------------------------------------------------------------------------------ operations
     def _op_ping(self, msg: wire.Message) -> tuple[dict, list]:
         with self._lock:
             updates = sum(s.updates for s in self._slots.values())
             count = len(self._slots)
-        return {"task": self.task, "pid": os.getpid(), "incarnation": self.incarnation, "variables": count,
-                "updates": updates, "refused": self.refused}, []
+        return {
+            "task": self.task,
+            "pid": os.getpid(),
+            "incarnation": self.incarnation,
+            "variables": count,
+            "updates": updates,
+            "refused": self.refused,
+        }, []
 
     def _op_create(self, msg: wire.Message) -> tuple[dict, list]:
         specs = msg.header.get("vars")
@@ -202,9 +225,13 @@ class ParameterServerService(SignedService):
     def _op_apply(self, msg: wire.Message) -> tuple[dict, list]:
         keys = self._keys(msg)
         group_of, optimizers = msg.header.get("group_of"), msg.header.get("optimizers")
-        if (not isinstance(group_of, list) or len(group_of) != len(keys) or not isinstance(optimizers, list)
-                or not all(isinstance(g, int) and 0 <= g < len(optimizers) for g in group_of)
-                or not all(isinstance(o, dict) for o in optimizers)):
+        if (
+            not isinstance(group_of, list)
+            or len(group_of) != len(keys)
+            or not isinstance(optimizers, list)
+            or not all(isinstance(g, int) and 0 <= g < len(optimizers) for g in group_of)
+            or not all(isinstance(o, dict) for o in optimizers)
+        ):
             raise ServiceError("invalid", "'group_of' must give each key an index into 'optimizers'")
         for key, grad, g in zip(keys, msg.tensors, group_of):
             slot = self._slot(key)
@@ -227,14 +254,21 @@ class ParameterServerService(SignedService):
     def _op_opt_assign(self, msg: wire.Message) -> tuple[dict, list]:
         keys = self._keys(msg, with_tensors=False)
         states, config = msg.header.get("states"), msg.header.get("optimizer")
-        if (not isinstance(states, list) or len(states) != len(keys) or not isinstance(config, dict)
-                or not all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in states)
-                or sum(len(s) for s in states) != len(msg.tensors)):
-            raise ServiceError("invalid", "'states' must list each key's state names, one tensor per name, "
-                                          "and 'optimizer' its class and hyperparameters")
+        if (
+            not isinstance(states, list)
+            or len(states) != len(keys)
+            or not isinstance(config, dict)
+            or not all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in states)
+            or sum(len(s) for s in states) != len(msg.tensors)
+        ):
+            raise ServiceError(
+                "invalid",
+                "'states' must list each key's state names, one tensor per name, "
+                "and 'optimizer' its class and hyperparameters",
+            )
         offset = 0
         for key, names in zip(keys, states):
-            values = msg.tensors[offset:offset + len(names)]
+            values = msg.tensors[offset : offset + len(names)]
             offset += len(names)
             slot = self._slot(key)
             with slot.lock:
@@ -242,8 +276,11 @@ class ParameterServerService(SignedService):
                 for name, value in zip(names, values):
                     # Per-element state (momentum, Adam's moments) must fit the variable; scalars (step) may not.
                     if value.dim() > 0 and value.shape != slot.value.shape:
-                        raise ServiceError("invalid", f"optimizer state {name!r} of {key!r} is "
-                                                      f"{list(value.shape)}; the variable is {list(slot.value.shape)}")
+                        raise ServiceError(
+                            "invalid",
+                            f"optimizer state {name!r} of {key!r} is "
+                            f"{list(value.shape)}; the variable is {list(slot.value.shape)}",
+                        )
                 optimizer.state[slot.value] = {name: value.clone() for name, value in zip(names, values)}
         return {}, []
 

@@ -43,8 +43,14 @@ class RefusalLog:
     addresses costs bounded memory and log space.
     """
 
-    def __init__(self, task: str, interval: float = REFUSAL_LOG_INTERVAL, max_peers: int = 256,
-                 logger: logging.Logger = log, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self,
+        task: str,
+        interval: float = REFUSAL_LOG_INTERVAL,
+        max_peers: int = 256,
+        logger: logging.Logger = log,
+        clock: Any = time.monotonic,
+    ) -> None:
         self.task, self.interval, self.max_peers = task, interval, max_peers
         self._log, self._clock = logger, clock
         self._peers: OrderedDict[str, list[Any]] = OrderedDict()  # host -> [last line at, count since, last reason]
@@ -71,11 +77,25 @@ class RefusalLog:
 
     def _emit(self, host: str, method: str, reason: str, count: int, over: float | None) -> None:
         if over is None:
-            self._log.warning("phalanx %s: refused a %r request from %s: %s (further refusals from this peer are "
-                              "summarised every %gs)", self.task, method, host, reason, self.interval)
+            self._log.warning(
+                "phalanx %s: refused a %r request from %s: %s (further refusals from this peer are "
+                "summarised every %gs)",
+                self.task,
+                method,
+                host,
+                reason,
+                self.interval,
+            )
         else:
-            self._log.warning("phalanx %s: refused %d request(s) from %s in the last %.0fs; the latest, %r: %s",
-                              self.task, count, host, over, method, reason)
+            self._log.warning(
+                "phalanx %s: refused %d request(s) from %s in the last %.0fs; the latest, %r: %s",
+                self.task,
+                count,
+                host,
+                over,
+                method,
+                reason,
+            )
 
     def flush(self) -> None:
         """Logs the refusals counted but not yet logged."""
@@ -84,8 +104,14 @@ class RefusalLog:
             for e in self._peers.values():
                 e[1] = 0
         for host, count, reason, over in pending:
-            self._log.warning("phalanx %s: refused %d request(s) from %s in the last %.0fs; the latest, %s",
-                              self.task, count, host, over, reason)
+            self._log.warning(
+                "phalanx %s: refused %d request(s) from %s in the last %.0fs; the latest, %s",
+                self.task,
+                count,
+                host,
+                over,
+                reason,
+            )
 
 
 class SignedService:

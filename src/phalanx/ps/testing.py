@@ -32,19 +32,27 @@ class InProcessCluster:
     ``restart_worker`` and ``transport.inject(address, code, count)`` inject faults.
     """
 
-    def __init__(self, num_ps: int = 2, num_workers: int = 2, *, variable_partitioner: Any = None,
-                 rpc_timeout: float = 2.0) -> None:
+    def __init__(
+        self, num_ps: int = 2, num_workers: int = 2, *, variable_partitioner: Any = None, rpc_timeout: float = 2.0
+    ) -> None:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
         self.transport = InProcessTransport()
-        self.spec = {"chief": ["127.0.0.1:1000"], "ps": [f"127.0.0.1:{1100 + i}" for i in range(num_ps)],
-                     "worker": [f"127.0.0.1:{1200 + i}" for i in range(num_workers)]}
+        self.spec = {
+            "chief": ["127.0.0.1:1000"],
+            "ps": [f"127.0.0.1:{1100 + i}" for i in range(num_ps)],
+            "worker": [f"127.0.0.1:{1200 + i}" for i in range(num_workers)],
+        }
         self._timeout = rpc_timeout
         self.ps = [self._start_ps(i) for i in range(num_ps)]
         self.workers = [self._start_worker(i) for i in range(num_workers)]
         self.strategy = ParameterServerStrategy(
-            SimpleClusterResolver(self.spec, task_type="chief", task_id=0), variable_partitioner,
-            rpc_timeout=rpc_timeout, cluster_secret=_SECRET, transport=self.transport)
+            SimpleClusterResolver(self.spec, task_type="chief", task_id=0),
+            variable_partitioner,
+            rpc_timeout=rpc_timeout,
+            cluster_secret=_SECRET,
+            transport=self.transport,
+        )
 
     def _start_ps(self, i: int) -> ParameterServerService:
         service = ParameterServerService(i, _SECRET.encode())
@@ -54,9 +62,13 @@ class InProcessCluster:
     def _start_worker(self, i: int) -> WorkerService:
         from phalanx.strategies.parameter_server import ParameterServerStrategy
 
-        strategy = ParameterServerStrategy(SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
-                                           rpc_timeout=self._timeout, cluster_secret=_SECRET,
-                                           transport=self.transport, serve_and_exit=False)
+        strategy = ParameterServerStrategy(
+            SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
+            rpc_timeout=self._timeout,
+            cluster_secret=_SECRET,
+            transport=self.transport,
+            serve_and_exit=False,
+        )
         service = WorkerService(i, len(self.spec["worker"]), strategy, strategy.extended.shard_io, _SECRET.encode())
         self.transport.serve(self.spec["worker"][i], service)
         return service

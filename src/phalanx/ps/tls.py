@@ -46,9 +46,11 @@ class TlsConfigError(PhalanxError, ValueError):
 
     def __init__(self, name: str, value: Any, problem: str) -> None:
         self.name, self.value = name, value
-        super().__init__(f"{name}={value!r}: {problem}.",
-                         hint=f"set {CERT_ENV} and {KEY_ENV} (PEM files) in every task, and {CA_ENV} for mutual TLS; "
-                              "`phalanx run --ps N --workers M --tls` makes them for a local cluster")
+        super().__init__(
+            f"{name}={value!r}: {problem}.",
+            hint=f"set {CERT_ENV} and {KEY_ENV} (PEM files) in every task, and {CA_ENV} for mutual TLS; "
+            "`phalanx run --ps N --workers M --tls` makes them for a local cluster",
+        )
 
 
 def _read(name: str, path: str) -> bytes:
@@ -91,8 +93,9 @@ class TlsConfig:
         return cls(_read(CERT_ENV, cert), _read(KEY_ENV, key), _read(CA_ENV, ca) if ca else None)
 
     def server_credentials(self, grpc: Any) -> Any:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.mutual
+        )
 
     def channel_credentials(self, grpc: Any) -> Any:
         if self.mutual:
@@ -100,8 +103,7 @@ class TlsConfig:
         return grpc.ssl_channel_credentials()
 
 
-def generate_local(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 7
-                   ) -> dict[str, str]:
+def generate_local(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 7) -> dict[str, str]:
     """Writes a throwaway CA and one certificate for ``hosts`` (server and client use) to ``directory``.
 
     Returns the ``PHALANX_TLS_*`` variables that point to them. The keys are written readable by
@@ -115,11 +117,17 @@ def generate_local(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localho
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "phalanx local cluster CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = []
     for host in hosts:
@@ -127,21 +135,33 @@ def generate_local(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localho
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "phalanx task")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "phalanx task")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    paths = {CA_ENV: os.path.join(directory, "ca.pem"), CERT_ENV: os.path.join(directory, "cert.pem"),
-             KEY_ENV: os.path.join(directory, "key.pem")}
+    paths = {
+        CA_ENV: os.path.join(directory, "ca.pem"),
+        CERT_ENV: os.path.join(directory, "cert.pem"),
+        KEY_ENV: os.path.join(directory, "key.pem"),
+    }
     pem = serialization.Encoding.PEM
-    contents = {CA_ENV: ca.public_bytes(pem), CERT_ENV: cert.public_bytes(pem),
-                KEY_ENV: key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
+    contents = {
+        CA_ENV: ca.public_bytes(pem),
+        CERT_ENV: cert.public_bytes(pem),
+        KEY_ENV: key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    }
     for name, path in paths.items():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:

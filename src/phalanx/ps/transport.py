@@ -112,8 +112,13 @@ def bind_host(address: str) -> tuple[str, int]:
     override = os.environ.get(BIND_ENV, "").strip()
     if override:
         if override in ("0.0.0.0", "::", "[::]", "*"):
-            log.warning("phalanx: listening on every interface (%s=%s); anyone who can reach port %d can "
-                        "connect (requests still need the cluster secret)", BIND_ENV, override, port)
+            log.warning(
+                "phalanx: listening on every interface (%s=%s); anyone who can reach port %d can "
+                "connect (requests still need the cluster secret)",
+                BIND_ENV,
+                override,
+                port,
+            )
         host = override.strip("[]")
     return host, port
 
@@ -123,20 +128,33 @@ def _grpc() -> Any:
     try:
         import grpc
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ParameterServerStrategy needs gRPC: pip install 'phalanx[ps]' (grpcio, cloudpickle, "
-                          "cryptography)") from e
+        raise ImportError(
+            "ParameterServerStrategy needs gRPC: pip install 'phalanx[ps]' (grpcio, cloudpickle, cryptography)"
+        ) from e
     return grpc
 
 
 _STATUS_TO_CODE: dict[str, str] = {
-    "UNAVAILABLE": "unavailable", "DEADLINE_EXCEEDED": "deadline", "CANCELLED": "cancelled",
-    "UNAUTHENTICATED": "unauthenticated", "PERMISSION_DENIED": "unauthenticated", "UNIMPLEMENTED": "unimplemented",
-    "INVALID_ARGUMENT": "invalid", "NOT_FOUND": "not_found", "FAILED_PRECONDITION": "invalid",
+    "UNAVAILABLE": "unavailable",
+    "DEADLINE_EXCEEDED": "deadline",
+    "CANCELLED": "cancelled",
+    "UNAUTHENTICATED": "unauthenticated",
+    "PERMISSION_DENIED": "unauthenticated",
+    "UNIMPLEMENTED": "unimplemented",
+    "INVALID_ARGUMENT": "invalid",
+    "NOT_FOUND": "not_found",
+    "FAILED_PRECONDITION": "invalid",
     "RESOURCE_EXHAUSTED": "exhausted",
 }
-_CODE_TO_STATUS = {"unauthenticated": "UNAUTHENTICATED", "unimplemented": "UNIMPLEMENTED",
-                   "invalid": "INVALID_ARGUMENT", "not_found": "NOT_FOUND", "unavailable": "UNAVAILABLE",
-                   "internal": "INTERNAL", "exhausted": "RESOURCE_EXHAUSTED"}
+_CODE_TO_STATUS = {
+    "unauthenticated": "UNAUTHENTICATED",
+    "unimplemented": "UNIMPLEMENTED",
+    "invalid": "INVALID_ARGUMENT",
+    "not_found": "NOT_FOUND",
+    "unavailable": "UNAVAILABLE",
+    "internal": "INTERNAL",
+    "exhausted": "RESOURCE_EXHAUSTED",
+}
 
 
 def _from_rpc_error(e: Any) -> TransportError:
@@ -276,8 +294,15 @@ class GrpcServer:
         tls: a :class:`phalanx.ps.tls.TlsConfig`, or None for plain text.
     """
 
-    def __init__(self, address: str, service: Service, max_workers: int = 8, max_concurrent_rpcs: int = 64,
-                 tls: Any = None, head_timeout: float = HEAD_TIMEOUT) -> None:
+    def __init__(
+        self,
+        address: str,
+        service: Service,
+        max_workers: int = 8,
+        max_concurrent_rpcs: int = 64,
+        tls: Any = None,
+        head_timeout: float = HEAD_TIMEOUT,
+    ) -> None:
         grpc = _grpc()
         self._watch = _HeadWatch(head_timeout)
 
@@ -296,8 +321,12 @@ class GrpcServer:
 
         generic = grpc.method_handlers_generic_handler(service.NAME, {m: make(m) for m in service.METHODS})
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="phalanx-rpc")
-        self._server = grpc.server(self._pool, handlers=[generic], maximum_concurrent_rpcs=max_concurrent_rpcs,
-                                   options=[*_GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+        self._server = grpc.server(
+            self._pool,
+            handlers=[generic],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            options=[*_GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+        )
         host, port = bind_host(address)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -313,9 +342,13 @@ class GrpcServer:
             from phalanx.errors import ClusterSpecError
 
             self._watch.stop()
-            raise ClusterSpecError("address", address, f"cannot listen on {target} ({cause})",
-                                   hint=f"check that the port is free and that the host is this machine's, or set "
-                                        f"{BIND_ENV} to the local address to listen on")
+            raise ClusterSpecError(
+                "address",
+                address,
+                f"cannot listen on {target} ({cause})",
+                hint=f"check that the port is free and that the host is this machine's, or set "
+                f"{BIND_ENV} to the local address to listen on",
+            )
         self.address = address
         self._server.start()
 

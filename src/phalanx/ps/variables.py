@@ -68,8 +68,17 @@ class VariableSpec:
         return len(self.shards) > 1
 
     def to_json(self) -> str:
-        return json.dumps([self.name, list(self.shape), self.dtype, self.trainable, self.kind,
-                           [[s.ps, s.key, s.start, s.rows] for s in self.shards]], separators=(",", ":"))
+        return json.dumps(
+            [
+                self.name,
+                list(self.shape),
+                self.dtype,
+                self.trainable,
+                self.kind,
+                [[s.ps, s.key, s.start, s.rows] for s in self.shards],
+            ],
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> VariableSpec:
@@ -134,8 +143,10 @@ class ShardIO:
     def read_into(self, specs: Sequence[VariableSpec], targets: Sequence[torch.Tensor]) -> None:
         """Copies the servers' current values into ``targets`` (full local tensors), in place."""
         groups = self._by_ps(specs)
-        calls = [(self.tasks[ps], "read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
-                 for ps, items in groups.items()]
+        calls = [
+            (self.tasks[ps], "read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
+            for ps, items in groups.items()
+        ]
         with torch.no_grad():
             for (_, items), reply in zip(groups.items(), call_all(calls)):
                 for (i, j), value in zip(items, reply.tensors):
@@ -148,14 +159,20 @@ class ShardIO:
         self.read_into(specs, out)
         return out
 
-    def _write(self, method: str, specs: Sequence[VariableSpec], values: Sequence[torch.Tensor],
-               extra: dict[str, Any] | None = None) -> None:
+    def _write(
+        self,
+        method: str,
+        specs: Sequence[VariableSpec],
+        values: Sequence[torch.Tensor],
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         groups = self._by_ps(specs)
         calls = []
         for ps, items in groups.items():
             header = {"keys": [specs[i].shards[j].key for i, j in items], **(extra or {})}
-            calls.append((self.tasks[ps], method, header, [shard_view(values[i].detach(), specs[i].shards[j])
-                                                           for i, j in items]))
+            calls.append(
+                (self.tasks[ps], method, header, [shard_view(values[i].detach(), specs[i].shards[j]) for i, j in items])
+            )
         if calls:
             call_all(calls)
 
@@ -167,21 +184,28 @@ class ShardIO:
         """Adds ``deltas`` on the servers, atomically per shard (``assign_add``)."""
         self._write("add", specs, deltas)
 
-    def apply(self, specs: Sequence[VariableSpec], grads: Sequence[torch.Tensor], groups: Sequence[int],
-              optimizers: Sequence[dict[str, Any]]) -> None:
+    def apply(
+        self,
+        specs: Sequence[VariableSpec],
+        grads: Sequence[torch.Tensor],
+        groups: Sequence[int],
+        optimizers: Sequence[dict[str, Any]],
+    ) -> None:
         """Sends gradients; each server applies them with its optimizer (``optimizers[groups[i]]``)."""
         by_ps = self._by_ps(specs)
         calls = []
         for ps, items in by_ps.items():
             used = sorted({groups[i] for i, _ in items})
-            header = {"keys": [specs[i].shards[j].key for i, j in items],
-                      "group_of": [used.index(groups[i]) for i, _ in items],
-                      "optimizers": [optimizers[g] for g in used]}
-            calls.append((self.tasks[ps], "apply", header,
-                          [shard_view(grads[i], specs[i].shards[j]) for i, j in items]))
+            header = {
+                "keys": [specs[i].shards[j].key for i, j in items],
+                "group_of": [used.index(groups[i]) for i, _ in items],
+                "optimizers": [optimizers[g] for g in used],
+            }
+            calls.append(
+                (self.tasks[ps], "apply", header, [shard_view(grads[i], specs[i].shards[j]) for i, j in items])
+            )
         if calls:
             call_all(calls)
-
 
     def read_optimizer_state(self, specs: Sequence[VariableSpec]) -> list[dict[str, torch.Tensor]]:
         """Each variable's optimizer state on the servers, joined over its shards ({} before any update).
@@ -190,8 +214,10 @@ class ShardIO:
         (Adam's ``step``) are taken from the first shard (every update reaches all shards).
         """
         groups = self._by_ps(specs)
-        calls = [(self.tasks[ps], "opt_read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
-                 for ps, items in groups.items()]
+        calls = [
+            (self.tasks[ps], "opt_read", {"keys": [specs[i].shards[j].key for i, j in items]}, [])
+            for ps, items in groups.items()
+        ]
         parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for (_, items), reply in zip(groups.items(), call_all(calls)):
             tensors = iter(reply.tensors)
@@ -209,8 +235,12 @@ class ShardIO:
             out.append(state)
         return out
 
-    def assign_optimizer_state(self, specs: Sequence[VariableSpec], states: Sequence[dict[str, torch.Tensor]],
-                               configs: Sequence[dict[str, Any]]) -> None:
+    def assign_optimizer_state(
+        self,
+        specs: Sequence[VariableSpec],
+        states: Sequence[dict[str, torch.Tensor]],
+        configs: Sequence[dict[str, Any]],
+    ) -> None:
         """Sets each variable's optimizer state on the servers (split over its shards like the variable).
 
         ``configs[i]`` (the optimizer's class and hyperparameters, as ``apply`` sends them) builds
@@ -221,11 +251,20 @@ class ShardIO:
         for ps, items in groups.items():
             for i, j in items:  # one call per shard: each may come from an optimizer of another group
                 names = sorted(states[i])
-                tensors = [shard_view(states[i][n].detach(), specs[i].shards[j])
-                           if states[i][n].dim() > 0 and tuple(states[i][n].shape) == specs[i].shape
-                           else states[i][n].detach() for n in names]
-                calls.append((self.tasks[ps], "opt_assign", {"keys": [specs[i].shards[j].key], "states": [names],
-                                                             "optimizer": configs[i]}, tensors))
+                tensors = [
+                    shard_view(states[i][n].detach(), specs[i].shards[j])
+                    if states[i][n].dim() > 0 and tuple(states[i][n].shape) == specs[i].shape
+                    else states[i][n].detach()
+                    for n in names
+                ]
+                calls.append(
+                    (
+                        self.tasks[ps],
+                        "opt_assign",
+                        {"keys": [specs[i].shards[j].key], "states": [names], "optimizer": configs[i]},
+                        tensors,
+                    )
+                )
         if calls:
             call_all(calls)
 
@@ -261,8 +300,9 @@ class RemoteVariable:
         self._io.assign([self._spec], [torch.as_tensor(value, dtype=self.dtype).reshape(self._spec.shape)])
 
     def __repr__(self) -> str:
-        return (f"RemoteVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
-                f"device={self.device!r})")
+        return (
+            f"RemoteVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device!r})"
+        )
 
 
 class ShardedVariable:
@@ -277,8 +317,19 @@ class ShardedVariable:
         self._spec, self._io = spec, io
         self.name = spec.name
         self.variables = [
-            RemoteVariable(VariableSpec(s.key, (s.rows, *spec.shape[1:]), spec.dtype, spec.trainable, spec.kind,
-                                        (Shard(s.ps, s.key, 0, -1),)), io) for s in spec.shards]
+            RemoteVariable(
+                VariableSpec(
+                    s.key,
+                    (s.rows, *spec.shape[1:]),
+                    spec.dtype,
+                    spec.trainable,
+                    spec.kind,
+                    (Shard(s.ps, s.key, 0, -1),),
+                ),
+                io,
+            )
+            for s in spec.shards
+        ]
 
     @property
     def shape(self) -> torch.Size:
@@ -310,5 +361,7 @@ class ShardedVariable:
         return {"axis": 0, "shards": [v.shape[0] for v in self.variables]}
 
     def __repr__(self) -> str:
-        return (f"ShardedVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
-                f"shards={[v.shape[0] for v in self.variables]})")
+        return (
+            f"ShardedVariable(name={self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
+            f"shards={[v.shape[0] for v in self.variables]})"
+        )

@@ -92,8 +92,20 @@ _NO_SENDER = bytes(16)
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-                 "complex64", "complex128")
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+    )
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -103,8 +115,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise ProtocolError(f"dtype {dtype} cannot be sent to a parameter server",
-                            hint=f"use one of {sorted(_DTYPES)}") from None
+        raise ProtocolError(
+            f"dtype {dtype} cannot be sent to a parameter server", hint=f"use one of {sorted(_DTYPES)}"
+        ) from None
 
 
 def dtype_from_name(name: Any) -> torch.dtype:
@@ -121,8 +134,9 @@ def cluster_secret(explicit: str | bytes | None = None, environ: Mapping[str, st
     """
     value = explicit if explicit is not None else (os.environ if environ is None else environ).get(SECRET_ENV)
     if value is None or (isinstance(value, (str, bytes)) and not value.strip()):
-        raise ClusterSecretError("<unset>", "parameter-server training ships code between tasks and needs a "
-                                            "shared secret to authenticate it")
+        raise ClusterSecretError(
+            "<unset>", "parameter-server training ships code between tasks and needs a shared secret to authenticate it"
+        )
     raw = value.encode() if isinstance(value, str) else bytes(value)
     if len(raw) < MIN_SECRET_CHARS:
         raise ClusterSecretError(f"<{len(raw)} characters>", f"must be at least {MIN_SECRET_CHARS} characters")
@@ -146,9 +160,11 @@ def clock_skew(environ: Mapping[str, str] | None = None) -> float:
     if not value > 0:
         from phalanx.errors import PhalanxError
 
-        raise PhalanxError(f"{CLOCK_SKEW_ENV}={raw!r} is not a positive number of seconds",
-                           hint="unset it for the default (60 s), or give the largest clock difference between "
-                                "the cluster's hosts plus the longest time a request waits in a queue")
+        raise PhalanxError(
+            f"{CLOCK_SKEW_ENV}={raw!r} is not a positive number of seconds",
+            hint="unset it for the default (60 s), or give the largest clock difference between "
+            "the cluster's hosts plus the longest time a request waits in a queue",
+        )
     return value
 
 
@@ -156,8 +172,9 @@ def _poly1305() -> Any:
     try:
         from cryptography.hazmat.primitives import poly1305
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ParameterServerStrategy signs its messages with the 'cryptography' package: "
-                          "pip install 'phalanx[ps]'") from e
+        raise ImportError(
+            "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install 'phalanx[ps]'"
+        ) from e
     return poly1305.Poly1305
 
 
@@ -176,8 +193,21 @@ class Head:
 
     def fields(self) -> bytes:
         task = self.task.encode()
-        return _FIXED.pack(MAGIC, bytes(32), self.kind, self.sender, self.seq, self.time, self.body_len,
-                           self.reply_sender, self.reply_seq, len(task))[_SIGNED_AT:] + task
+        return (
+            _FIXED.pack(
+                MAGIC,
+                bytes(32),
+                self.kind,
+                self.sender,
+                self.seq,
+                self.time,
+                self.body_len,
+                self.reply_sender,
+                self.reply_seq,
+                len(task),
+            )[_SIGNED_AT:]
+            + task
+        )
 
 
 def _label(purpose: bytes, method: str) -> bytes:
@@ -221,9 +251,16 @@ class Frame:
 
     def __init__(self, signer: Signer, method: str, parts: list[Any], body_len: int, reply_to: Head | None) -> None:
         self._signer, self.method, self._parts, self._reply_to = signer, method, parts, reply_to
-        self.head = Head(REPLY if reply_to is not None else CALL, signer.sender, signer.next_seq(), time.time(),
-                         body_len, reply_to.sender if reply_to else _NO_SENDER, reply_to.seq if reply_to else 0,
-                         signer.task)
+        self.head = Head(
+            REPLY if reply_to is not None else CALL,
+            signer.sender,
+            signer.next_seq(),
+            time.time(),
+            body_len,
+            reply_to.sender if reply_to else _NO_SENDER,
+            reply_to.seq if reply_to else 0,
+            signer.task,
+        )
         fields = self.head.fields()
         tag = _poly1305()(_body_key(signer.secret, method, fields))
         for part in parts:
@@ -248,7 +285,7 @@ class Frame:
             while len(view):
                 take = view[:room]
                 pending.append(take)
-                view = view[len(take):]
+                view = view[len(take) :]
                 room -= len(take)
                 if room == 0:
                     yield b"".join(pending)
@@ -281,8 +318,15 @@ class Signer:
         with self._lock:
             return next(self._seq)
 
-    def encode(self, method: str, header: Mapping[str, Any] | None = None, tensors: Sequence[torch.Tensor] = (),
-               blobs: Sequence[bytes] = (), *, reply_to: Head | None = None) -> Frame:
+    def encode(
+        self,
+        method: str,
+        header: Mapping[str, Any] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+        blobs: Sequence[bytes] = (),
+        *,
+        reply_to: Head | None = None,
+    ) -> Frame:
         """A signed frame for ``method`` (a call, or with ``reply_to`` the answer to that call)."""
         parts: list[list[Any]] = [["t", dtype_name(t.dtype), list(t.shape)] for t in tensors]
         parts += [["b", len(b)] for b in blobs]
@@ -309,8 +353,13 @@ class ReplayGuard:
     this server is one; a restarted task brings new ones).
     """
 
-    def __init__(self, window: int = REPLAY_WINDOW, skew: float | None = None, max_senders: int = MAX_SENDERS,
-                 clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        window: int = REPLAY_WINDOW,
+        skew: float | None = None,
+        max_senders: int = MAX_SENDERS,
+        clock: Any = time.time,
+    ) -> None:
         self.window, self.max_senders, self._clock = window, max_senders, clock
         self.skew = clock_skew() if skew is None else skew
         self._senders: OrderedDict[bytes, list[int]] = OrderedDict()  # sender -> [newest seq, bitmap of seen]
@@ -323,7 +372,8 @@ class ReplayGuard:
             raise AuthenticationError(
                 f"message refused: signed {abs(off):.1f}s {'in the future' if off > 0 else 'ago'}, more than the "
                 f"{CLOCK_SKEW_ENV} tolerance of {self.skew:g}s (a replay, or clocks that differ)",
-                hint=f"synchronise the hosts' clocks (NTP) or raise {CLOCK_SKEW_ENV}")
+                hint=f"synchronise the hosts' clocks (NTP) or raise {CLOCK_SKEW_ENV}",
+            )
         with self._lock:
             entry = self._senders.get(head.sender)
             if entry is None:
@@ -340,11 +390,14 @@ class ReplayGuard:
                 return
             age = newest - head.seq
             if age >= self.window:
-                raise AuthenticationError(f"message refused: frame {head.seq} is {age} frames older than its "
-                                          f"sender's newest (window {self.window}): reordered or replayed")
+                raise AuthenticationError(
+                    f"message refused: frame {head.seq} is {age} frames older than its "
+                    f"sender's newest (window {self.window}): reordered or replayed"
+                )
             if seen >> age & 1:
-                raise AuthenticationError(f"message refused: frame {head.seq} of this sender was received before "
-                                          f"(a replay)")
+                raise AuthenticationError(
+                    f"message refused: frame {head.seq} of this sender was received before (a replay)"
+                )
             entry[1] = seen | (1 << age)
 
 
@@ -370,7 +423,7 @@ class _Reader:
                 return None
             take = self._buf[:n]
             out.append(take)
-            self._buf = self._buf[len(take):]
+            self._buf = self._buf[len(take) :]
             n -= len(take)
         return b"".join(out)
 
@@ -379,10 +432,10 @@ class _Reader:
         while at < len(target):
             if not self._fill():
                 return False
-            take = self._buf[:len(target) - at]
-            target[at:at + len(take)] = take
+            take = self._buf[: len(target) - at]
+            target[at : at + len(take)] = take
             tag.update(take)
-            self._buf = self._buf[len(take):]
+            self._buf = self._buf[len(take) :]
             at += len(take)
         return True
 
@@ -431,8 +484,10 @@ class Verifier:
         if not reader.read_into(memoryview(body), tag) or not reader.at_end():
             raise AuthenticationError("message refused: its length differs from the signed length")
         if not hmac.compare_digest(tag.finalize(), expected):
-            raise AuthenticationError("message refused: the payload (tensor, header or blob bytes) does not match "
-                                      "its signature: it was altered on the way")
+            raise AuthenticationError(
+                "message refused: the payload (tensor, header or blob bytes) does not match "
+                "its signature: it was altered on the way"
+            )
         return _parse(body, head)
 
     def _verify_head(self, method: str, reader: _Reader, reply_to: Head | None) -> tuple[Head, bytes, bytes]:
@@ -465,7 +520,7 @@ def _parse(body: bytearray, head: Head) -> Message:
     if head_len > _MAX_HEADER_BYTES or _LENGTHS.size + head_len + blobs_len > len(view):
         raise ProtocolError("header or blobs overrun the message")
     try:
-        header = json.loads(bytes(view[_LENGTHS.size:_LENGTHS.size + head_len]))
+        header = json.loads(bytes(view[_LENGTHS.size : _LENGTHS.size + head_len]))
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"header is not JSON ({e})") from None
     if not isinstance(header, dict) or not isinstance(header.get("parts"), list):
@@ -495,7 +550,7 @@ def _parse(body: bytearray, head: Head) -> Message:
         elif part[0] == "b" and len(part) == 2 and isinstance(part[1], int) and part[1] >= 0:
             if blob_at + part[1] > signed_end:
                 raise ProtocolError("blob overruns the message")
-            msg.blobs.append(bytes(view[blob_at:blob_at + part[1]]))
+            msg.blobs.append(bytes(view[blob_at : blob_at + part[1]]))
             blob_at += part[1]
         else:
             raise ProtocolError(f"malformed part {part!r}")

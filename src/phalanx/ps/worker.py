@@ -72,11 +72,20 @@ _SKIP = object()
 
 def optimizer_config(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
     """What a parameter server needs to build the same optimizer: its torch.optim class and hyperparameters."""
-    cls = next((c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")
-                and c is not torch.optim.Optimizer), type(optimizer))
+    cls = next(
+        (
+            c
+            for c in type(optimizer).__mro__
+            if c.__module__.startswith("torch.optim") and c is not torch.optim.Optimizer
+        ),
+        type(optimizer),
+    )
     if cls is not type(optimizer):
-        log.warning("phalanx: %s is applied on the parameter servers as its base class torch.optim.%s",
-                    type(optimizer).__name__, cls.__name__)
+        log.warning(
+            "phalanx: %s is applied on the parameter servers as its base class torch.optim.%s",
+            type(optimizer).__name__,
+            cls.__name__,
+        )
     hyper = {}
     for k, v in group.items():
         if k == "params":
@@ -134,8 +143,15 @@ class WorkerService(SignedService):
     NAME = WORKER_SERVICE
     METHODS = ("ping", "resources", "run", "shutdown")
 
-    def __init__(self, index: int, num_workers: int, strategy: Any, io: ShardIO, secret: bytes,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        num_workers: int,
+        strategy: Any,
+        io: ShardIO,
+        secret: bytes,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(f"worker:{index}", secret)
         self.index, self.num_workers = index, num_workers
         self.incarnation = uuid.uuid4().hex
@@ -160,8 +176,13 @@ class WorkerService(SignedService):
         return header, [], blobs
 
     def _op_ping(self, msg: wire.Message) -> tuple[dict, list]:
-        return {"task": self.task, "pid": os.getpid(), "incarnation": self.incarnation,
-                "resources": len(self._resources), "refused": self.refused}, []
+        return {
+            "task": self.task,
+            "pid": os.getpid(),
+            "incarnation": self.incarnation,
+            "resources": len(self._resources),
+            "refused": self.refused,
+        }, []
 
     def _op_shutdown(self, msg: wire.Message) -> tuple[dict, list]:
         log.info("phalanx %s: shutting down at the coordinator's request", self.task)
@@ -259,8 +280,11 @@ class WorkerService(SignedService):
         from phalanx.input.context import InputContext
 
         try:
-            params = [p for p in inspect.signature(fn).parameters.values()
-                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            params = [
+                p
+                for p in inspect.signature(fn).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
         except (TypeError, ValueError):
             params = []
         if params:
@@ -290,8 +314,13 @@ class WorkerService(SignedService):
                 result = nest.map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result)
                 return {"status": "ok"}, [pickling.dumps(result)]
             except ParameterServerUnavailableError as e:
-                return {"status": "error", "kind": "ps_unavailable", "ps": e.index, "address": e.address,
-                        "cause": e.cause}, []
+                return {
+                    "status": "error",
+                    "kind": "ps_unavailable",
+                    "ps": e.index,
+                    "address": e.address,
+                    "cause": e.cause,
+                }, []
             except Exception as e:  # noqa: BLE001 - the user's function failed: the coordinator re-raises it
                 return self._user_error(e)
             finally:
@@ -301,8 +330,14 @@ class WorkerService(SignedService):
 
     def _user_error(self, e: BaseException) -> tuple[dict, list]:
         text = traceback.format_exc()
-        header = {"status": "error", "kind": "user", "type": type(e).__name__, "message": str(e),
-                  "traceback": text, "task": self.task}
+        header = {
+            "status": "error",
+            "kind": "user",
+            "type": type(e).__name__,
+            "message": str(e),
+            "traceback": text,
+            "task": self.task,
+        }
         try:
             return header, [pickling.dumps(e)]
         except Exception:  # noqa: BLE001 - an exception that cannot be pickled goes back as text
@@ -332,8 +367,12 @@ class WorkerService(SignedService):
                     deltas.append(delta)
             elif name not in self._warned:
                 self._warned.add(name)
-                log.warning("phalanx %s: variable %s was changed in place by a scheduled function outside "
-                            "optimizer.step(); the change stays on this worker", self.task, name)
+                log.warning(
+                    "phalanx %s: variable %s was changed in place by a scheduled function outside "
+                    "optimizer.step(); the change stays on this worker",
+                    self.task,
+                    name,
+                )
         if specs:
             self._io.add(specs, deltas)
 

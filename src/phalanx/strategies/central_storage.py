@@ -101,8 +101,13 @@ class _CopyModeReducer(GradientReducer):
     copy and to set their ``.grad``.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], reduce: Callable[[torch.Tensor], Any], bucket_bytes: int,
-                 on_reduced: Callable[[list[tuple[list[torch.nn.Parameter], torch.Tensor]]], None] | None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        reduce: Callable[[torch.Tensor], Any],
+        bucket_bytes: int,
+        on_reduced: Callable[[list[tuple[list[torch.nn.Parameter], torch.Tensor]]], None] | None,
+    ) -> None:
         self._on_reduced = on_reduced
         self._launched: list[tuple[list[torch.nn.Parameter], Any]] = []
         super().__init__(params, reduce, bucket_bytes, keep_grads=False)
@@ -139,21 +144,30 @@ class CentralStorageExtended(SyncExtended):
         else:
             parameter = canonicalize(parameter_device)
         if len({d.type for d in compute}) > 1:
-            raise InvalidDeviceError([str(d) for d in compute], hint="CentralStorageStrategy's compute devices "
-                                     "must all be CPUs or all be GPUs")
+            raise InvalidDeviceError(
+                [str(d) for d in compute],
+                hint="CentralStorageStrategy's compute devices must all be CPUs or all be GPUs",
+            )
         if parameter.type != "cpu" and [parameter] != compute:
-            raise InvalidDeviceError(str(parameter), hint="CentralStorageStrategy keeps the variables on the CPU, "
-                                     "or on the GPU of its only replica; use parameter_device='cpu'")
+            raise InvalidDeviceError(
+                str(parameter),
+                hint="CentralStorageStrategy keeps the variables on the CPU, "
+                "or on the GPU of its only replica; use parameter_device='cpu'",
+            )
         # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
         copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
         env = self._replica_env(compute, "compute_devices")
         local_rank = env.local_rank if env is not None else 0
         self._select_device(compute[local_rank])
-        comm = self._build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
-                                        fingerprint=(("central_storage_copy_mode", copy_mode),))
+        comm = self._build_communicator(
+            env,
+            names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
+            fingerprint=(("central_storage_copy_mode", copy_mode),),
+        )
         self._configure_cpu_threads(comm, compute[local_rank].type)
-        super().__init__(comm, compute[local_rank], tuple(tf_device_name(d) for d in compute),
-                         (tf_device_name(parameter),))
+        super().__init__(
+            comm, compute[local_rank], tuple(tf_device_name(d) for d in compute), (tf_device_name(parameter),)
+        )
         self._mappings: list[mmap.mmap] = []  # keep the shared memory mapped while parameters use it
         self._reduced_in_run = 0
         self._copy_mode = copy_mode
@@ -215,8 +229,10 @@ class CentralStorageExtended(SyncExtended):
                     fd = os.open(comm.store.get(key).decode(), os.O_RDWR)
                 mapping = mmap.mmap(fd, max(size, 1))
                 os.close(fd)
-            views = [torch.frombuffer(mapping, dtype=dtype, count=p.numel(), offset=o).view(p.shape)
-                     for p, o in zip(group, offsets)]
+            views = [
+                torch.frombuffer(mapping, dtype=dtype, count=p.numel(), offset=o).view(p.shape)
+                for p, o in zip(group, offsets)
+            ]
             if comm.rank == 0:
                 for view, p in zip(views, group):
                     view.copy_(p.data)
@@ -247,8 +263,9 @@ class CentralStorageExtended(SyncExtended):
         if self._reducer is not None:
             self._reducer.add(params, self._bucket_bytes)
         elif self._copy_mode:
-            self._reducer = _CopyModeReducer(params, reduce_to_chief, self._bucket_bytes,
-                                             self._adopt_reduced if comm.rank == 0 else None)
+            self._reducer = _CopyModeReducer(
+                params, reduce_to_chief, self._bucket_bytes, self._adopt_reduced if comm.rank == 0 else None
+            )
         else:
             self._reducer = GradientReducer(params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0)
 
@@ -258,7 +275,7 @@ class CentralStorageExtended(SyncExtended):
             offset = 0
             for p in params:
                 n = p.numel()
-                grad = flat[offset:offset + n].view(p.shape)
+                grad = flat[offset : offset + n].view(p.shape)
                 offset += n
                 central = self._central_of.get(id(p))
                 if central is not None:

@@ -116,9 +116,12 @@ class SyncExtended(StrategyExtended):
                 self._launcher = launch(len(devices))
                 env = self._launcher.env
         if env is not None and env.local_world_size != len(devices):
-            raise ClusterSpecError(what, [str(d) for d in devices],
-                                   f"the launcher started {env.local_world_size} replica processes on this host",
-                                   hint="pass as many devices as `phalanx run -n` starts, or none")
+            raise ClusterSpecError(
+                what,
+                [str(d) for d in devices],
+                f"the launcher started {env.local_world_size} replica processes on this host",
+                hint="pass as many devices as `phalanx run -n` starts, or none",
+            )
         return env
 
     @staticmethod
@@ -128,9 +131,15 @@ class SyncExtended(StrategyExtended):
             torch.cuda.set_device(device.index)
 
     @staticmethod
-    def _build_communicator(env: ReplicaEnv | None, *, timeout: float | None = None, bind_addr: str | None = None,
-                            names: tuple[str, ...] = (), fingerprint: tuple[tuple[str, Any], ...] = (),
-                            backend: str = "gloo") -> Any:
+    def _build_communicator(
+        env: ReplicaEnv | None,
+        *,
+        timeout: float | None = None,
+        bind_addr: str | None = None,
+        names: tuple[str, ...] = (),
+        fingerprint: tuple[tuple[str, Any], ...] = (),
+        backend: str = "gloo",
+    ) -> Any:
         """The communicator of this process: local for one replica, gloo/NCCL otherwise.
 
         The program's k-th multi-replica communicator of a job uses the job's store under its own
@@ -145,13 +154,19 @@ class SyncExtended(StrategyExtended):
         _generations[job] = generation + 1
         settings = config.settings()
         spec = GroupSpec(
-            rank=env.rank, world_size=env.world_size, master_addr=env.master_addr, master_port=env.master_port,
+            rank=env.rank,
+            world_size=env.world_size,
+            master_addr=env.master_addr,
+            master_port=env.master_port,
             # With no address from a cluster spec, listen on the local address that routes to the master
             # (loopback for a single host): never on all interfaces, never on an address peers cannot reach.
-            bind_addr=bind_addr or own_address_for(env.master_addr), names=names,
+            bind_addr=bind_addr or own_address_for(env.master_addr),
+            names=names,
             timeout=timeout or settings.collective_timeout,
             rendezvous_timeout=settings.rendezvous_timeout,
-            fingerprint=fingerprint, store_prefix=f"strategy{generation}/" if generation else "")
+            fingerprint=fingerprint,
+            store_prefix=f"strategy{generation}/" if generation else "",
+        )
         return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod

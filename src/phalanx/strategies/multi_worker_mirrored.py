@@ -76,9 +76,19 @@ def _placement(resolver: ClusterResolver | None, env: ReplicaEnv | None) -> Task
     if resolver is not None:
         return resolver.placement(local_world_size, local_rank)
     if env is not None:
-        return TaskPlacement("worker", env.node_rank, env.rank, env.world_size, env.local_rank, env.local_world_size,
-                             env.node_rank, env.num_nodes, env.master_addr, env.master_port,
-                             own_address_for(env.master_addr))
+        return TaskPlacement(
+            "worker",
+            env.node_rank,
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.node_rank,
+            env.num_nodes,
+            env.master_addr,
+            env.master_port,
+            own_address_for(env.master_addr),
+        )
     return TaskPlacement("worker", 0, 0, 1, 0, 1, 0, 1, "127.0.0.1", 0, "127.0.0.1")
 
 
@@ -94,8 +104,9 @@ class MultiWorkerMirroredExtended(SyncExtended):
         cluster_resolver: the resolver the strategy reports (a single-worker one when none was found).
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None) -> None:
+    def __init__(
+        self, cluster_resolver: ClusterResolver | None = None, communication_options: CommunicationOptions | None = None
+    ) -> None:
         options = communication_options or CommunicationOptions()
         env = job_env()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_from_environment()
@@ -104,41 +115,75 @@ class MultiWorkerMirroredExtended(SyncExtended):
             validate_cluster(spec, resolver.task_type, resolver.task_id, allow_ps=False)
         placement = _placement(resolver, env)
         if not placement.in_sync_group:
-            raise ClusterSpecError("task.type", placement.task_type,
-                                   "MultiWorkerMirroredStrategy runs only on 'chief' and 'worker' tasks")
+            raise ClusterSpecError(
+                "task.type", placement.task_type, "MultiWorkerMirroredStrategy runs only on 'chief' and 'worker' tasks"
+            )
         use_gpu = torch.cuda.device_count() >= placement.local_world_size
         if options.implementation is CommunicationImplementation.NCCL and not use_gpu:
-            raise InvalidDeviceError("NCCL", hint="NCCL needs one GPU per local replica; use "
-                                                  "CommunicationImplementation.RING (gloo) on CPUs")
+            raise InvalidDeviceError(
+                "NCCL", hint="NCCL needs one GPU per local replica; use CommunicationImplementation.RING (gloo) on CPUs"
+            )
         backend = "nccl" if use_gpu and options.implementation is not CommunicationImplementation.RING else "gloo"
         device = LogicalDevice("cuda" if use_gpu else "cpu", placement.local_rank)
         self._select_device(device)
         if placement.world_size > 1 and placement.master_port == 0:
-            raise ClusterSpecError("master_port", 0, "a multi-process job needs the chief's port",
-                                   hint="set TF_CONFIG, MASTER_ADDR/MASTER_PORT, or use phalanx run")
+            raise ClusterSpecError(
+                "master_port",
+                0,
+                "a multi-process job needs the chief's port",
+                hint="set TF_CONFIG, MASTER_ADDR/MASTER_PORT, or use phalanx run",
+            )
         fingerprint: tuple[tuple[str, Any], ...] = tuple(sorted(placement.fingerprint().items()))
         if spec and resolver.lists_every_task:  # a partial spec names the master as each node sees it
-            fingerprint += tuple((f"cluster.{job}", spec.job_tasks(job)) for job in ("chief", "worker")
-                                 if job in spec.jobs)
-        run_env = ReplicaEnv(placement.rank, placement.world_size, placement.local_rank, placement.local_world_size,
-                             placement.master_addr, placement.master_port, placement.node_rank, placement.num_nodes)
+            fingerprint += tuple(
+                (f"cluster.{job}", spec.job_tasks(job)) for job in ("chief", "worker") if job in spec.jobs
+            )
+        run_env = ReplicaEnv(
+            placement.rank,
+            placement.world_size,
+            placement.local_rank,
+            placement.local_world_size,
+            placement.master_addr,
+            placement.master_port,
+            placement.node_rank,
+            placement.num_nodes,
+        )
         comm = self._build_communicator(
-            run_env, timeout=options.timeout_seconds, bind_addr=placement.bind_addr,
+            run_env,
+            timeout=options.timeout_seconds,
+            bind_addr=placement.bind_addr,
             names=tuple(placement.describe_rank(r) for r in range(placement.world_size)),
-            fingerprint=fingerprint, backend=backend)
+            fingerprint=fingerprint,
+            backend=backend,
+        )
         self._configure_cpu_threads(comm, device.type)
         task = f"/job:{placement.task_type}/replica:0/task:{placement.task_id}"
         local = tuple(tf_device_name(LogicalDevice(device.type, i), task) for i in range(placement.local_world_size))
         # Workers may hold inputs of different lengths: agree each step on who still has data.
-        sharding = InputSharding(num_workers=placement.num_nodes, worker_index=max(placement.node_rank, 0),
-                                 agree_on_end=placement.world_size > 1)
-        super().__init__(comm, device, local, local, NcclAllReduce(), options.bytes_per_pack or DEFAULT_BUCKET_BYTES,
-                         input_sharding=sharding)
+        sharding = InputSharding(
+            num_workers=placement.num_nodes,
+            worker_index=max(placement.node_rank, 0),
+            agree_on_end=placement.world_size > 1,
+        )
+        super().__init__(
+            comm,
+            device,
+            local,
+            local,
+            NcclAllReduce(),
+            options.bytes_per_pack or DEFAULT_BUCKET_BYTES,
+            input_sharding=sharding,
+        )
         self.placement = placement
         self.communication_options = options
         if resolver is None:
-            resolver = SimpleClusterResolver({"worker": [f"{placement.master_addr}:{placement.master_port}"]},
-                                             task_type="worker", task_id=0) if placement.num_nodes == 1 else None
+            resolver = (
+                SimpleClusterResolver(
+                    {"worker": [f"{placement.master_addr}:{placement.master_port}"]}, task_type="worker", task_id=0
+                )
+                if placement.num_nodes == 1
+                else None
+            )
         self.cluster_resolver = resolver
         self._close_at_exit()
 
@@ -157,8 +202,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         ClusterSpecMismatchError, RendezvousTimeoutError: at rendezvous.
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None) -> None:
+    def __init__(
+        self, cluster_resolver: ClusterResolver | None = None, communication_options: CommunicationOptions | None = None
+    ) -> None:
         extended = MultiWorkerMirroredExtended(cluster_resolver, communication_options)
         self._placement = extended.placement
         self._communication_options = extended.communication_options

@@ -80,8 +80,17 @@ DEFAULT_WORKER_RECOVERY_TIMEOUT = config.WORKER_RECOVERY_TIMEOUT
 class ParameterServerExtended(StrategyExtended):
     """The machinery of :class:`ParameterServerStrategy` (variables, servers, the chief's copies)."""
 
-    def __init__(self, *, role: str, task_id: int, cluster: Any, secret: bytes, transport: Any,
-                 rpc_timeout: float, partitioner: Callable[..., Sequence[int]] | None) -> None:
+    def __init__(
+        self,
+        *,
+        role: str,
+        task_id: int,
+        cluster: Any,
+        secret: bytes,
+        transport: Any,
+        rpc_timeout: float,
+        partitioner: Callable[..., Sequence[int]] | None,
+    ) -> None:
         self._role, self._task_id = role, task_id
         self._task_name = f"{role}:{task_id}"
         self._cluster = cluster
@@ -92,8 +101,10 @@ class ParameterServerExtended(StrategyExtended):
         self._worker_recovery_timeout = config.settings().worker_recovery_timeout
         self._partitioner = partitioner
         ps_indices = cluster.task_indices("ps")
-        self._ps_tasks = [RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout,
-                                     sender=self._task_name) for i in ps_indices]
+        self._ps_tasks = [
+            RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout, sender=self._task_name)
+            for i in ps_indices
+        ]
         self._ps_incarnations: list[str | None] = [None] * len(self._ps_tasks)
         self._io = ShardIO(self._ps_tasks)
         workers = tuple(f"{task_device('worker', i)}/device:CPU:0" for i in cluster.task_indices("worker"))
@@ -209,9 +220,18 @@ class ParameterServerExtended(StrategyExtended):
 
     def _connect_workers(self) -> list[RemoteTask]:
         if not self._worker_tasks:
-            self._worker_tasks = [RemoteTask("worker", i, self._cluster.task_address("worker", i), self._transport,
-                                             self._secret, self._rpc_timeout, sender=self._task_name)
-                                  for i in self._cluster.task_indices("worker")]
+            self._worker_tasks = [
+                RemoteTask(
+                    "worker",
+                    i,
+                    self._cluster.task_address("worker", i),
+                    self._transport,
+                    self._secret,
+                    self._rpc_timeout,
+                    sender=self._task_name,
+                )
+                for i in self._cluster.task_indices("worker")
+            ]
         return self._worker_tasks
 
     def _stop_cluster(self, timeout: float = 5.0) -> None:
@@ -221,8 +241,12 @@ class ParameterServerExtended(StrategyExtended):
         self._stopped = True
         tasks = self._connect_workers() + self._ps_tasks
         per_call = max(0.1, min(2.0, timeout))
-        threads = [threading.Thread(target=_quietly, args=(t.call, "shutdown"), kwargs={"timeout": per_call,
-                                    "attempts": 1}, daemon=True) for t in tasks]
+        threads = [
+            threading.Thread(
+                target=_quietly, args=(t.call, "shutdown"), kwargs={"timeout": per_call, "attempts": 1}, daemon=True
+            )
+            for t in tasks
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + timeout
@@ -236,10 +260,14 @@ class ParameterServerExtended(StrategyExtended):
         from phalanx.ps.client import Keepalive
 
         orphan = config.settings().orphan_timeout
-        tasks = [(job, i, self._cluster.task_address(job, i)) for job in ("ps", "worker")
-                 for i in self._cluster.task_indices(job)]
-        self._keepalive = Keepalive(tasks, self._transport, self._secret, max(0.2, min(10.0, orphan / 4)),
-                                    sender=self._task_name)
+        tasks = [
+            (job, i, self._cluster.task_address(job, i))
+            for job in ("ps", "worker")
+            for i in self._cluster.task_indices(job)
+        ]
+        self._keepalive = Keepalive(
+            tasks, self._transport, self._secret, max(0.2, min(10.0, orphan / 4)), sender=self._task_name
+        )
 
     def _close(self) -> None:
         keepalive, self._keepalive = getattr(self, "_keepalive", None), None
@@ -293,8 +321,9 @@ class ParameterServerExtended(StrategyExtended):
             shards: tuple[Shard, ...] = (Shard(self._next_ps % num_ps, name, 0, -1),)
         else:
             starts = [sum(sizes[:j]) for j in range(len(sizes))]
-            shards = tuple(Shard((self._next_ps + j) % num_ps, f"{name}/part_{j}", starts[j], rows)
-                           for j, rows in enumerate(sizes))
+            shards = tuple(
+                Shard((self._next_ps + j) % num_ps, f"{name}/part_{j}", starts[j], rows) for j, rows in enumerate(sizes)
+            )
         self._next_ps += len(shards)  # round robin over servers, shards included (as TF places them)
         trainable = kind == "parameter" and tensor.requires_grad
         return VariableSpec(name, shape, wire.dtype_name(tensor.dtype), trainable, kind, shards)
@@ -316,9 +345,12 @@ class ParameterServerExtended(StrategyExtended):
                 return ("var", self._json[spec.name])
             if isinstance(obj, torch.nn.Parameter) and not self._warned_outside_scope:
                 self._warned_outside_scope = True
-                log.warning("phalanx: a scheduled function uses a parameter %s that was not created in "
-                            "strategy.scope(): it is copied to the worker with every function and its updates "
-                            "are lost. Create the model inside `with strategy.scope():`.", tuple(obj.shape))
+                log.warning(
+                    "phalanx: a scheduled function uses a parameter %s that was not created in "
+                    "strategy.scope(): it is copied to the worker with every function and its updates "
+                    "are lost. Create the model inside `with strategy.scope():`.",
+                    tuple(obj.shape),
+                )
             return None
         ref = pickling.reference_to(obj, self)  # objects of integrations (a Keras model built in scope)
         if ref is not None:
@@ -378,8 +410,9 @@ class ParameterServerExtended(StrategyExtended):
         spec = self._spec_by_id.get(id(tensor))
         return spec if spec is not None and self._tensors.get(spec.name) is tensor else None
 
-    def _optimizer_variables(self, optimizer: torch.optim.Optimizer
-                             ) -> list[tuple[int, torch.Tensor, VariableSpec, dict[str, Any]]]:
+    def _optimizer_variables(
+        self, optimizer: torch.optim.Optimizer
+    ) -> list[tuple[int, torch.Tensor, VariableSpec, dict[str, Any]]]:
         """(index in ``state_dict()``, parameter, spec, group) of the optimizer's trainable PS variables."""
         out, index = [], 0
         for group in optimizer.param_groups:
@@ -406,8 +439,9 @@ class ParameterServerExtended(StrategyExtended):
                 else:
                     state["state"].pop(index, None)
             return state
-        if isinstance(obj, torch.nn.Module) and any(self._spec_of(t) is not None
-                                                    for t in [*obj.parameters(), *obj.buffers()]):
+        if isinstance(obj, torch.nn.Module) and any(
+            self._spec_of(t) is not None for t in [*obj.parameters(), *obj.buffers()]
+        ):
             self.pull_variables()  # the chief's copy may lag the servers
         return None
 
@@ -418,8 +452,9 @@ class ParameterServerExtended(StrategyExtended):
             from phalanx.ps.worker import optimizer_config
 
             found = self._optimizer_variables(obj)
-            states = [{k: v for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-                      for _, p, _, _ in found]
+            states = [
+                {k: v for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor)} for _, p, _, _ in found
+            ]
             configs = [optimizer_config(obj, group) for _, _, _, group in found]
             self._io.assign_optimizer_state([f[2] for f in found], states, configs)
             for _, p, _, _ in found:
@@ -447,8 +482,14 @@ class ParameterServerExtended(StrategyExtended):
         if self._role == "ps":
             service: Any = ParameterServerService(self._task_id, self._secret, on_shutdown=stop.set)
         else:
-            service = WorkerService(self._task_id, len(self._cluster.task_indices("worker")), strategy, self._io,
-                                    self._secret, on_shutdown=stop.set)
+            service = WorkerService(
+                self._task_id,
+                len(self._cluster.task_indices("worker")),
+                strategy,
+                self._io,
+                self._secret,
+                on_shutdown=stop.set,
+            )
         server = self._transport.serve(address, service)
         orphan = config.settings().orphan_timeout
         log.info("phalanx %s: serving on %s (pid %d)", self._task_name, address, os.getpid())
@@ -458,8 +499,11 @@ class ParameterServerExtended(StrategyExtended):
             if service.orphaned(orphan):  # counted from this server's start: a chief that never came counts
                 from phalanx.ps.errors import OrphanedError
 
-                print(f"phalanx: {OrphanedError(self._task_name, orphan, service.last_chief_contact > 0)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"phalanx: {OrphanedError(self._task_name, orphan, service.last_chief_contact > 0)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 code = 3
                 break
         service.refusals.flush()
@@ -482,14 +526,21 @@ def _resolve(cluster_resolver: ClusterResolver | None) -> tuple[ClusterResolver,
     resolver = cluster_resolver if cluster_resolver is not None else resolve_from_environment()
     spec = resolver.cluster_spec() if resolver is not None else None
     if not spec:
-        raise ClusterSpecError("cluster", None, "ParameterServerStrategy needs a cluster with 'ps' and 'worker' tasks",
-                               hint="set TF_CONFIG in every task, or start the cluster locally with "
-                                    "`phalanx run --ps 2 --workers 3 train.py`")
+        raise ClusterSpecError(
+            "cluster",
+            None,
+            "ParameterServerStrategy needs a cluster with 'ps' and 'worker' tasks",
+            hint="set TF_CONFIG in every task, or start the cluster locally with "
+            "`phalanx run --ps 2 --workers 3 train.py`",
+        )
     cluster = validate_cluster(spec, resolver.task_type, resolver.task_id, require_ps=True)
     if resolver.task_type not in ("chief", "ps", "worker"):
-        raise ClusterSpecError("task.type", resolver.task_type,
-                               "ParameterServerStrategy runs on 'chief' (the coordinator), 'worker' and 'ps' tasks",
-                               hint="side-car evaluation is not supported; evaluate on the chief after join()")
+        raise ClusterSpecError(
+            "task.type",
+            resolver.task_type,
+            "ParameterServerStrategy runs on 'chief' (the coordinator), 'worker' and 'ps' tasks",
+            hint="side-car evaluation is not supported; evaluate on the chief after join()",
+        )
     if resolver.task_type == "chief" and "chief" not in cluster.jobs:
         raise ClusterSpecError("cluster.chief", None, "the coordinator must be the cluster's 'chief' task")
     return resolver, cluster, resolver.task_type, int(resolver.task_id)
@@ -523,10 +574,16 @@ class ParameterServerStrategy(Strategy):
             ``PHALANX_RENDEZVOUS_TIMEOUT`` (120 s).
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 variable_partitioner: Callable[..., Sequence[int]] | None = None, *,
-                 rpc_timeout: float | None = None, cluster_secret: str | bytes | None = None,
-                 transport: Any = None, serve_and_exit: bool = True) -> None:
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Callable[..., Sequence[int]] | None = None,
+        *,
+        rpc_timeout: float | None = None,
+        cluster_secret: str | bytes | None = None,
+        transport: Any = None,
+        serve_and_exit: bool = True,
+    ) -> None:
         self._build(cluster_resolver, variable_partitioner, rpc_timeout, cluster_secret, transport)
         extended = self._extended
         if extended.role in ("ps", "worker"):
@@ -547,12 +604,20 @@ class ParameterServerStrategy(Strategy):
             ContextError: called on the chief, which coordinates rather than serves.
         """
         if self._extended.role == "chief":
-            raise ContextError("ParameterServerStrategy.serve was called on the chief.",
-                               hint="only 'ps' and 'worker' tasks serve; the chief schedules functions")
+            raise ContextError(
+                "ParameterServerStrategy.serve was called on the chief.",
+                hint="only 'ps' and 'worker' tasks serve; the chief schedules functions",
+            )
         return self._extended.serve(self)
 
-    def _build(self, cluster_resolver: ClusterResolver | None, variable_partitioner: Any, rpc_timeout: float | None,
-               cluster_secret: str | bytes | None, transport: Any) -> None:
+    def _build(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        variable_partitioner: Any,
+        rpc_timeout: float | None,
+        cluster_secret: str | bytes | None,
+        transport: Any,
+    ) -> None:
         """Everything but serving or connecting (tests build in-process workers with it)."""
         resolver, cluster, role, task_id = _resolve(cluster_resolver)
         secret = wire.cluster_secret(cluster_secret)
@@ -563,8 +628,15 @@ class ParameterServerStrategy(Strategy):
         timeout = rpc_timeout if rpc_timeout is not None else config.settings().rpc_timeout
         if not timeout > 0:
             raise ValueError(f"rpc_timeout must be positive; received {rpc_timeout!r}")
-        extended = ParameterServerExtended(role=role, task_id=task_id, cluster=cluster, secret=secret,
-                                           transport=transport, rpc_timeout=timeout, partitioner=variable_partitioner)
+        extended = ParameterServerExtended(
+            role=role,
+            task_id=task_id,
+            cluster=cluster,
+            secret=secret,
+            transport=transport,
+            rpc_timeout=timeout,
+            partitioner=variable_partitioner,
+        )
         super().__init__(extended, cluster_resolver=resolver)
         self._variable_partitioner = variable_partitioner
 
@@ -578,7 +650,8 @@ class ParameterServerStrategy(Strategy):
             raise ContextError(
                 "ParameterServerStrategy.run was called on the chief, outside a scheduled function.",
                 hint="wrap the step in a function and give it to ClusterCoordinator(strategy).schedule(fn, args); "
-                     "strategy.run may be called inside that function; Keras' model.fit schedules its steps itself")
+                "strategy.run may be called inside that function; Keras' model.fit schedules its steps itself",
+            )
         return super().run(fn, args, kwargs, options)
 
     @property
@@ -592,8 +665,10 @@ class ParameterServerStrategy(Strategy):
 
     def __repr__(self) -> str:
         ext = self._extended
-        return (f"ParameterServerStrategy(task={ext._task_name!r}, ps={len(ext._ps_tasks)}, "
-                f"workers={len(ext.worker_devices)})")
+        return (
+            f"ParameterServerStrategy(task={ext._task_name!r}, ps={len(ext._ps_tasks)}, "
+            f"workers={len(ext.worker_devices)})"
+        )
 
 
 def _exit_server(code: int = 0) -> None:
