@@ -21,6 +21,7 @@ if keras.backend.backend() != "torch":
     pytest.skip("needs Keras on the torch backend", allow_module_level=True)
 
 import phalanx as px  # noqa: E402
+import phalanx.keras  # noqa: E402,F401  (Keras models built in scope() are distributed)
 from phalanx.checkpoint import Checkpoint, CheckpointManager, CheckpointMismatchError, load_state  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")

@@ -77,6 +77,7 @@ def test_old_run_directories_are_pruned(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- output model
 KERAS_FIT = """
     import keras, numpy as np, phalanx as px
+    import phalanx.keras  # Keras models built in scope() are distributed
     keras.utils.set_random_seed(0)
     strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
     print(f"hello from replica {strategy.extended.process_index}", flush=True)
