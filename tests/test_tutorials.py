@@ -41,12 +41,10 @@ def test_multi_worker_with_keras(tmp_path):
     _multi_worker(tmp_path, "multi_worker_with_keras.py")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tutorial's custom loop (Keras RMSprop(0.1) in scheduled functions) does "
-    "not learn on the parameter servers: accuracy 0.63 -> 0.42 over 4 epochs, with the servers "
-    "running Keras' own RMSprop update (ps/optimizers.py); cause not found yet",
-)
+# Not strict: with Keras' own RMSprop on the servers (ps/optimizers.py) the custom loop learns in
+# some runs (accuracy > 0.9) and not in others (0.63 -> 0.42 over 4 epochs): asynchronous updates
+# from two workers at learning rate 0.1. Issue 16 stays open for it.
+@pytest.mark.xfail(strict=False, reason="the custom loop's asynchronous RMSprop(0.1) training learns in some runs only")
 def test_parameter_server_training(tmp_path):
     pytest.importorskip("grpc")
     pytest.importorskip("cloudpickle")
