@@ -23,6 +23,23 @@ PRELUDE = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, al
 
 
 @pytest.fixture(autouse=True)
+def _close_strategies_left_open():
+    """A strategy a test leaves open (threaded ranks, say) would stay the process's live strategy and
+    answer phalanx.process_index() / is_chief() for the tests after it: close what the test made."""
+    import phalanx.strategy as strategy_module
+
+    before = {id(ref()) for ref in list(strategy_module._LIVE) if ref() is not None}
+    yield
+    for ref in list(strategy_module._LIVE):
+        strategy = ref()
+        if strategy is not None and id(strategy) not in before and not strategy._closed:
+            try:
+                strategy.close()
+            except Exception:  # a communicator whose peers are gone: nothing left to release
+                pass
+
+
+@pytest.fixture(autouse=True)
 def _hygiene():
     """Fails a test that leaks child processes, threads or environment variables."""
     env_before = dict(os.environ)
