@@ -120,7 +120,7 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, 
         assert m.group(4) in ("ReplicaDivergenceError", "UnsynchronizedParameterError")
         elapsed = float(m.group(2)) - (float(m.group(3)) if case == "outside_scope" else began)
         print(
-            f"\n{kind} {case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
+            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
             f"{m.group(5)[:160]}"
         )
         assert elapsed < 2.0
@@ -153,4 +153,6 @@ def test_different_global_batch_per_worker_is_caught(tmp_path):
         assert r.returncode != 0
         m = _MARK.search(r.output)
         assert m is not None and "global batch size is 24" in m.group(5) and "but 48" in m.group(5), r.output[-3000:]
-        assert float(m.group(2)) - float(m.group(3)) < 2.0
+        took = float(m.group(2)) - float(m.group(3))
+        print(f"\ntime-to-error mwms batch_size: worker {m.group(1)} raised {took * 1000:.0f} ms after its first step")
+        assert took < 2.0
