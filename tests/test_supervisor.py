@@ -189,6 +189,46 @@ def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(
     assert took < 3 + BOUND + 1.0, res.output  # the exit timeout, the stack dump, the stop
 
 
+# A parameter-server cluster whose ps task never ends (a server the chief's shutdown did not
+# reach); the chief and the worker finish at once. No torch: the tasks start in milliseconds.
+_PS_TASK = """
+import faulthandler, json, os, signal, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+kind = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
+if kind == "ps":
+    def lingering_server():
+        while True:
+            time.sleep(0.05)
+    lingering_server()
+if kind == "chief":
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "t_done"), "w") as f:
+        f.write(repr(time.time()))
+"""
+# `phalanx run --ps 1 --workers 1` with a short shutdown grace; it ends as the CLI does (os._exit:
+# no interpreter teardown over torch once every task has ended).
+_PS_LAUNCH = (
+    "import os, sys\nfrom phalanx.ps.launcher import ClusterJob, run_cluster\n"
+    "code = run_cluster(ClusterJob(command=(sys.argv[1],), num_ps=1, num_workers=1, log_dir=sys.argv[2], "
+    "shutdown_grace=float(sys.argv[3])))\nsys.stdout.flush(); sys.stderr.flush(); os._exit(code)"
+)
+
+
+def test_ps_task_still_running_after_the_chief_finished_fails_the_job_with_its_stack(tmp_path):
+    program = tmp_path / "task.py"
+    program.write_text(_PS_TASK)
+    grace = 1.0
+    res = run_job(
+        [sys.executable, "-c", _PS_LAUNCH, str(program), str(tmp_path / "logs"), str(grace)], timeout=60, cwd=tmp_path
+    )
+    took = time.time() - float((tmp_path / "t_done").read_text())
+    print(f"\ntime-to-error ps launcher: chief finished, ps:0 still running; job ended {took:.2f}s later")
+    assert res.returncode == 1, res.output
+    cause = res.output.split("root cause (first failure): ")[1]
+    assert cause.startswith("ps:0") and "chief:0 finished normally" in cause, res.output
+    assert "lingering_server" in cause, res.output  # where it was
+    assert took < grace + BOUND + 1.0, res.output  # the grace, the stack dump, the stop
+
+
 def _start(launcher: str, tmp_path: Path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
