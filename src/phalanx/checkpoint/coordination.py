@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -111,6 +112,21 @@ class Participants:
                 job; every process would write the same files.
         """
         return cls(find_strategy(captured, owning))
+
+    def writes(self, path: str) -> bool:
+        """Whether this process writes ``path`` (a collective: every process calls it).
+
+        The chief writes; so does a process whose ``path`` differs from the chief's: TF's
+        multi-worker tutorials give non-chief workers a temporary path of their own
+        (``write_filepath``), save there and delete it, so it must exist as in TF. A path shared
+        with the chief is written once, by the chief.
+        """
+        if self.world_size == 1:
+            return self.is_writer
+        digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
+        chiefs = torch.tensor([digest if self.is_writer else 0], dtype=torch.int64, device=self._device)
+        self._extended.broadcast([chiefs])  # the chief is process 0 of a synchronous strategy
+        return self.is_writer or int(chiefs[0]) != digest
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any process (a collective; also a barrier)."""
