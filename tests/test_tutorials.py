@@ -71,3 +71,7 @@ def test_multi_worker_with_ctl(tmp_path):
 
 def test_save_and_load(tmp_path):
     _mirrored(tmp_path, "save_and_load.py")
+
+
+def test_distributed_training_guide(tmp_path):
+    _mirrored(tmp_path, "distributed_training_guide.py")
