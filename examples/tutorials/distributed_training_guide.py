@@ -13,10 +13,11 @@
 #   3. Snippets that need hardware this host may not have run guarded, and their typed error is
 #      printed: MirroredStrategy(devices=["/gpu:0", "/gpu:1"]) raises DeviceNotFoundError without
 #      two GPUs; CommunicationOptions(implementation=NCCL) raises InvalidDeviceError on CPUs (TF
-#      would fail too). OneDeviceStrategy(device="/gpu:0") (a text block in the guide) runs on
-#      "/cpu:0" when there is no GPU.
-#   4. Not run, as in the guide (they are text blocks there): TPUStrategy (phalanx has no TPU
-#      support: README "Porting from TensorFlow"), and ParameterServerStrategy with
+#      would fail too); TPUClusterResolver / TPUStrategy raise InvalidDeviceError (phalanx has no
+#      TPU support; tf.config.experimental_connect_to_cluster and
+#      tf.tpu.experimental.initialize_tpu_system are dropped). OneDeviceStrategy(device="/gpu:0")
+#      (a text block in the guide) runs on "/cpu:0" when there is no GPU.
+#   4. Not run, as in the guide (a text block there): ParameterServerStrategy with
 #      TFConfigClusterResolver (needs a TF_CONFIG with "ps" tasks; see
 #      parameter_server_training.py, which runs it on an in-process cluster).
 #   5. Added at the end: the checks that it trained correctly (loss fell, replicas identical).
@@ -41,9 +42,14 @@ except phalanx.errors.DeviceNotFoundError as e:  # (added) no two GPUs here
 
 mirrored_strategy = phalanx.MirroredStrategy(cross_device_ops=phalanx.HierarchicalCopyAllReduce())
 
-# ---- TPUStrategy (a text block in the guide; phalanx has no TPU support):
-# cluster_resolver = phalanx.cluster_resolver.TPUClusterResolver(tpu=tpu_address)
-# tpu_strategy = phalanx.TPUStrategy(cluster_resolver)
+# ---- TPUStrategy (a text block in the guide)
+tpu_address = "grpc://10.0.0.2:8470"  # (added) the guide leaves it to the reader
+try:
+    cluster_resolver = phalanx.cluster_resolver.TPUClusterResolver(tpu=tpu_address)
+    tpu_strategy = phalanx.TPUStrategy(cluster_resolver)
+except phalanx.errors.InvalidDeviceError as e:  # (added) phalanx has no TPU support
+    print(f"TPUStrategy: {type(e).__name__}: {e}")
+    tpu_error = e
 
 # ---- MultiWorkerMirroredStrategy
 strategy = phalanx.MultiWorkerMirroredStrategy()
@@ -160,6 +166,7 @@ for _ in range(10):
     print(step_losses[-1])
 
 # ---- checks (not in the guide): every strategy worked and it trained correctly
+assert tpu_error.device == "TPU", tpu_error
 assert float(reduced) == 1.0, f"the default strategy's reduce gave {reduced}"
 assert default_strategy is phalanx.get_strategy(), "the default strategy is not a singleton"
 fit_losses = history.history["loss"] + numpy_history.history["loss"]
