@@ -1,7 +1,8 @@
 """Which process writes a checkpoint, and the collectives that keep the processes in step.
 
 Saving is collective: every process of the job calls ``save`` at the same point. Every process
-collects its state (sharded variables may gather theirs), the chief alone writes, and then all
+collects its state (sharded variables may gather theirs), the chief writes (and a process given
+a path of its own writes that one, see :meth:`Participants.writes`), and then all
 take part in one small all-reduce that doubles as a barrier and tells everyone whether the
 chief's write succeeded. Nobody returns from ``save`` before the checkpoint is complete on disk,
 and a failed write raises on every process instead of hanging the others.
