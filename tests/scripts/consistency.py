@@ -131,6 +131,12 @@ def diverge(case, kind, n, use_reduce=True):
                 continue  # the user's loop skips the bad batch (on replica 1 only)
     except ReplicaDivergenceError as e:
         print(f"DIVERGED {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
+        # Replica 0's error stops the job at once: on a loaded machine that can come before a peer
+        # that caught it too has printed its line. Wait (bounded) until every replica has.
+        open(f"caught_{rank}", "w").close()
+        deadline = time.monotonic() + 2.0
+        while rank == 0 and time.monotonic() < deadline and not all(os.path.exists(f"caught_{r}") for r in range(n)):
+            time.sleep(0.01)
         raise
     digest = sum(float(p.double().sum()) for p in model.parameters())
     print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
