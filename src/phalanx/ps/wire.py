@@ -6,7 +6,7 @@ header lists the parts: tensors by dtype and shape, blobs by length). The head s
 frame and when, and it authenticates everything:
 
 =============  ============================================================================
-magic          ``PHX2``
+magic          ``PHX3``
 mac            HMAC-SHA256 (cluster secret) over the method, every field below and the tag
 kind           call or reply
 sender         16 random bytes, one per sending channel (:class:`Signer`)
@@ -15,15 +15,16 @@ time           the sender's clock (Unix seconds) when it signed the frame
 body length    bytes that follow the head
 reply to       for a reply, the sender and seq of the call it answers
 task           the sending task's name (``chief:0``), for logs and liveness
-tag            Poly1305 over every byte of the body, with a one-time key derived from the
-               secret, the method and the fields above (HMAC-SHA256), as NaCl's secretbox
-               and ChaCha20-Poly1305 key theirs
+tag            AES-256-GMAC over every byte of the body, with a one-time key derived from
+               the secret, the method and the fields above (:func:`_body_tag`)
 =============  ============================================================================
 
-Signing every byte costs one pass of Poly1305 over the buffers (the tensors' own memory, no copy;
-about 6 GB/s, where HMAC-SHA256 runs at 0.9 GB/s here). A receiver checks the head first (a few
-hundred bytes) and refuses a forged one before it reads, or allocates, the body; the body's tag is
-checked before any of it is parsed. So a request is only acted on when its sender holds the
+Signing every byte costs one pass of AES-GMAC (AES-GCM with the body as associated data and no
+plaintext) over the buffers: the tensors' own memory on the sender, the received body on the
+receiver, no copy. OpenSSL runs it on the CPU's AES and carry-less-multiply instructions at about
+20 GB/s here, where Poly1305 ran at 11 GB/s and HMAC-SHA256 at 1.7 GB/s. A receiver checks the
+head first (a few hundred bytes) and refuses a forged one before it reads, or allocates, the body;
+the body's tag is checked before any of it is parsed. So a request is only acted on when its sender holds the
 secret, and code (a blob) is only unpickled, by workers, when it was signed with it
 (:mod:`phalanx.ps.pickling`).
 
@@ -71,7 +72,7 @@ import torch
 
 from phalanx.ps.errors import AuthenticationError, ClusterSecretError, OverloadedError, ProtocolError
 
-MAGIC = b"PHX2"
+MAGIC = b"PHX3"  # PHX2 frames carried a Poly1305 body tag
 CALL, REPLY = 0, 1
 CHUNK_BYTES = 1 << 20
 REPLAY_WINDOW = 1024
@@ -168,14 +169,50 @@ def clock_skew(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
-def _poly1305() -> Any:
+def _gcm() -> tuple[Any, Any, Any, Any]:
     try:
-        from cryptography.hazmat.primitives import poly1305
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install 'phalanx[ps]'"
         ) from e
-    return poly1305.Poly1305
+    return AESGCM, Cipher, algorithms, modes
+
+
+# cryptography's one-shot AESGCM takes at most 2**31 - 1 bytes of associated data; longer buffers
+# are fed to the streaming interface in slices of this size (the tag is the same either way).
+_ONE_SHOT_MAX = 1 << 30
+
+
+def _body_tag(key: bytes, nonce: bytes, pieces: Sequence[Any]) -> bytes:
+    """The 16-byte AES-256-GMAC of ``pieces`` (buffers, authenticated as one byte string).
+
+    GMAC is AES-GCM with no plaintext and the data as associated data: a universal hash (GHASH)
+    of the data, masked by AES of the nonce. Its security needs a (key, nonce) pair to sign one
+    message only: a second tag under the same pair reveals the hash key and lets anyone forge.
+    Each frame's key is its own: HMAC-SHA256 of the cluster secret, the method and the signed
+    head fields (:func:`_body_key`), and those fields hold the sender's 16 random bytes and its
+    sequence number, which a :class:`Signer` never repeats (a renewed frame takes a new number),
+    so two frames get independent keys (a collision has probability about 2**-128). The nonce,
+    the sequence number and the sender's first bytes, is unique for that sender too, a second
+    line of defence. A receiver that recomputes the tag over an altered body learns nothing but
+    a mismatch (compared in constant time), so forging a tag succeeds with probability about
+    ``len/16 * 2**-128``, as for any one-time GMAC key.
+
+    A single buffer takes cryptography's one-shot AESGCM (about 2 us a call); several take the
+    streaming interface (about 10 us a call, then the same speed per byte).
+    """
+    aesgcm, cipher, algorithms, modes = _gcm()
+    if len(pieces) == 1 and len(pieces[0]) <= _ONE_SHOT_MAX:
+        return aesgcm(key).encrypt(nonce, b"", pieces[0])
+    ctx = cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    for piece in pieces:
+        view = memoryview(piece)
+        for at in range(0, len(view), _ONE_SHOT_MAX):
+            ctx.authenticate_additional_data(view[at : at + _ONE_SHOT_MAX])
+    ctx.finalize()
+    return ctx.tag
 
 
 @dataclass(frozen=True)
@@ -216,6 +253,10 @@ def _label(purpose: bytes, method: str) -> bytes:
 
 def _body_key(secret: bytes, method: str, fields: bytes) -> bytes:
     return hmac.new(secret, _label(b"body-key", method) + fields, hashlib.sha256).digest()
+
+
+def _body_nonce(head: Head) -> bytes:
+    return struct.pack("<Q", head.seq) + head.sender[:4]
 
 
 def _head_mac(secret: bytes, method: str, fields: bytes, tag: bytes) -> bytes:
@@ -262,10 +303,7 @@ class Frame:
             signer.task,
         )
         fields = self.head.fields()
-        tag = _poly1305()(_body_key(signer.secret, method, fields))
-        for part in parts:
-            tag.update(part)
-        tag = tag.finalize()
+        tag = _body_tag(_body_key(signer.secret, method, fields), _body_nonce(self.head), parts)
         self._head_bytes = MAGIC + _head_mac(signer.secret, method, fields, tag) + fields + tag
 
     @property
@@ -427,14 +465,13 @@ class _Reader:
             n -= len(take)
         return b"".join(out)
 
-    def read_into(self, target: memoryview, tag: Any) -> bool:
+    def read_into(self, target: memoryview) -> bool:
         at = 0
         while at < len(target):
             if not self._fill():
                 return False
             take = self._buf[: len(target) - at]
             target[at : at + len(take)] = take
-            tag.update(take)
             self._buf = self._buf[len(take) :]
             at += len(take)
         return True
@@ -480,10 +517,12 @@ class Verifier:
         finally:
             self._slots.release()
         body = bytearray(head.body_len)  # calloc'd: memory is committed as the body arrives
-        tag = _poly1305()(_body_key(self._secret, method, fields))
-        if not reader.read_into(memoryview(body), tag) or not reader.at_end():
+        if not reader.read_into(memoryview(body)) or not reader.at_end():
             raise AuthenticationError("message refused: its length differs from the signed length")
-        if not hmac.compare_digest(tag.finalize(), expected):
+        # One pass over the whole body (a single buffer: cryptography's one-shot GMAC, faster
+        # than feeding it chunk by chunk as they arrive).
+        tag = _body_tag(_body_key(self._secret, method, fields), _body_nonce(head), [memoryview(body)])
+        if not hmac.compare_digest(tag, expected):
             raise AuthenticationError(
                 "message refused: the payload (tensor, header or blob bytes) does not match "
                 "its signature: it was altered on the way"
