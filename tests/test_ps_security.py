@@ -68,6 +68,53 @@ def test_a_tampered_tensor_byte_is_refused_and_the_weight_keeps_its_value():
         wire.Verifier(SECRET).decode("read", [bytes(reply)], reply_to=call.head)
 
 
+def test_every_byte_of_a_frame_is_signed_whatever_its_chunking():
+    # Header, blob, alignment padding and two tensors, cut into 61-byte chunks (boundaries fall
+    # inside every part): flipping any single byte anywhere is refused.
+    signer = wire.Signer(SECRET, "chief:0")
+    frame = signer.encode(
+        "assign", {"keys": ["a", "b"]}, [torch.arange(5.0), torch.ones(3, dtype=torch.int64)], [b"xy"]
+    )
+    data = frame.to_bytes()
+    assert wire.Verifier(SECRET).decode("assign", frame.chunks(61)).blobs == [b"xy"]
+    head_len = len(data) - frame.head.body_len
+    for at in range(len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        chunks = [bytes(bad[i : i + 61]) for i in range(0, len(bad), 61)]
+        with pytest.raises(AuthenticationError, match="altered" if at >= head_len else None) as e:
+            wire.Verifier(SECRET).decode("assign", chunks)
+        assert at >= head_len or "altered" not in str(e.value), at  # a head byte fails the head's HMAC
+
+
+def test_each_frame_has_its_own_body_key_and_nonce():
+    # GMAC under one (key, nonce) twice gives away its hash key, after which anyone forges: identical
+    # content signed twice, by one sender or by two, must get different tags.
+    def tag(frame):
+        data = frame.to_bytes()
+        end = len(data) - frame.head.body_len
+        return data[end - 16 : end]
+
+    a, b = wire.Signer(SECRET, "chief:0"), wire.Signer(SECRET, "chief:0")
+    frames = [a.encode("apply", {"keys": ["w"]}, [torch.ones(4)]) for _ in range(2)]
+    frames += [frames[0].renewed(), b.encode("apply", {"keys": ["w"]}, [torch.ones(4)])]
+    assert frames[3].head.seq == frames[0].head.seq
+    assert len({tag(f) for f in frames}) == 4
+
+
+def test_a_body_longer_than_one_gmac_call_is_signed_in_slices(monkeypatch):
+    # cryptography's one-shot AES-GCM takes at most 2**31 - 1 bytes: longer bodies are fed in
+    # slices (here 7 bytes, so every path runs), giving the same tag as one call.
+    w = torch.randn(100)
+    data = wire.Signer(SECRET).encode("assign", {"keys": ["w"]}, [w], [b"blob"]).to_bytes()
+    monkeypatch.setattr(wire, "_ONE_SHOT_MAX", 7)
+    assert torch.equal(wire.Verifier(SECRET).decode("assign", [data]).tensors[0], w)
+    bad = bytearray(data)
+    bad[-200] ^= 1
+    with pytest.raises(AuthenticationError, match="altered"):
+        wire.Verifier(SECRET).decode("assign", [bytes(bad)])
+
+
 def test_large_tensors_travel_in_bounded_chunks_and_arrive_intact():
     big = torch.randn(3 << 20)  # 12 MiB
     frame = wire.Signer(SECRET).encode("assign", {"keys": ["big"]}, [torch.arange(3), big])
@@ -180,7 +227,7 @@ def test_a_request_that_never_sends_its_head_is_cancelled_and_its_slot_freed():
     release = threading.Event()
 
     def silent():  # a slow-loris client: opens the stream, sends 10 bytes, then nothing
-        yield b"PHX2" + bytes(6)
+        yield wire.MAGIC + bytes(6)
         release.wait(30)
 
     try:
