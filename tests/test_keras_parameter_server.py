@@ -1,7 +1,8 @@
 """Keras ``fit`` / ``evaluate`` / ``predict`` under ParameterServerStrategy.
 
 In process (the production services over the in-process transport): one worker equals one-device
-Keras training step for step; the seed notebook's MLP on 2 PS and 2 workers learns the digits with
+Keras training step for step, in fit and in the PS tutorial's custom loop (a Keras optimizer and
+metric inside a scheduled function); the seed notebook's MLP on 2 PS and 2 workers learns the digits with
 the Adam state on the servers; callbacks run on the chief; unsupported input fails clearly.
 Across processes (gRPC): the seed example under ``phalanx run --ps 2 --workers 2``
 (test_keras_examples.py).
@@ -250,7 +251,9 @@ def test_custom_loop_with_keras_optimizer_and_metric_equals_one_device_step_for_
                 loss = nn.compute_average_loss(bce(y, logits)) + nn.scale_regularization_loss(sum(model.losses))
                 model.zero_grad()
                 loss.backward()
-                optimizer.apply_gradients(zip([v.value.grad for v in model.trainable_variables], model.trainable_variables))
+                optimizer.apply_gradients(
+                    zip([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+                )
                 accuracy.update_state(y, (keras.ops.sigmoid(logits) > 0.5).long())
                 return loss
 
@@ -277,3 +280,18 @@ def test_custom_loop_with_keras_optimizer_and_metric_equals_one_device_step_for_
         assert float(accuracy.result()) == pytest.approx(float(ref_accuracy.result()))
     learned = float(((reference({"features": ids}) > 0).long() == labels).float().mean())
     assert learned > 0.9, learned  # both learn this in 6 steps
+
+
+def test_tutorial_loss_takes_the_logits_as_tf_does():
+    """The premise of the PS tutorial's note 6 (examples/tutorials/parameter_server_training.py):
+    on a saturated sigmoid output predicted wrong, Keras 3's torch BinaryCrossentropy on the
+    probabilities has no gradient (it clips them); on the logits it has TF's, sigmoid(z) - y. If
+    Keras starts taking the logits itself (as its TF backend does), this fails and the tutorial can
+    go back to the tutorial's own loss."""
+    label = torch.zeros(1, 1)
+    logit = torch.full((1, 1), 30.0, requires_grad=True)
+    keras.losses.BinaryCrossentropy()(label, keras.activations.sigmoid(logit)).backward()
+    assert logit.grad.item() == 0.0
+    logit.grad = None
+    keras.losses.BinaryCrossentropy(from_logits=True)(label, logit).backward()
+    assert logit.grad.item() == pytest.approx(1.0)

@@ -4,7 +4,7 @@
 # inline and distributed evaluation.
 # Run: python examples/tutorials/parameter_server_training.py   (needs the phalanx[ps] extra)
 #
-# About 45 lines changed beyond the rename (README "Porting from TensorFlow").
+# About 50 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx. Lines changed beyond the rename:
 #   1. portpicker -> a free port from the OS; tf.train.ClusterSpec -> phalanx.ClusterSpec;
 #      tf.compat.v1.ConfigProto is dropped (Server ignores config); the cluster secret is set
