@@ -61,3 +61,15 @@ def test_input(tmp_path):
 
 def test_keras_io_distributed_training(tmp_path):
     _mirrored(tmp_path, "keras_io_distributed_training.py")
+
+
+def test_multi_worker_with_ctl(tmp_path):
+    _multi_worker(tmp_path, "multi_worker_with_ctl.py")
+
+
+def test_save_and_load(tmp_path):
+    _mirrored(tmp_path, "save_and_load.py")
+
+
+def test_distributed_training_guide(tmp_path):
+    _mirrored(tmp_path, "distributed_training_guide.py")
