@@ -8,11 +8,16 @@ final ``run`` (its compute copy), the parameters seen outside ``run``, and (repl
 reference; and ``copy_{rank}.json``: where the parameters and the optimizer state were.
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 import torch
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job dumps its stacks
+
 from equivalence import GLOBAL_BATCH, data, make_model, make_optimizer, reference
 
 import phalanx as px
