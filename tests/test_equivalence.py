@@ -36,7 +36,9 @@ def _load_script():
 @pytest.fixture(scope="module")
 def references():
     """Plain PyTorch on one device: computed here, it needs no process of its own (fork_rng: it
-    seeds the global generator, which the tests after it must not see)."""
+    seeds the global generator, which the tests after it must not see). Module scope also puts it
+    before any test's hygiene snapshot: Adam's first step sets TORCHINDUCTOR_CACHE_DIR in
+    os.environ once per process."""
     script = _load_script()
     with torch.random.fork_rng(devices=[]):
         return {opt: {k: v.detach().clone() for k, v in script.reference(opt).state_dict().items()} for opt in OPTS}
