@@ -91,14 +91,19 @@ COPY_ENV = {"PHALANX_CENTRAL_COPY": "1"}
 
 @pytest.fixture(scope="module")
 def copy_mode_runs(tmp_path_factory):
-    """Per optimizer: 2 replicas in forced copy mode, 20 steps; each replica's records."""
+    """Per optimizer: 2 replicas in forced copy mode, 20 steps; each replica's records. One job runs
+    both optimizers, one after the other, each under a fresh strategy."""
     runs = {}
+    root = tmp_path_factory.mktemp("copy")
+    res = run_job(
+        [sys.executable, str(SCRIPTS / "central_copy.py"), str(root), "sgd,adam", "2"],
+        timeout=240,
+        cwd=root,
+        env=COPY_ENV,
+    )
+    assert res.returncode == 0, res.logs()
     for opt in ("sgd", "adam"):
-        out = tmp_path_factory.mktemp(f"copy-{opt}")
-        res = run_job(
-            [sys.executable, str(SCRIPTS / "central_copy.py"), str(out), opt, "2"], timeout=150, cwd=out, env=COPY_ENV
-        )
-        assert res.returncode == 0, res.logs()
+        out = root / opt
         runs[opt] = [
             (torch.load(out / f"copy_{r}.pt", weights_only=True), json.loads((out / f"copy_{r}.json").read_text()))
             for r in range(2)

@@ -99,12 +99,24 @@ def test_one_device_to_central_storage_to_mirrored_and_back(tmp_path):
     source = tmp_path / "one_device"
     CheckpointManager(ckpt, str(source / "ckpts"), max_to_keep=1).save()
     chain = [("one_device", rt.dump(objects), source)]
-    for name, kind in [("central", "central"), ("mirrored", "mirrored"), ("central_again", "central")]:
-        out = _job(tmp_path, name, [kind, "--restore", str(chain[-1][2] / "ckpts"), "--train", "2", "--save"])
+    stages = [("central", "central"), ("mirrored", "mirrored"), ("central_again", "central")]
+    # One program runs the three stages, each under a fresh strategy on the same two processes,
+    # restoring from disk what the stage before saved (process start-up is most of what a job costs).
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--chain", str(source / "ckpts"), "2"]
+        + [f"{name}:{kind}" for name, kind in stages],
+        timeout=180,
+        cwd=tmp_path,
+        env=ENV,
+        log_dir=tmp_path / "logs-chain",
+    )
+    assert res.returncode == 0, res.logs()[-6000:]
+    for name, _ in stages:
+        out = tmp_path / name
         for rank in range(2):
             _assert_same(chain[-1][1], _load(out / f"restored_{rank}.pt"), f"{chain[-1][0]} -> {name}, rank {rank}")
         chain.append((name, _load(out / "saved.pt"), out))
-    assert chain[-1][1]["step"] == 8  # 2 steps in each program, carried through every restore
+    assert chain[-1][1]["step"] == 8  # 2 steps in each stage, carried through every restore
 
 
 def storage_saved_by(path: str) -> dict:

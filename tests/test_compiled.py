@@ -9,6 +9,7 @@ a minute per process on a 2-core machine; one case runs the default ``inductor``
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import warnings
@@ -31,18 +32,47 @@ def _state(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     )
 
 
+def _load_script():
+    spec = importlib.util.spec_from_file_location("_compiled_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Plain PyTorch on one device, eager, per precision."""
+def reference():
+    """Plain PyTorch on one device, eager, per precision: computed here, it needs no replica process.
+
+    fork_rng: the reference seeds the global generator, which the tests after it must not see."""
+    script = _load_script()
     refs = {}
-    for precision, opt in (("fp32", "adam"), ("fp32", "sgd"), ("bf16", "sgd")):
-        out = tmp_path_factory.mktemp(f"ref-{precision}-{opt}")
-        res = run_job(
-            [sys.executable, str(SCRIPT), str(out), "reference", "1", "none", "-", precision, opt], timeout=120, cwd=out
-        )
-        assert res.returncode == 0, res.logs()
-        refs[precision if opt == "adam" else f"{precision}-{opt}"] = _state(out, 0)
+    with torch.random.fork_rng(devices=[]):
+        for precision, opt in (("fp32", "adam"), ("fp32", "sgd"), ("bf16", "sgd")):
+            refs[precision if opt == "adam" else f"{precision}-{opt}"] = script.reference(precision, opt)
     return refs
+
+
+# Every two-replica variant of the aot_eager / autocast cases, run in ONE program: MirroredStrategy
+# and CentralStorageStrategy run on the same two replica processes one after the other, each variant
+# with a fresh model, optimizer and strategy (process start-up, not training, is what these cost).
+def _variant(kind: str, compile_: str, backend: str, precision: str, opt: str) -> str:
+    return ",".join((kind, compile_, backend, precision, opt))
+
+
+COMPILED_CASES = [("one_device", 1, "step"), ("mirrored", 2, "step"), ("mirrored", 2, "model"), ("central", 2, "step")]
+BF16_KINDS = ["mirrored", "central"]
+TWO_REPLICA_VARIANTS = [_variant(k, c, "aot_eager", "fp32", "adam") for k, n, c in COMPILED_CASES if n == 2] + [
+    _variant(k, "none", "-", "bf16", "sgd") for k in BF16_KINDS
+]
+
+
+@pytest.fixture(scope="module")
+def two_replica_runs(tmp_path_factory):
+    """One job for every two-replica variant: {variant: folder} and the job's output."""
+    out = tmp_path_factory.mktemp("two-replicas")
+    res = run_job([sys.executable, str(SCRIPT), str(out), "mixed", "2", *TWO_REPLICA_VARIANTS], timeout=480, cwd=out)
+    assert res.returncode == 0, res.logs()
+    return {v: out / v for v in TWO_REPLICA_VARIANTS}, res.output
 
 
 def _check(out: Path, n: int, ref: tuple[dict, list], tol: float) -> float:
@@ -57,63 +87,50 @@ def _check(out: Path, n: int, ref: tuple[dict, list], tol: float) -> float:
     return diff
 
 
-@pytest.mark.parametrize(
-    "kind,n,compile_",
-    [
-        ("one_device", 1, "step"),
-        ("mirrored", 2, "step"),
-        ("mirrored", 2, "model"),
-        ("central", 2, "step"),
-    ],
-)
-def test_compiled_matches_one_eager_device(tmp_path, reference, kind, n, compile_):
-    res = run_job(
-        [sys.executable, str(SCRIPT), str(tmp_path), kind, str(n), compile_, "aot_eager", "fp32"],
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert res.returncode == 0, res.logs()
-    assert "could not compile" not in res.output, res.output  # it really ran compiled
-    diff = _check(tmp_path, n, reference["fp32"], 1e-5)
+@pytest.mark.parametrize("kind,n,compile_", COMPILED_CASES)
+def test_compiled_matches_one_eager_device(tmp_path, reference, two_replica_runs, kind, n, compile_):
+    variant = _variant(kind, compile_, "aot_eager", "fp32", "adam")
+    if n == 1:
+        res = run_job([sys.executable, str(SCRIPT), str(tmp_path), kind, str(n), variant], timeout=240, cwd=tmp_path)
+        assert res.returncode == 0, res.logs()
+        folder, output = tmp_path / variant, res.output
+    else:
+        folder, output = two_replica_runs[0][variant], two_replica_runs[1]
+    assert "could not compile" not in output, output  # it really ran compiled
+    diff = _check(folder, n, reference["fp32"], 1e-5)
     print(f"\n{kind} x{n}, compiled {compile_}: max diff {diff:.3g}")
 
 
 def test_compiled_multi_worker_mirrored(tmp_path, reference):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    variant = _variant("mwms", "model", "aot_eager", "fp32", "adam")
     jobs = [
-        ([sys.executable, str(SCRIPT), str(tmp_path), "mwms", "2", "model", "aot_eager", "fp32"], tf_config(workers, i))
-        for i in range(2)
+        ([sys.executable, str(SCRIPT), str(tmp_path), "mwms", "2", variant], tf_config(workers, i)) for i in range(2)
     ]
     results = run_jobs(jobs, timeout=240, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    _check(tmp_path, 2, reference["fp32"], 1e-5)
+    _check(tmp_path / variant, 2, reference["fp32"], 1e-5)
 
 
 @pytest.mark.timeout(600)  # C++ code generation for every graph: minutes on 2 loaded cores
 def test_inductor_compiled_step_under_mirrored(tmp_path, reference):
     """The default backend end to end: generated C++ kernels for forward, backward and Adam."""
-    res = run_job(
-        [sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", "step", "inductor", "fp32"],
-        timeout=420,
-        cwd=tmp_path,
-    )
+    variant = _variant("mirrored", "step", "inductor", "fp32", "adam")
+    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "mirrored", "2", variant], timeout=420, cwd=tmp_path)
     assert res.returncode == 0, res.logs()
     assert "could not compile" not in res.output, res.output
-    _check(tmp_path, 2, reference["fp32"], 1e-5)
+    _check(tmp_path / variant, 2, reference["fp32"], 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["mirrored", "central"])
-def test_bfloat16_autocast_adds_no_error_beyond_bfloat16s_own(tmp_path, reference, kind):
+@pytest.mark.parametrize("kind", BF16_KINDS)
+def test_bfloat16_autocast_adds_no_error_beyond_bfloat16s_own(two_replica_runs, reference, kind):
     """Under autocast, each replica's partial weight gradient (a bfloat16 matmul over its half of
     the batch) is rounded to bfloat16 before the all-reduce, where one device rounds the full sum
     once: results cannot match one device bit for bit. The property: N replicas under bfloat16 end
     about as far from one bfloat16 device as bfloat16 itself is from float32 (SGD, so that a
     wrongly scaled gradient would show: Adam would hide it)."""
-    res = run_job(
-        [sys.executable, str(SCRIPT), str(tmp_path), kind, "2", "none", "-", "bf16", "sgd"], timeout=120, cwd=tmp_path
-    )
-    assert res.returncode == 0, res.logs()
-    params, losses = _state(tmp_path, 0)
+    folder = two_replica_runs[0][_variant(kind, "none", "-", "bf16", "sgd")]
+    params, losses = _state(folder, 0)
     one_bf16, fp32 = reference["bf16-sgd"], reference["fp32-sgd"]
     replica_error = max(float((params[k] - one_bf16[0][k]).abs().max()) for k in params)
     bf16_error = max(float((one_bf16[0][k] - fp32[0][k]).abs().max()) for k in params)
@@ -125,7 +142,7 @@ def test_bfloat16_autocast_adds_no_error_beyond_bfloat16s_own(tmp_path, referenc
     # wrongly moves the parameters by about one update (~1e-1 here), far beyond this bound.
     assert replica_error <= 2 * bf16_error, (replica_error, bf16_error)
     assert max(abs(a - b) for a, b in zip(losses, one_bf16[1])) < 0.02 * max(one_bf16[1])
-    other, _ = _state(tmp_path, 1)
+    other, _ = _state(folder, 1)
     assert all(torch.equal(params[k], other[k]) for k in params), "replica 1 diverged"
 
 

@@ -1,6 +1,6 @@
 """Keras fit / evaluate / predict under every strategy equal one-device Keras on the same global batch.
 
-One script run per strategy covers every case of ``scripts/keras_equivalence.py``: Sequential with
+One script run per strategy (one for both two-CPU strategies) covers every case of ``scripts/keras_equivalence.py``: Sequential with
 SGD + momentum + L2 and a final batch of one row (replicas without rows), functional with Adam and
 validation_split, a lazily built subclassed model on a torch DataLoader with validation_data, a
 PyDataset, a Sequential without input shape, Keras 3's ``gradient_accumulation_steps`` with
@@ -81,11 +81,21 @@ def test_one_device_strategy_is_plain_keras(reference):
         assert all(v == 0.0 for v in diffs.values()), (case, diffs)
 
 
-@pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
-def test_two_cpu_replicas_match_one_device(tmp_path, reference, mode):
-    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), mode], timeout=150, cwd=tmp_path, env=ENV)
+TWO_CPU_MODES = ["mirrored", "central_storage"]
+
+
+@pytest.fixture(scope="module")
+def two_cpu_replicas(tmp_path_factory) -> Path:
+    """Both two-CPU-replica strategies in ONE job, one after the other on the same two processes."""
+    out = tmp_path_factory.mktemp("keras-two-cpus")
+    res = run_job([sys.executable, str(SCRIPT), str(out), ",".join(TWO_CPU_MODES)], timeout=240, cwd=out, env=ENV)
     assert res.returncode == 0, res.logs()[-8000:]
-    _check_against_reference(tmp_path, reference, mode, 2)
+    return out
+
+
+@pytest.mark.parametrize("mode", TWO_CPU_MODES)
+def test_two_cpu_replicas_match_one_device(two_cpu_replicas, reference, mode):
+    _check_against_reference(two_cpu_replicas, reference, mode, 2)
 
 
 def test_multi_worker_two_workers_tf_config_match_one_device(tmp_path, reference):

@@ -35,18 +35,37 @@ def test_grad_scaler_overflow_on_one_replica_skips_the_step_everywhere(tmp_path)
 
 @pytest.fixture(scope="module")
 def keras_reference(tmp_path_factory):
-    refs = {}
-    for variant in ("jit", "mixed_bfloat16", "mixed_float16"):
-        out = tmp_path_factory.mktemp(f"keras-ref-{variant}")
-        res = run_job(
-            [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), "reference", variant],
-            timeout=150,
-            cwd=out,
-            env=ENV,
-        )
-        assert res.returncode == 0, res.logs()[-6000:]
-        refs[variant] = out
-    return refs
+    """Plain Keras on one device, every variant in one process."""
+    out = tmp_path_factory.mktemp("keras-ref")
+    runs = [f"reference,{v}" for v in ("jit", "mixed_bfloat16", "mixed_float16")]
+    res = run_job([sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *runs], timeout=240, cwd=out, env=ENV)
+    assert res.returncode == 0, res.logs()[-6000:]
+    return {run.split(",")[1]: out / run for run in runs}
+
+
+CASES = [
+    ("jit", 1e-5),  # jit_compile=True (torch.compile, inductor) against eager Keras
+    ("mixed_float16", 1e-3),  # float16 compute: per-replica partial gradients are rounded to float16
+]
+MODES = ["mirrored", "central_storage"]
+
+
+def _runs() -> list[str]:
+    # one jit_compile run (inductor, about a minute of C++ compilation per process) is enough
+    return [
+        f"{mode},{variant}" for mode in MODES for variant, _ in CASES if not (variant == "jit" and mode != MODES[0])
+    ]
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory):
+    """Every strategy run in ONE job: both strategies, one after the other on the same two processes."""
+    out = tmp_path_factory.mktemp("keras-strategies")
+    res = run_job(
+        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *_runs()], timeout=540, cwd=out, env=ENV
+    )
+    assert res.returncode == 0, res.logs()[-6000:]
+    return out
 
 
 def _load(out: Path, rank: int) -> tuple[dict, dict]:
@@ -54,25 +73,13 @@ def _load(out: Path, rank: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.timeout(600)  # jit_compile: inductor generates C++ code, minutes on 2 loaded cores
-@pytest.mark.parametrize(
-    "variant,tol",
-    [
-        ("jit", 1e-5),  # jit_compile=True (torch.compile, inductor) against eager Keras
-        ("mixed_float16", 1e-3),  # float16 compute: per-replica partial gradients are rounded to float16
-    ],
-)
-@pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
-def test_keras_fit_under_strategy_matches_one_device(tmp_path, keras_reference, variant, tol, mode):
-    if variant == "jit" and mode == "central_storage":
+@pytest.mark.parametrize("variant,tol", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_keras_fit_under_strategy_matches_one_device(strategy_runs, keras_reference, variant, tol, mode):
+    if f"{mode},{variant}" not in _runs():
         pytest.skip("one jit_compile run (inductor, about a minute of C++ compilation per process) is enough")
-    res = run_job(
-        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(tmp_path), mode, variant],
-        timeout=420,
-        cwd=tmp_path,
-        env=ENV,
-    )
-    assert res.returncode == 0, res.logs()[-6000:]
-    (w0, h0), (w1, h1) = _load(tmp_path, 0), _load(tmp_path, 1)
+    folder = strategy_runs / f"{mode},{variant}"
+    (w0, h0), (w1, h1) = _load(folder, 0), _load(folder, 1)
     ref_w, ref_h = _load(keras_reference[variant], 0)
     diff = max(float(np.abs(w0[k] - ref_w[k]).max()) for k in ref_w)
     print(f"\n{mode} {variant}: max |weight - one device| {diff:.3g}")

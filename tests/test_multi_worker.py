@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,12 +15,32 @@ SCRIPTS = Path(__file__).parent / "scripts"
 EQUIV = SCRIPTS / "equivalence.py"
 
 
+def _load_equivalence():
+    spec = importlib.util.spec_from_file_location("_equivalence_script", EQUIV)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _references():
+    """Plain PyTorch on one device, per optimizer, computed here (no process of its own needed;
+    bitwise what ``equivalence.py OUT OPT reference`` saves). At module set-up, before any test's
+    hygiene snapshot: Adam's first step sets TORCHINDUCTOR_CACHE_DIR in os.environ once per
+    process. fork_rng: the reference seeds the global generator."""
+    script = _load_equivalence()
+    with torch.random.fork_rng(devices=[]):
+        for opt in ("sgd", "adam"):
+            _REFERENCES[opt] = {k: v.detach().clone() for k, v in script.reference(opt).state_dict().items()}
+    yield
+    _REFERENCES.clear()
+
+
 def _check_equivalence(out: Path, world: int, tmp_path: Path, opt: str = "sgd") -> float:
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    res = run_job([sys.executable, str(EQUIV), str(ref_dir), opt, "reference"], timeout=60, cwd=ref_dir)
-    assert res.returncode == 0, res.logs()
-    ref = torch.load(ref_dir / "params_0.pt", weights_only=True)
+    ref = _REFERENCES[opt]
     replicas = [torch.load(out / f"params_{r}.pt", weights_only=True) for r in range(world)]
     diff = max(float((replicas[0][k] - ref[k]).abs().max()) for k in ref)
     for other in replicas[1:]:

@@ -1,6 +1,7 @@
 """Save under one strategy, restore under another. Usage:
 
     python ckpt_roundtrip.py OUT_DIR STRATEGY [--restore CKPT_DIR] [--train K] [--save]
+    python ckpt_roundtrip.py OUT_ROOT --chain CKPT_DIR K NAME:STRATEGY [NAME:STRATEGY ...]
 
 STRATEGY: one_device | mirrored (2 CPU replicas, self-launched) | central (CentralStorage, 2 CPU
 replicas) | mwms (run under ``phalanx run -n N``).
@@ -9,6 +10,11 @@ replicas) | mwms (run under ``phalanx run -n N``).
            replica dumps what it holds to OUT_DIR/restored_<rank>.pt.
 --train K: K Adam steps, so that the optimizer has state.
 --save:    save to OUT_DIR/ckpts; the chief dumps what was saved to OUT_DIR/saved.pt.
+
+--chain:   stages in one program (multi-replica strategies run on the same processes, one after
+           the other): stage NAME restores the previous stage's checkpoint (the first: CKPT_DIR's)
+           under a fresh STRATEGY, trains K steps and saves, as ``OUT_ROOT/NAME STRATEGY --restore
+           PREVIOUS --train K --save`` would; its strategy is closed before the next stage.
 
 Dumps are plain {name: tensor or number} dicts, compared bitwise by the tests.
 """
@@ -108,10 +114,7 @@ def train(strategy, objects, k):
         objects["tokens"] += GLOBAL_BATCH
 
 
-def main(argv):
-    out, kind = argv[0], argv[1]
-    restore = argv[argv.index("--restore") + 1] if "--restore" in argv else None
-    k = int(argv[argv.index("--train") + 1]) if "--train" in argv else 0
+def run(out, kind, restore, k, save):
     strategy = build_strategy(kind)
     rank = strategy.extended.process_index
     with strategy.scope():
@@ -122,10 +125,30 @@ def main(argv):
         torch.save(dump(objects), os.path.join(out, f"restored_{rank}.pt"))
     if k:
         train(strategy, objects, k)
-    if "--save" in argv:
+    if save:
         CheckpointManager(ckpt, os.path.join(out, "ckpts"), max_to_keep=2).save()
         if strategy.extended.should_checkpoint:
             torch.save(dump(objects), os.path.join(out, "saved.pt"))
+    return strategy
+
+
+def chain(root, restore, k, stages):
+    for stage in stages:
+        name, kind = stage.split(":")
+        out = os.path.join(root, name)
+        os.makedirs(out, exist_ok=True)
+        run(out, kind, restore, k, save=True).close()
+        restore = os.path.join(out, "ckpts")
+
+
+def main(argv):
+    if argv[1] == "--chain":
+        chain(argv[0], argv[2], int(argv[3]), argv[4:])
+        return
+    out, kind = argv[0], argv[1]
+    restore = argv[argv.index("--restore") + 1] if "--restore" in argv else None
+    k = int(argv[argv.index("--train") + 1]) if "--train" in argv else 0
+    run(out, kind, restore, k, "--save" in argv)
 
 
 if __name__ == "__main__":

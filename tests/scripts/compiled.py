@@ -1,10 +1,17 @@
 """K steps of a small MLP, compiled and/or under autocast, under a strategy; each replica saves its state.
 
-Usage: python compiled.py OUT_DIR STRATEGY N COMPILE BACKEND PRECISION [OPTIMIZER]
-  STRATEGY: reference (plain torch, eager, float32) | one_device | mirrored | central | mwms
-  COMPILE: none | model (torch.compile(model)) | step (@phalanx.function on the distributed step)
-  PRECISION: fp32 | bf16 (torch.autocast on the CPU)
-  OPTIMIZER: adam (default) | sgd (momentum 0.9)
+Usage: python compiled.py OUT_DIR STRATEGY N VARIANT [VARIANT ...]
+  STRATEGY: one_device | mirrored | central | mwms | mixed (mirrored and central variants in one
+    program: both strategies run on the same N replica processes, one after the other)
+  VARIANT: KIND,COMPILE,BACKEND,PRECISION,OPTIMIZER, each run with a fresh model, optimizer and
+    strategy; replica k writes OUT_DIR/VARIANT/params_k.pt and losses_k.json
+    KIND: the strategy kind (one_device | mirrored | central | mwms)
+    COMPILE: none | model (torch.compile(model)) | step (@phalanx.function on the distributed step)
+    PRECISION: fp32 | bf16 (torch.autocast on the CPU)
+    OPTIMIZER: adam | sgd (momentum 0.9)
+
+:func:`reference` (plain PyTorch on one device, eager) is imported by the test and run in its own
+process: it needs no replica.
 """
 
 import faulthandler
@@ -15,7 +22,8 @@ import sys
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import phalanx as px  # noqa: E402
 
@@ -52,51 +60,64 @@ def strategy_for(kind, n):
     return px.MirroredStrategy([f"cpu:{i}" for i in range(n)], cross_device_ops=px.NcclAllReduce())
 
 
-def main():
-    out, kind, n, compile_, backend, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:7]
-    opt_name = sys.argv[7] if len(sys.argv) > 7 else "adam"
+def reference(precision, opt_name):
+    """Plain PyTorch on one device, eager: (state dict, losses). Seeds the global generator."""
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    if kind == "reference":
-        torch.manual_seed(0)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_optimizer(opt_name, model.parameters())
+    losses = []
+    for x, y in data():
+        with autocast:
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def run_variant(out, n, variant):
+    kind, compile_, backend, precision, opt_name = variant.split(",")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    strategy = strategy_for(kind, n)
+    rank = px.process_index()
+    torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
+    with strategy.scope():
         model = make_model()
         opt = make_optimizer(opt_name, model.parameters())
-        losses = []
-        for x, y in data():
-            with autocast:
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-        rank = 0
-    else:
-        strategy = strategy_for(kind, n)
-        rank = px.process_index()
-        torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
-        with strategy.scope():
-            model = make_model()
-            opt = make_optimizer(opt_name, model.parameters())
-        forward = torch.compile(model, backend=backend) if compile_ == "model" else model
+    forward = torch.compile(model, backend=backend) if compile_ == "model" else model
 
-        def train_step(x, y):
-            with autocast:
-                per_example = ((forward(x).float() - y) ** 2).mean(dim=1)
-            loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss
+    def train_step(x, y):
+        with autocast:
+            per_example = ((forward(x).float() - y) ** 2).mean(dim=1)
+        loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
 
-        def distributed_train_step(x, y):
-            per_replica = strategy.run(train_step, args=(x, y))
-            return strategy.reduce(px.ReduceOp.SUM, per_replica, axis=None)
+    def distributed_train_step(x, y):
+        per_replica = strategy.run(train_step, args=(x, y))
+        return strategy.reduce(px.ReduceOp.SUM, per_replica, axis=None)
 
-        if compile_ == "step":
-            distributed_train_step = px.function(distributed_train_step, backend=backend)
-        losses = [float(distributed_train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(data())]
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
-    with open(os.path.join(out, f"losses_{rank}.json"), "w") as f:
+    if compile_ == "step":
+        distributed_train_step = px.function(distributed_train_step, backend=backend)
+    losses = [float(distributed_train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(data())]
+    folder = os.path.join(out, variant)
+    os.makedirs(folder, exist_ok=True)
+    torch.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(folder, f"params_{rank}.pt")
+    )
+    with open(os.path.join(folder, f"losses_{rank}.json"), "w") as f:
         json.dump(losses, f)
+    strategy.close()
+
+
+def main():
+    out, _, n, variants = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    for variant in variants:
+        run_variant(out, n, variant)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,16 @@
 """K steps of a small MLP under a strategy; each replica saves its parameters.
 
 Usage: python equivalence.py OUT_DIR OPTIMIZER STRATEGY [N]
+       python equivalence.py OUT_DIR --variants N VARIANT [VARIANT ...]
 STRATEGY: reference (plain torch), or a family of tests/strategies.py (one_device, mirrored_cpu,
 central_storage_cpu, multi_worker; the short names mirrored, central, mwms also work).
+VARIANT: STRATEGY,OPTIMIZER[,CROSS_DEVICE_OPS] (CROSS_DEVICE_OPS: a name of tests/strategies.py,
+mirrored only): each variant trains a fresh model with a fresh strategy on the same N processes (one
+job for many variants: process start-up is most of what a run costs), replica k writing
+OUT_DIR/VARIANT/params_k.pt. The first form writes OUT_DIR/params_k.pt; EQUIV_CROSS_DEVICE_OPS
+names the cross-device ops there.
+
+A test imports this module for :func:`reference` (plain PyTorch needs no process of its own).
 """
 
 import faulthandler
@@ -13,8 +21,11 @@ from pathlib import Path
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the strategy matrix
+if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+_TESTS = str(Path(__file__).resolve().parents[1])  # tests/: the strategy matrix
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 import phalanx as px  # noqa: E402
 
@@ -74,14 +85,30 @@ def distributed(strategy, opt_name):
     return model
 
 
-if __name__ == "__main__":
-    out, opt_name, kind = sys.argv[1], sys.argv[2], sys.argv[3]
-    if kind == "reference":
-        model, rank = reference(opt_name), 0
-    else:
-        n = int(sys.argv[4])
-        family = {"central": "central_storage_cpu", "mwms": "multi_worker", "mirrored": "mirrored_cpu"}.get(kind, kind)
-        options = {"cross_device_ops_name": os.environ.get("EQUIV_CROSS_DEVICE_OPS", "")} if kind == "mirrored" else {}
-        strategy = strategies.make(family, n, **options)
-        model, rank = distributed(strategy, opt_name), strategy.extended.process_index
+def run(out, opt_name, kind, n, cross_device_ops=""):
+    """Trains under a fresh strategy of ``kind``; replica k saves its parameters in OUT/params_k.pt."""
+    family = {"central": "central_storage_cpu", "mwms": "multi_worker", "mirrored": "mirrored_cpu"}.get(kind, kind)
+    options = {"cross_device_ops_name": cross_device_ops} if kind == "mirrored" else {}
+    strategy = strategies.make(family, n, **options)
+    model, rank = distributed(strategy, opt_name), strategy.extended.process_index
+    save(model, out, rank)
+    return strategy
+
+
+def save(model, out, rank):
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    if sys.argv[2] == "--variants":
+        n = int(sys.argv[3])
+        for variant in sys.argv[4:]:
+            kind, opt_name, *ops = variant.split(",")
+            folder = os.path.join(out, variant)
+            os.makedirs(folder, exist_ok=True)
+            run(folder, opt_name, kind, n, *ops).close()
+    elif sys.argv[3] == "reference":
+        save(reference(sys.argv[2]), out, 0)
+    else:
+        run(out, sys.argv[2], sys.argv[3], int(sys.argv[4]), os.environ.get("EQUIV_CROSS_DEVICE_OPS", ""))

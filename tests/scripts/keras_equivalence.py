@@ -1,6 +1,7 @@
 """Keras fit / evaluate / predict under a strategy, for comparison with one-device Keras.
 
-Usage: python keras_equivalence.py OUT_DIR MODE      (MODE: reference | mirrored | central_storage | mwms)
+Usage: python keras_equivalence.py OUT_DIR MODE      (MODE: reference | mirrored | central_storage | mwms,
+or several strategies separated by commas: mirrored,central_storage)
 
 ``reference`` runs every case with plain Keras (no strategy) and again under OneDeviceStrategy;
 ``mirrored`` and ``central_storage`` run them on 2 CPU replicas; ``mwms`` under
@@ -213,11 +214,15 @@ if __name__ == "__main__":
         for name in CASES:
             run_case(name, one, 0, out, "one")
     else:
-        strategy = {
-            "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
-            "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-            "mwms": px.MultiWorkerMirroredStrategy,
-        }[mode]()
-        rank = strategy.extended.process_index
-        for name in CASES:
-            run_case(name, strategy, rank, out, mode)
+        # MODE may name several strategies (mirrored,central_storage): they run one after the other
+        # on the same replica processes (process start-up is most of what a job costs).
+        for kind in mode.split(","):
+            strategy = {
+                "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
+                "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+                "mwms": px.MultiWorkerMirroredStrategy,
+            }[kind]()
+            rank = strategy.extended.process_index
+            for name in CASES:
+                run_case(name, strategy, rank, out, kind)
+            strategy.close()

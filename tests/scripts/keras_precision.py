@@ -1,9 +1,12 @@
 """Keras fit with jit_compile=True or a mixed-precision policy, under a strategy or on one device.
 
-Usage: python keras_precision.py OUT_DIR STRATEGY VARIANT
+Usage: python keras_precision.py OUT_DIR RUN [RUN ...]      (RUN: STRATEGY,VARIANT)
   STRATEGY: reference (plain Keras, one device) | mirrored | central_storage | mwms
   VARIANT: jit (jit_compile=True; the reference runs eagerly) | mixed_bfloat16 | mixed_float16
-Writes weights_{rank}.npz and history_{rank}.json (History, evaluate, the loss scale if any).
+Each RUN builds a fresh model under a fresh strategy (the runs of one program share its processes:
+process start-up is most of what a run costs; give one program reference runs only, or strategy
+runs only) and writes OUT_DIR/RUN/weights_{rank}.npz and history_{rank}.json (History, evaluate,
+the loss scale if any).
 """
 
 import faulthandler
@@ -32,8 +35,8 @@ def data(n, seed):
 
 
 def build(variant, strategy_name):
-    if variant.startswith("mixed"):
-        keras.mixed_precision.set_global_policy(variant)
+    # Global: a run after a mixed-precision one must not inherit its policy.
+    keras.mixed_precision.set_global_policy(variant if variant.startswith("mixed") else "float32")
     model = keras.Sequential(
         [
             keras.Input((FEATURES,)),
@@ -53,7 +56,14 @@ def build(variant, strategy_name):
 
 
 def main():
-    out, name, variant = sys.argv[1:4]
+    for run in sys.argv[2:]:
+        name, variant = run.split(",")
+        out = os.path.join(sys.argv[1], run)
+        os.makedirs(out, exist_ok=True)
+        train(out, name, variant)
+
+
+def train(out, name, variant):
     if name == "reference":
         strategy, rank = None, 0
     else:
@@ -85,6 +95,8 @@ def main():
             },
             f,
         )
+    if strategy is not None:
+        strategy.close()
 
 
 if __name__ == "__main__":
