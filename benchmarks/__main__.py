@@ -12,6 +12,7 @@ Examples::
     python -m benchmarks                      # the full suite, about 9 minutes on 2 cores
     python -m benchmarks --quick              # a smoke run, well under a minute
     python -m benchmarks --rounds 5 --out ./my-run
+    python -m benchmarks --configs px_mirrored,px_mirrored_compiled,local2 --models cnn
     python -m benchmarks --device cuda        # 2+ GPUs: phalanx against DDP with NCCL
 
 Overlap (``overlap`` in the report): the fraction of a step's communication hidden behind
@@ -331,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu (default): 2 CPU replicas; cuda: one replica per GPU on 2 GPUs, DDP with NCCL "
         "(exits 77, skipped, without 2 GPUs)",
     )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="comma list of throughput configurations to time (default: all that run here); "
+        f"choose from {','.join(THROUGHPUT_CONFIGS)}",
+    )
     parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead (default: none)")
     parser.add_argument(
         "--out",
@@ -365,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS)}")
+    chosen = args.configs.split(",") if args.configs else None
+    if chosen and set(chosen) - set(THROUGHPUT_CONFIGS):
+        parser.error(
+            f"--configs: unknown or unavailable configuration(s) {sorted(set(chosen) - set(THROUGHPUT_CONFIGS))}; "
+            f"choose from {','.join(THROUGHPUT_CONFIGS)}"
+        )
     skip = set(filter(None, args.skip.split(",")))
     if skip - {"throughput", "allreduce", "overhead"}:
         parser.error(
@@ -391,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" not in skip:
         print("throughput (samples/s):", flush=True)
         # --quick times only the headline comparison (Mirrored against DDP and the ceiling).
-        names = ("px_mirrored", "ddp", "local2") if args.quick else tuple(THROUGHPUT_CONFIGS)
+        names = tuple(chosen or (("px_mirrored", "ddp", "local2") if args.quick else THROUGHPUT_CONFIGS))
         if args.device == "cuda":
             names = tuple(c for c in names if c in CUDA_CONFIGS)
         configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
