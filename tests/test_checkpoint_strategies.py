@@ -130,3 +130,6 @@ def test_checkpoint_made_outside_scope_saves_as_a_team_under_self_launched_mirro
         assert result["restored_equal"] and result["momentum_equal"], result
     assert results[0]["weight_sum"] == results[1]["weight_sum"]
     assert sorted(os.listdir(out / "ckpts")) == ["ckpt-1"]  # no leftovers of a second writer
+    # Issue 16 (multi_worker_with_ctl): a replica given a path of its own writes it, as in TF.
+    assert results[0]["own_path_written"] and results[1]["own_path_written"], results
+    assert sorted(os.listdir(out / "workertemp_1" / "own_ckpts")) == ["ckpt-1"]

@@ -1,7 +1,8 @@
 """Keras ``fit`` / ``evaluate`` / ``predict`` under ParameterServerStrategy.
 
 In process (the production services over the in-process transport): one worker equals one-device
-Keras training step for step; the seed notebook's MLP on 2 PS and 2 workers learns the digits with
+Keras training step for step, in fit and in the PS tutorial's custom loop (a Keras optimizer and
+metric inside a scheduled function); the seed notebook's MLP on 2 PS and 2 workers learns the digits with
 the Adam state on the servers; callbacks run on the chief; unsupported input fails clearly.
 Across processes (gRPC): the seed example under ``phalanx run --ps 2 --workers 2``
 (test_keras_examples.py).
@@ -201,3 +202,96 @@ def test_servers_rmsprop_is_keras_rmsprop_step_for_step(momentum, centered):
         server_opt.step()
     keras_value = torch.as_tensor(np.asarray(variable.value.detach().cpu()))
     assert torch.allclose(param.detach(), keras_value, atol=1e-6), (param, keras_value)
+
+
+def _embedding_classifier():
+    """The parameter-server tutorial's custom-loop model, narrower: mean of 3 embeddings -> logit."""
+    ids = keras.layers.Input(shape=(3,), dtype="int64", name="features")
+    mean = keras.ops.mean(keras.layers.Embedding(8, 256)(ids), axis=1)
+    logit = keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L2(1e-4))(mean)
+    return keras.Model({"features": ids}, logit)
+
+
+_OPTIMIZERS = {"rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.1), "sgd": lambda: keras.optimizers.SGD(2.0)}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_custom_loop_with_keras_optimizer_and_metric_equals_one_device_step_for_step(name):
+    """The tutorial's custom loop (issue 16) on one worker equals the same loop in one process.
+
+    A scheduled step_fn calls a Keras optimizer's apply_gradients (the tutorial's RMSprop(0.1);
+    SGD, which unlike RMSprop is not blind to the gradients' scale) and updates a Keras metric
+    created in scope; the embedding is split over both servers. Equal losses, weights and accuracy
+    rule out, for that loop, wrongly scaled gradients (compute_average_loss), stale variable reads,
+    optimizer state kept off the servers, a learning rate applied twice and a metric misread on
+    the chief.
+    """
+    from phalanx import ReduceOp, nn
+    from phalanx.experimental import partitioners
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] + 1 for _ in range(96)])
+    labels = (ids == 1).any(1, keepdim=True).long()  # "avenger" among the features
+    batches = [({"features": ids[i : i + 32]}, labels[i : i + 32]) for i in (0, 32, 64, 0, 32, 64)]
+    bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction=None)
+    partitioner = partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=2)
+    with InProcessCluster(num_ps=2, num_workers=1, variable_partitioner=partitioner) as cluster:
+        strategy = cluster.strategy
+        with strategy.scope():
+            model = _embedding_classifier()
+            optimizer = _OPTIMIZERS[name]()
+            accuracy = keras.metrics.Accuracy()
+        reference = _embedding_classifier()
+        reference.set_weights(model.get_weights())
+        ref_optimizer, ref_accuracy = _OPTIMIZERS[name](), keras.metrics.Accuracy()
+
+        def step_fn(iterator):
+            def replica_fn(batch_data, y):
+                logits = model(batch_data, training=True)
+                loss = nn.compute_average_loss(bce(y, logits)) + nn.scale_regularization_loss(sum(model.losses))
+                model.zero_grad()
+                loss.backward()
+                optimizer.apply_gradients(
+                    zip([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+                )
+                accuracy.update_state(y, (keras.ops.sigmoid(logits) > 0.5).long())
+                return loss
+
+            batch_data, y = next(iterator)
+            return strategy.reduce(ReduceOp.SUM, strategy.run(replica_fn, args=(batch_data, y)), axis=None)
+
+        coordinator = cluster.coordinator()
+        iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches)))
+        for batch_data, y in batches:
+            got = float(coordinator.schedule(step_fn, args=(iterator,)).fetch())
+            logits = reference(batch_data, training=True)
+            loss = bce(y, logits).mean() + sum(reference.losses)
+            reference.zero_grad()
+            loss.backward()
+            ref_optimizer.apply_gradients(
+                zip([v.value.grad for v in reference.trainable_variables], reference.trainable_variables)
+            )
+            ref_accuracy.update_state(y, (keras.ops.sigmoid(logits) > 0.5).long())
+            assert got == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        coordinator.join()
+        assert [v.shape[0] for v in strategy.extended.variables[0].variables] == [4, 4]  # the embedding's 2 shards
+        for got_w, want_w in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-5)
+        assert float(accuracy.result()) == pytest.approx(float(ref_accuracy.result()))
+    learned = float(((reference({"features": ids}) > 0).long() == labels).float().mean())
+    assert learned > 0.9, learned  # both learn this in 6 steps
+
+
+def test_tutorial_loss_takes_the_logits_as_tf_does():
+    """The premise of the PS tutorial's note 6 (examples/tutorials/parameter_server_training.py):
+    on a saturated sigmoid output predicted wrong, Keras 3's torch BinaryCrossentropy on the
+    probabilities has no gradient (it clips them); on the logits it has TF's, sigmoid(z) - y. If
+    Keras starts taking the logits itself (as its TF backend does), this fails and the tutorial can
+    go back to the tutorial's own loss."""
+    label = torch.zeros(1, 1)
+    logit = torch.full((1, 1), 30.0, requires_grad=True)
+    keras.losses.BinaryCrossentropy()(label, keras.activations.sigmoid(logit)).backward()
+    assert logit.grad.item() == 0.0
+    logit.grad = None
+    keras.losses.BinaryCrossentropy(from_logits=True)(label, logit).backward()
+    assert logit.grad.item() == pytest.approx(1.0)

@@ -83,3 +83,18 @@ def test_coverage_count():
     have = sum(present(n) for n in names)
     text = README.read_text()
     assert f"{have} of {len(names)}" in text, f"README should state the coverage: {have} of {len(names)}"
+
+
+def test_tpu_names_raise_a_typed_error_where_no_tpu_exists():
+    """Issue 16 (the distributed training guide): TF's TPU snippet, renamed, fails with a typed
+    error naming the device and what to use instead, not an AttributeError."""
+    from phalanx.errors import InvalidDeviceError
+
+    for make in (
+        lambda: phalanx.cluster_resolver.TPUClusterResolver(tpu="grpc://10.0.0.2:8470"),
+        lambda: phalanx.TPUStrategy(None),
+        lambda: phalanx.experimental.TPUStrategy(),
+    ):
+        with pytest.raises(InvalidDeviceError, match="TPU") as info:
+            make()
+        assert info.value.device == "TPU" and "MirroredStrategy" in info.value.hint

@@ -48,6 +48,7 @@ from phalanx.strategies.multi_worker_mirrored import (
 )
 from phalanx.strategies.one_device import OneDeviceStrategy
 from phalanx.strategies.parameter_server import ParameterServerStrategy
+from phalanx.strategies.tpu import TPUStrategy
 from phalanx.strategy import Strategy, StrategyExtended
 from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
@@ -78,6 +79,7 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "TPUStrategy",
     "ValueContext",
     "barrier",
     "checkpoint",

@@ -8,12 +8,14 @@ from phalanx.cluster import (  # noqa: F401
     TFConfigClusterResolver,
     TorchElasticClusterResolver,
 )
+from phalanx.strategies.tpu import TPUClusterResolver  # noqa: F401  (raises: no TPU support)
 
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
+    "TPUClusterResolver",
     "TFConfigClusterResolver",
     "TorchElasticClusterResolver",
 ]

@@ -14,6 +14,7 @@ from phalanx.strategies.multi_worker_mirrored import (
     MultiWorkerMirroredStrategy,
 )
 from phalanx.strategies.parameter_server import ParameterServerStrategy
+from phalanx.strategies.tpu import TPUStrategy
 from phalanx.values import ReduceOp
 
 # `import phalanx.experimental.coordinator` / `.partitioners` work as in TF (aliases of the real modules).
@@ -30,6 +31,7 @@ __all__ = [
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",
     "ReduceOp",
+    "TPUStrategy",
     "TerminationConfig",
     "ValueContext",
     "coordinator",

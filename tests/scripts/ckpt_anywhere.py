@@ -7,6 +7,9 @@ Checkpoint and its manager outside it. Every replica trains 3 steps and saves th
 manager (the chief writes, both wait); a second Checkpoint holds a Counter only (no variable
 points at a strategy: the process's live strategy is used). Then each replica restores the
 checkpoint into fresh objects made outside any scope and writes ``result_<rank>.json``.
+Last, TF's multi-worker pattern (multi_worker_with_ctl's write_filepath): the chief saves to
+``own_ckpts``, the other replica to a path of its own, ``workertemp_1/own_ckpts``; each path is
+written by its replica.
 """
 
 import faulthandler
@@ -20,7 +23,7 @@ import torch
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import phalanx as px  # noqa: E402
-from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, storage  # noqa: E402
+from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, load_state, storage  # noqa: E402
 
 out = sys.argv[1]
 strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -67,5 +70,9 @@ result = {
     ),
     "weight_sum": float(model.weight.sum()),
 }
+own_dir = os.path.join(out, "own_ckpts") if rank == 0 else os.path.join(out, f"workertemp_{rank}", "own_ckpts")
+own_path = CheckpointManager(Checkpoint(model=model, step=step), own_dir, max_to_keep=1).save()
+own = load_state(own_path) if storage.is_complete(own_path) else None
+result["own_path_written"] = own is not None and torch.equal(own["model"]["weight"], model.weight.detach())
 with open(os.path.join(out, f"result_{rank}.json"), "w") as f:
     json.dump(result, f)

@@ -190,7 +190,9 @@ class Checkpoint:
     def write(self, file_prefix: str, *, _after_commit: Callable[[], None] | None = None) -> str:
         """Writes a checkpoint at exactly ``file_prefix`` (a directory); returns its absolute path.
 
-        Collective: every process calls it; the chief writes; all return once it is on disk.
+        Collective: every process calls it; the chief writes, and a process given a path of its
+        own (TF's multi-worker ``write_filepath`` pattern) writes that one; all return once every
+        file is on disk.
 
         Raises:
             CheckpointError: the chief's write failed (raised on every process).
@@ -200,6 +202,7 @@ class Checkpoint:
         owners = {name: _owner(obj) for name, obj in objects.items()}
         who = Participants.resolve(self._strategy, _owning_strategy(owners.values()))
         path = os.path.abspath(os.fspath(file_prefix))
+        writes = who.writes(path)
         manifest_objects: dict[str, Any] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
         for name, obj in objects.items():
@@ -207,7 +210,7 @@ class Checkpoint:
             # the writer copies tensors out.
             state = (owners[name] or who.strategy.extended).state_to_save(obj)
             doc, tensors = codec.encode(
-                _state_of(obj, objects) if state is None else state, label=name, materialize=who.is_writer
+                _state_of(obj, objects) if state is None else state, label=name, materialize=writes
             )
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
             if tensors:
@@ -215,7 +218,7 @@ class Checkpoint:
                 files[entry["file"]] = tensors
             manifest_objects[name] = entry
         error: BaseException | None = None
-        if who.is_writer:
+        if writes:
             try:
                 storage.write_checkpoint(path, files, {"objects": manifest_objects, "saved_by": who.describe()})
                 if _after_commit is not None:
@@ -226,8 +229,8 @@ class Checkpoint:
             if error is not None:
                 raise error
             raise CheckpointError(
-                f"The chief failed to write the checkpoint {path!r}.",
-                hint="see the chief's (replica 0's) log for its error",
+                f"Another process failed to write the checkpoint {path!r} (the chief's, or its own).",
+                hint="see the other replicas' logs (the chief's output, or LOGDIR/<run>/replica_<k>.log) for the error",
             )
         return path
 

@@ -35,10 +35,6 @@ from phalanx.checkpoint.errors import CheckpointMismatchError, UnsupportedStateE
 _PRIMITIVES = (str, int, float, bool, type(None))
 
 
-def _key_part(key: Any) -> str:
-    return str(key)
-
-
 def encode(tree: Any, *, label: str = "", materialize: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
     """Splits ``tree`` into a JSON-able document and ``{path: tensor}``.
 
@@ -99,7 +95,7 @@ def encode(tree: Any, *, label: str = "", materialize: bool = True) -> tuple[Any
 
 
 def _join(path: str, key: Any) -> str:
-    return f"{path}/{_key_part(key)}" if path else _key_part(key)
+    return f"{path}/{key}" if path else str(key)
 
 
 def _to_storable(t: torch.Tensor) -> torch.Tensor:
@@ -147,21 +143,3 @@ def _decode_key(key: Any) -> Any:
     if isinstance(key, dict) and "__tuple__" in key:
         return tuple(key["__tuple__"])
     return key
-
-
-def tensor_layouts(doc: Any) -> dict[str, dict]:
-    """``{tensor key: layout}`` for every sharded variable recorded in ``doc``."""
-    found: dict[str, dict] = {}
-
-    def walk(d: Any) -> None:
-        if isinstance(d, dict):
-            if "__tensor__" in d and "layout" in d:
-                found[d["__tensor__"]] = d["layout"]
-            for v in d.values():
-                walk(v)
-        elif isinstance(d, list):
-            for v in d:
-                walk(v)
-
-    walk(doc)
-    return found

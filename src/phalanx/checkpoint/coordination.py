@@ -1,7 +1,8 @@
 """Which process writes a checkpoint, and the collectives that keep the processes in step.
 
 Saving is collective: every process of the job calls ``save`` at the same point. Every process
-collects its state (sharded variables may gather theirs), the chief alone writes, and then all
+collects its state (sharded variables may gather theirs), the chief writes (and a process given
+a path of its own writes that one, see :meth:`Participants.writes`), and then all
 take part in one small all-reduce that doubles as a barrier and tells everyone whether the
 chief's write succeeded. Nobody returns from ``save`` before the checkpoint is complete on disk,
 and a failed write raises on every process instead of hanging the others.
@@ -27,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -111,6 +113,21 @@ class Participants:
                 job; every process would write the same files.
         """
         return cls(find_strategy(captured, owning))
+
+    def writes(self, path: str) -> bool:
+        """Whether this process writes ``path`` (a collective: every process calls it).
+
+        The chief writes; so does a process whose ``path`` differs from the chief's: TF's
+        multi-worker tutorials give non-chief workers a temporary path of their own
+        (``write_filepath``), save there and delete it, so it must exist as in TF. A path shared
+        with the chief is written once, by the chief.
+        """
+        if self.world_size == 1:
+            return self.is_writer
+        digest = int.from_bytes(hashlib.sha256(path.encode()).digest()[:7], "big")
+        chiefs = torch.tensor([digest if self.is_writer else 0], dtype=torch.int64, device=self._device)
+        self._extended.broadcast([chiefs])  # the chief is process 0 of a synchronous strategy
+        return self.is_writer or int(chiefs[0]) != digest
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any process (a collective; also a barrier)."""

@@ -73,13 +73,11 @@ class Communicator(Protocol):
     Attributes:
         rank: this process's index, ``0 .. world_size - 1``.
         world_size: the number of replicas of the job.
-        same_host: whether every rank runs on this host.
         step: the step being run, for error messages (set by ``strategy.run``).
     """
 
     rank: int
     world_size: int
-    same_host: bool
     step: int | None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
@@ -162,7 +160,6 @@ class LocalCommunicator:
 
     rank = 0
     world_size = 1
-    same_host = True
     step: int | None = None
     _store: Any = None
 
@@ -263,7 +260,6 @@ class ProcessGroupCommunicator:
             name=spec.name,
         )
         self._subgroups: list[Any] = []
-        self.same_host = len({p["host"] for p in self._peers.values()}) == 1
         with self.errors_for("process group creation"):
             self.pg = process_group.make_group(
                 backend,

@@ -132,8 +132,3 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         if op == "mean":
             tensor.div_(comm.world_size)
         return Handle(tensor)
-
-
-def select_default(comm: Any) -> CrossDeviceOps:
-    """The algorithm phalanx picks when the user names none."""
-    return NcclAllReduce()

@@ -78,7 +78,6 @@ class GradientReducer:
         self._pending = False
         self._next = 0
         self._lock = threading.Lock()  # autograd may run hooks of different devices on other threads
-        self.enabled = True
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.guard = guard
         self.reductions = 0  # completed backward passes, for strategies that act after one
@@ -127,7 +126,7 @@ class GradientReducer:
         key = id(p)
 
         def hook(grad: torch.Tensor) -> None:
-            if not self.enabled or key in self._dirty:
+            if key in self._dirty:
                 return
             self._dirty.add(key)
             if p.grad is not None:
@@ -152,8 +151,6 @@ class GradientReducer:
 
     # ---------------------------------------------------------------------------- backward
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        if not self.enabled:
-            return
         with self._lock:
             if not self._pending:
                 self._pending = True

@@ -63,8 +63,6 @@ class ThreadedWorld:
 class ThreadedCommunicator:
     """One rank of a :class:`ThreadedWorld`; implements the :class:`~phalanx.comm.communicator.Communicator` protocol."""
 
-    same_host = True
-
     def __init__(self, world: ThreadedWorld, rank: int) -> None:
         self._world = world
         self.rank, self.world_size = rank, world.world_size

@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 import weakref
 from typing import Any
 
@@ -53,6 +52,7 @@ from phalanx.interactive.channel import Channel, accept_authenticated
 from phalanx.interactive.control import Control
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica, die_with_parent, ipython_shell
 from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.supervisor import new_run_id
 
 START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
 FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
@@ -147,19 +147,10 @@ class Session:
     def __init__(self, world_size: int, mode: str, method: str | None = None) -> None:
         self.world_size, self.mode = world_size, mode
         self.method = method or start_method()
-        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.run_id = new_run_id()
         self.log_dir = os.path.join(log_root(), self.run_id)
         os.makedirs(self.log_dir, exist_ok=True)
-        self.env = ReplicaEnv(
-            rank=0,
-            world_size=world_size,
-            local_rank=0,
-            local_world_size=world_size,
-            master_addr="127.0.0.1",
-            master_port=free_port(),
-            run_id=self.run_id,
-            log_dir=self.log_dir,
-        )
+        self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
         self.shell = ipython_shell() if mode == "ipython" else None
         self.control = Control(world_size, os.path.join(self.log_dir, "control") if self.method == "spawn" else None)
         self.replicas: dict[int, _Replica] = {}

@@ -78,6 +78,20 @@ class ReplicaEnv:
             raise ClusterSpecError(PREFIX + "RANK", env.rank, f"must be in [0, {env.world_size})")
         return env
 
+    @classmethod
+    def local_chief(cls, world_size: int, run_id: str, log_dir: str) -> ReplicaEnv:
+        """Replica 0 of a single-host job whose replicas this process starts (self-launch, notebooks)."""
+        return cls(
+            rank=0,
+            world_size=world_size,
+            local_rank=0,
+            local_world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            run_id=run_id,
+            log_dir=log_dir,
+        )
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` now (the OS picks it)."""

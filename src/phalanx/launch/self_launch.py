@@ -28,7 +28,7 @@ import threading
 import time
 
 from phalanx.errors import LaunchError
-from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
@@ -83,21 +83,12 @@ def launch(world_size: int) -> ReplicaLauncher:
 class ReplicaLauncher:
     """Starts and supervises replicas 1..N-1 of the current script; this process is replica 0."""
 
-    def __init__(self, world_size: int, quiet: bool = False) -> None:
+    def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.command = _script_command()
         self.run = RunDirectory().create()
         self.run_id, self.log_dir = self.run.run_id, self.run.path
-        self.env = ReplicaEnv(
-            rank=0,
-            world_size=world_size,
-            local_rank=0,
-            local_world_size=world_size,
-            master_addr="127.0.0.1",
-            master_port=free_port(),
-            run_id=self.run_id,
-            log_dir=self.log_dir,
-        )
+        self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
         self.supervisor = Supervisor()
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._main_exiting = threading.Event()
@@ -116,8 +107,7 @@ class ReplicaLauncher:
                     info=f"local rank {rank}",
                 )
             )
-        if not quiet:
-            self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
+        self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
         self._install_excepthook()
         atexit.register(self.finish)
         self._watcher = threading.Thread(target=self._watch, name="phalanx-replica-watcher", daemon=True)
