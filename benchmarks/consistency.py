@@ -1,13 +1,19 @@
 """The cost of the consistency guard, and what ``no_sync()`` saves, on the seed MLP (784-128-10).
 
-Usage: ``python -m benchmarks.consistency [--rounds 7] [--steps 200]`` (starts 2 CPU replicas itself).
+Usage: ``python -m benchmarks.consistency [--rounds 9] [--blocks 10] [--block-steps 20]``
+(starts 2 CPU replicas itself).
 
 Everything is measured in one job, in interleaved rounds, as ratios:
 
-* **guard**: training steps with the guard on vs off (both replicas switch together, so the
-  bucket sizes match), median of per-round paired ratios; and the guard's own work per step
-  (encoding this replica's fields, decoding and comparing every replica's) timed directly, as a
-  share of the median step.
+* **guard**, under MirroredStrategy x2 (the guard rides on the gradient all-reduce) and then
+  CentralStorageStrategy x2 on the same replicas (the guard has small all-reduces of its own; see
+  ``phalanx.strategies.central_storage``): every round alternates blocks of steps with the guard
+  on and off (both replicas switch together, so the collectives match), each step timed on its
+  own. A round's ratio is the median step with the guard on over the median step with it off
+  (medians: a step the OS preempted on a loaded machine does not move them); the result gives
+  the median ratio over the rounds and its range. The guard's own work per step (encoding this
+  replica's fields, decoding and comparing every replica's) is also timed directly, as a share
+  of the median step.
 * **no_sync**: 4 micro-batches accumulated per optimizer step, synchronising every backward vs
   only the last one (``strategy.extended.no_sync()``): time per optimizer step and gradient
   bytes all-reduced per optimizer step.
@@ -32,48 +38,76 @@ from benchmarks.models import batches, make_model
 GLOBAL = 64
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
-    strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
-    ext = strategy.extended
+def build(kind: str) -> tuple[px.Strategy, torch.nn.Module, torch.optim.Optimizer, list]:
+    strategy = (px.MirroredStrategy if kind == "mirrored" else px.CentralStorageStrategy)(["cpu:0", "cpu:1"])
     torch.manual_seed(0)
     with strategy.scope():
         model = make_model("seed_mlp")
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    data = list(strategy.experimental_distribute_dataset(batches(GLOBAL, 16)))
+    return strategy, model, opt, list(strategy.experimental_distribute_dataset(batches(GLOBAL, 16)))
 
-    def step(x, y, sync=True, last=True):
+
+def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    def step(x, y, last=True):
         loss = px.nn.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
         loss.backward()
         if last:
             opt.step()
             opt.zero_grad()
 
-    def steps(n: int) -> float:
-        start = time.perf_counter()
-        for i in range(n):
+    return step
+
+
+def guard_cost(kind: str, args: argparse.Namespace) -> dict:
+    """Guard on over guard off, per step, in finely interleaved blocks (see the module docstring)."""
+    strategy, model, opt, data = build(kind)
+    ext, step = strategy.extended, make_step(model, opt)
+    clock, i = time.perf_counter, 0
+
+    def block(on: bool, out: list[float]) -> None:
+        nonlocal i
+        ext.set_consistency_checks(on)  # every replica, at the same step
+        for _ in range(args.block_steps):
             x, y = data[i % len(data)]
+            i += 1
+            start = clock()
             strategy.run(step, args=(x, y))
-        return (time.perf_counter() - start) / n
+            out.append(clock() - start)
 
-    def set_guard(on: bool) -> None:
-        ext.set_consistency_checks(on)
-
-    steps(50)  # warm up
-    guard_ratios, on_times, off_times = [], [], []
+    block(True, [])  # warm up both paths
+    block(False, [])
+    ratios, on_all, off_all = [], [], []
     for r in range(args.rounds):
-        order = (True, False) if r % 2 == 0 else (False, True)
-        times = {}
-        for on in order:
-            set_guard(on)
-            times[on] = steps(args.steps)
-        set_guard(True)
-        guard_ratios.append(times[True] / times[False])
-        on_times.append(times[True])
-        off_times.append(times[False])
+        on, off = [], []
+        for b in range(args.blocks):
+            block((b + r) % 2 == 0, on if (b + r) % 2 == 0 else off)
+        ratios.append(statistics.median(on) / statistics.median(off))
+        on_all += on
+        off_all += off
+    ext.set_consistency_checks(True)
+    strategy.close()
+    return {
+        "step_ms_guard_off_median": round(statistics.median(off_all) * 1e3, 4),
+        "step_ms_guard_on_median": round(statistics.median(on_all) * 1e3, 4),
+        "guard_on_over_off_median": round(statistics.median(ratios), 4),
+        "guard_on_over_off_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "guard_on_over_off_per_round": [round(x, 4) for x in ratios],
+        "steps_per_setting": len(on_all),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--blocks", type=int, default=10, help="blocks per round, alternating guard on and off")
+    parser.add_argument("--block-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200, help="steps per round of the no_sync comparison")
+    args = parser.parse_args()
+    guard = {kind: guard_cost(kind, args) for kind in ("mirrored", "central_storage")}
+
+    strategy, model, opt, data = build("mirrored")
+    ext, step = strategy.extended, make_step(model, opt)
+    step_s = guard["mirrored"]["step_ms_guard_off_median"] / 1e3
 
     # The guard's own work per step, timed directly: encoding this replica's slot and checking the
     # summed rows of agreeing replicas (the first bucket's torch.cat copies the slot with the gradients).
@@ -118,20 +152,20 @@ def main() -> None:
         sync_times.append(times[False])
 
     if ext.should_checkpoint:
-        step_s = statistics.median(off_times)
         result = {
             "model": "seed_mlp 784-128-10",
             "replicas": 2,
             "global_batch": GLOBAL,
             "rounds": args.rounds,
-            "steps_per_round": args.steps,
-            "step_ms_guard_off": round(step_s * 1e3, 4),
-            "step_ms_guard_on": round(statistics.median(on_times) * 1e3, 4),
-            "guard_on_over_off_median": round(statistics.median(guard_ratios), 4),
-            "guard_on_over_off_range": [round(min(guard_ratios), 4), round(max(guard_ratios), 4)],
+            "blocks_per_round": args.blocks,
+            "steps_per_block": args.block_steps,
+            "guard": guard,
             "guard_work_us_per_step": round((encode_s + decode_s) * 1e6, 2),
-            "guard_work_share_of_step": round((encode_s + decode_s) / step_s, 5),
-            "guard_extra_bytes_per_step": mine.size(torch.float32) * 4,
+            "guard_work_share_of_mirrored_step": round((encode_s + decode_s) / step_s, 5),
+            "guard_extra_bytes_per_step": {
+                "mirrored": mine.size(torch.float32) * 4,
+                "central_storage": 3 * mine.size(torch.int64) * 8,
+            },
             "accumulation_micro_batches": micro,
             "optimizer_step_ms_sync_every_backward": round(statistics.median(sync_times) * 1e3, 3),
             "optimizer_step_ms_no_sync": round(statistics.median(nosync_times) * 1e3, 3),

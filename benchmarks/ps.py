@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -157,39 +158,45 @@ def async_job(out: str, seconds: float) -> None:
 # worker does per optimizer step: read the variables (MB megabytes back) and send their gradients
 # (MB megabytes out; the server applies SGD). Three servers (separate processes) are started at
 # once and measured in interleaved rounds from this process:
-#   signed     every byte signed (the default: HMAC-SHA256 head + Poly1305 over the body)
-#   head_only  the body's Poly1305 replaced by a constant (what the wire signed before: only the
+#   signed     every byte signed (the default: HMAC-SHA256 head + AES-GMAC over the body)
+#   head_only  the body's GMAC replaced by a constant (what the wire signed before: only the
 #              header; a benchmark-only switch, in both processes)
 #   tls        signed, over mutual TLS (throwaway certificates)
-# Each figure is the median of per-round paired ratios (steps/s over steps/s of the same round),
-# also in CPU seconds per step (client + server), steadier on a busy host. A step includes the
+# The configurations' steps alternate (in a random order), so all see the same load on a busy host;
+# each figure is the median of per-round ratios (steps/s over steps/s of the same round), also
+# in CPU seconds per step (client + server) and from the median step duration. ``tag_us_per_mib``
+# is the CPU the body tag adds to signing and verifying one MiB in this process (no transport). A step includes the
 # worker's forward and backward pass on an MLP of that size (batch 64); ``--no-compute`` leaves it
 # out, which gives the wire's share of a step without any model: an upper bound.
 WIRE_CONFIGS = ("signed", "head_only", "tls")
 
 
 class _NoBodyMac:
-    """Stands in for Poly1305 in the ``head_only`` configuration (benchmark only)."""
+    """Stands in for the body's GMAC in the ``head_only`` configuration (benchmark only)."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, nonce: bytes, length: int) -> None:
         pass
 
-    def update(self, data) -> None:
+    def update(self, piece) -> None:
         pass
 
     def finalize(self) -> bytes:
         return bytes(16)
 
+    def of(self, body) -> bytes:
+        return bytes(16)
+
+
+_BODY_MAC = None
+
 
 def _wire_mode(mode: str) -> None:
+    global _BODY_MAC
     from phalanx.ps import wire
 
-    if mode == "head_only":
-        wire._poly1305 = lambda: _NoBodyMac
-    else:
-        from cryptography.hazmat.primitives import poly1305
-
-        wire._poly1305 = lambda: poly1305.Poly1305
+    if _BODY_MAC is None:
+        _BODY_MAC = wire._BodyMac
+    wire._BodyMac = _NoBodyMac if mode == "head_only" else _BODY_MAC
 
 
 def wire_server(address: str, mode: str) -> None:
@@ -204,6 +211,36 @@ def wire_server(address: str, mode: str) -> None:
     server = GrpcTransport().serve(address, service)  # TLS when PHALANX_TLS_* are set
     stop.wait(600)
     server.stop(1.0)
+
+
+def wire_tag_cost(mb: float, reps: int = 300) -> dict:
+    """CPU microseconds (this thread's) to sign, cut into chunks and verify a frame of ``mb`` MB.
+
+    With and without the body tag, alternating; the difference is what signing every byte adds
+    per frame, free of the scheduling noise of a busy host (thread CPU time, not wall time).
+    """
+    import statistics
+
+    from phalanx.ps import wire
+
+    grad = torch.randn(int(mb * (1 << 20) / 4))
+    secret = b"bench-secret-0123456789abcdef"
+    signer, verifier = wire.Signer(secret, "chief:0"), wire.Verifier(secret, wire.ReplayGuard())
+    took: dict[str, list[float]] = {"signed": [], "head_only": []}
+    for i in range(reps + 10):
+        for mode in ("signed", "head_only") if i % 2 else ("head_only", "signed"):
+            _wire_mode(mode)
+            t0 = time.thread_time()
+            frame = signer.encode("apply", {"keys": ["w"]}, [grad])
+            verifier.decode("apply", list(frame.chunks()))
+            if i >= 10:
+                took[mode].append((time.thread_time() - t0) * 1e6)
+    _wire_mode("signed")
+    return {
+        "frame_mb": mb,
+        "sign_and_verify_us_median": {m: statistics.median(v) for m, v in took.items()},
+        "tag_us_per_mib": statistics.median(a - b for a, b in zip(took["signed"], took["head_only"])) / mb,
+    }
 
 
 def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> dict:
@@ -272,21 +309,36 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
             import psutil
 
             servers = {m: psutil.Process(p.pid) for m, p in procs.items()}
-            per_round: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}
+            shuffle = random.Random(0).shuffle
+            for mode in WIRE_CONFIGS:
+                _wire_mode(mode)
+                for _ in range(3):
+                    step(tasks[mode])
+            # Steps of the configurations alternate (in a rotating order), so that all of them see
+            # the same load on a busy host; a round lasts ``seconds`` per configuration.
+            per_round: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}  # steps/s
             cpu: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}  # CPU seconds per step, both processes
-            for r in range(rounds):
-                order = list(WIRE_CONFIGS) if r % 2 == 0 else list(reversed(WIRE_CONFIGS))
-                for mode in order:
-                    _wire_mode(mode)
-                    for _ in range(3):
+            step_s: dict[str, list[float]] = {m: [] for m in WIRE_CONFIGS}  # every step's duration
+            for _ in range(rounds):
+                busy = dict.fromkeys(WIRE_CONFIGS, 0.0)
+                client_cpu = dict.fromkeys(WIRE_CONFIGS, 0.0)
+                server_cpu = {m: sum(servers[m].cpu_times()[:2]) for m in WIRE_CONFIGS}
+                start, i = time.perf_counter(), 0
+                while time.perf_counter() - start < seconds * len(WIRE_CONFIGS):
+                    order = list(WIRE_CONFIGS)
+                    shuffle(order)  # a fixed cyclic order would give each configuration the same predecessor
+                    for mode in order:
+                        _wire_mode(mode)
+                        c0, t0 = time.process_time(), time.perf_counter()
                         step(tasks[mode])
-                    start, steps = time.perf_counter(), 0
-                    c0, s0 = time.process_time(), sum(servers[mode].cpu_times()[:2])
-                    while time.perf_counter() - start < seconds:
-                        step(tasks[mode])
-                        steps += 1
-                    per_round[mode].append(steps / (time.perf_counter() - start))
-                    cpu[mode].append((time.process_time() - c0 + sum(servers[mode].cpu_times()[:2]) - s0) / steps)
+                        took = time.perf_counter() - t0
+                        client_cpu[mode] += time.process_time() - c0
+                        busy[mode] += took
+                        step_s[mode].append(took)
+                    i += 1
+                for mode in WIRE_CONFIGS:
+                    per_round[mode].append(i / busy[mode])
+                    cpu[mode].append((client_cpu[mode] + sum(servers[mode].cpu_times()[:2]) - server_cpu[mode]) / i)
         finally:
             for mode, task in tasks.items():
                 _wire_mode(mode)
@@ -307,6 +359,12 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
         "seconds_per_round": seconds,
         "step": "read, forward+backward of an MLP (batch 64), apply" if compute else "read, apply (no compute)",
         "steps_per_s_median": {m: statistics.median(v) for m, v in per_round.items()},
+        "steps": {m: len(v) for m, v in step_s.items()},
+        # The same costs from every step's duration (pooled over rounds): less sensitive to a
+        # round in which one configuration's process was preempted.
+        "signing_cost_from_median_step": 1
+        - statistics.median(step_s["head_only"]) / statistics.median(step_s["signed"]),
+        "tls_cost_from_median_step": 1 - statistics.median(step_s["signed"]) / statistics.median(step_s["tls"]),
         "signing_every_byte_cost": 1 - statistics.median(ratio("signed", "head_only")),
         "signing_cost_spread": [1 - max(ratio("signed", "head_only")), 1 - min(ratio("signed", "head_only"))],
         "tls_cost": 1 - statistics.median(ratio("tls", "signed")),
@@ -315,6 +373,7 @@ def wire_bench(mb: float, rounds: int, seconds: float, compute: bool = True) -> 
         # On a busy host throughput follows the CPU a step needs: the same costs, measured in CPU time.
         "signing_every_byte_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["signed"], cpu["head_only"])]),
         "tls_cpu_cost": 1 - statistics.median([b / a for a, b in zip(cpu["tls"], cpu["signed"])]),
+        "in_process": wire_tag_cost(mb),
         "per_round_steps_per_s": per_round,
         "per_round_cpu_s_per_step": cpu,
     }
@@ -375,6 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"in CPU time per step (client + server): signing every byte {100 * result['signing_every_byte_cpu_cost']:.1f}%,"
             f" TLS {100 * result['tls_cpu_cost']:.1f}%"
+        )
+        print(
+            f"from the median step ({sum(result['steps'].values())} steps): signing every byte "
+            f"{100 * result['signing_cost_from_median_step']:.1f}%, TLS {100 * result['tls_cost_from_median_step']:.1f}%"
+        )
+        inproc = result["in_process"]
+        print(
+            f"in process: the body tag adds {inproc['tag_us_per_mib']:.0f} us of CPU per MiB signed and verified "
+            f"(sign + chunk + verify of {args.mb:g} MB: {inproc['sign_and_verify_us_median']['signed']:.0f} us, "
+            f"{inproc['sign_and_verify_us_median']['head_only']:.0f} us without the tag)"
         )
         print(f"wrote {out}")
         return 0

@@ -88,6 +88,17 @@ def test_restore_or_initialize_resumes_from_the_previous_valid_checkpoint(tmp_pa
     assert latest_checkpoint(str(tmp_path)) == paths[2] and not _skips(caplog)[1:]
 
 
+def test_a_damaged_latest_checkpoint_is_reported_once_per_process(tmp_path, caplog):
+    paths, _ = _three_saves(tmp_path)
+    _damage(paths[2], "bit_flip")
+    caplog.set_level(logging.WARNING, logger="phalanx.checkpoint")
+    for _ in range(3):  # e.g. a training loop that asks at every epoch
+        assert latest_checkpoint(str(tmp_path)) == paths[1]
+    assert len(_skips(caplog)) == 1, _skips(caplog)
+    storage.forget_verified()  # a new process says it again
+    assert latest_checkpoint(str(tmp_path)) == paths[1] and len(_skips(caplog)) == 2
+
+
 def test_every_skipped_checkpoint_is_named(tmp_path, caplog):
     paths, _ = _three_saves(tmp_path)
     _damage(paths[2], "bit_flip")

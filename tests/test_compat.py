@@ -78,6 +78,10 @@ def test_keras_shims_in_a_keras_process():
         "    assert ck.is_uninitialized(v)\n"
         "    ck.set_initializer(v, lambda shape, dtype=None: keras.ops.ones(shape))\n"
         "assert keras.ops.convert_to_numpy(v).tolist() == [1.0, 1.0]\n"
+        "acc = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)\n"
+        "for _ in range(3):\n    ck.count_optimizer_step(acc)\n"
+        "assert int(acc.iterations) == 1 and int(opt.iterations) == 0\n"
+        "ck.count_optimizer_step(opt)\nassert int(opt.iterations) == 1\n"
     )
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)

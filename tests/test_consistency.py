@@ -84,19 +84,27 @@ def test_accumulated_gradients_match_one_device_two_workers(tmp_path, references
 _MARK = re.compile(r"DIVERGED (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
+_CASES = [
+    ("skip", "step"),
+    ("outside_scope", "created outside strategy.scope()"),
+    ("batch_size", "global batch size"),
+    ("restore", "parameters"),
+]
+
+
+# Mirrored: every case on both collective paths, the loop also calling strategy.reduce.
+# CentralStorage: the gradients go to replica 0 only, and the loop calls no strategy.reduce, so
+# only the guard's own collectives can catch the divergence (on shared memory; the skipped step,
+# where the pairing of collectives matters, on gloo too). Its restore case is below.
 @pytest.mark.parametrize(
-    "case,field",
-    [
-        ("skip", "step"),
-        ("outside_scope", "unsynchronised parameters"),
-        ("batch_size", "global batch size"),
-        ("restore", "parameters"),
-    ],
+    "kind,shm,case,field",
+    [("mirrored", shm, *c) for shm in ("1", "0") for c in _CASES]
+    + [("central", "1", *c) for c in _CASES[:3]]
+    + [("central", "0", *_CASES[0])],
 )
-def test_divergence_raises_on_every_replica_within_a_step(tmp_path, case, field, shm):
+def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, field, shm):
     res = run_job(
-        [sys.executable, str(SCRIPT), "diverge", case, "mirrored", "2"],
+        [sys.executable, str(SCRIPT), "diverge", case, kind, "2", "reduce" if kind == "mirrored" else "noreduce"],
         timeout=90,
         cwd=tmp_path,
         env={"PHALANX_SHM": shm},
@@ -112,12 +120,27 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, case, field,
         assert m.group(4) in ("ReplicaDivergenceError", "UnsynchronizedParameterError")
         elapsed = float(m.group(2)) - (float(m.group(3)) if case == "outside_scope" else began)
         print(
-            f"\n{case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
+            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
             f"{m.group(5)[:160]}"
         )
         assert elapsed < 2.0
     if field == "parameters":
         assert "Linear.bias (shape (1,))" in marks[0].group(5)
+    else:
+        assert field in marks[0].group(5)
+
+
+def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(tmp_path):
+    # CentralStorage keeps one shared copy of the trainable variables: what replica 1 writes into
+    # them (the restore case's "restore" on replica 1 only) is what replica 0 reads, so the
+    # fingerprints after mark_parameters_changed() agree and training ends with equal parameters.
+    res = run_job(
+        [sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=tmp_path
+    )
+    logs = res.logs()
+    assert res.returncode == 0, logs
+    ends = dict(re.findall(r"NOT DIVERGED (\d) (\S+)", logs))
+    assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], logs[-3000:]
 
 
 def test_different_global_batch_per_worker_is_caught(tmp_path):
@@ -130,4 +153,6 @@ def test_different_global_batch_per_worker_is_caught(tmp_path):
         assert r.returncode != 0
         m = _MARK.search(r.output)
         assert m is not None and "global batch size is 24" in m.group(5) and "but 48" in m.group(5), r.output[-3000:]
-        assert float(m.group(2)) - float(m.group(3)) < 2.0
+        took = float(m.group(2)) - float(m.group(3))
+        print(f"\ntime-to-error mwms batch_size: worker {m.group(1)} raised {took * 1000:.0f} ms after its first step")
+        assert took < 2.0

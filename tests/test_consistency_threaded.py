@@ -267,3 +267,43 @@ def test_dividing_by_the_whole_accumulated_batch_does_not_warn():
 
     px.nn._warned.clear()
     assert run_threaded(2, body) == [[], []]
+
+
+def test_a_guard_in_its_own_collective_ends_the_backward_pass_and_leaves_the_reducer_ready():
+    # CentralStorage's design (its gradients reach replica 0 only): the guard runs in a small
+    # all-reduce of its own just before the first bucket, from inside backward's gradient hook.
+    from phalanx.comm.guard import ReplicaGuard
+    from phalanx.comm.reducer import GradientReducer
+
+    def body(comm):
+        step = [1]
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        guard = ReplicaGuard(comm, lambda: (step[0], GLOBAL, 0), lambda: [])
+
+        def exchange(g):
+            g.verify(comm.all_reduce(g.encode(torch.int64, "cpu").clone(), "sum").wait())
+
+        reducer = GradientReducer(
+            list(model.parameters()), lambda t: comm.all_reduce(t, "sum"), guard=guard, guard_collective=exchange
+        )
+        model(torch.ones(2, 3)).sum().backward()  # accumulated before: must survive the failed pass
+        before = [p.grad.clone() for p in model.parameters()]
+        step[0] = 2 + comm.rank  # replica 1 is one step ahead
+        with pytest.raises(ReplicaDivergenceError) as caught:
+            model(torch.ones(2, 3)).sum().backward()
+        after_failure = [p.grad.clone() for p in model.parameters()]
+        step[0] = 5  # agree again: the next pass syncs
+        model.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        return caught.value, before, after_failure, [p.grad.clone() for p in model.parameters()], reducer
+
+    results = run_threaded(2, body)
+    _all_divergence([r[0] for r in results], "step")
+    for error, before, after_failure, synced, reducer in results:
+        assert error.values == (2, 3)
+        # The failed pass summed nothing: .grad is the synchronised sum from before plus this
+        # replica's own gradient of the failed pass (half that sum, 2 equal replicas), as autograd left it.
+        assert all(torch.equal(1.5 * b, a) for b, a in zip(before, after_failure))
+        assert all(torch.equal(b, s) for b, s in zip(before, synced)), "the next pass is summed again"
+        assert reducer.reductions == 2

@@ -3,8 +3,9 @@
 One script run per strategy covers every case of ``scripts/keras_equivalence.py``: Sequential with
 SGD + momentum + L2 and a final batch of one row (replicas without rows), functional with Adam and
 validation_split, a lazily built subclassed model on a torch DataLoader with validation_data, a
-PyDataset, a Sequential without input shape; each followed by evaluate and predict on 101 rows in
-batches of 20 (the last batch has one row).
+PyDataset, a Sequential without input shape, Keras 3's ``gradient_accumulation_steps`` with
+SGD-momentum and with Adam; each followed by evaluate and predict on 101 rows in batches of 20
+(the last batch has one row).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "keras_equivalence.py"
 # One thread per process: on a small shared CI host, OpenMP pools of several processes (two
 # "workers" on one host, or other jobs) fight over the cores and a step can take 10x longer.
 ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
-COMPARED = ["sgd", "adam", "subclassed_dataloader", "pydataset", "lazy_sequential"]
+COMPARED = ["sgd", "adam", "subclassed_dataloader", "pydataset", "lazy_sequential", "accumulate_sgd", "accumulate_adam"]
 ALL = COMPARED + ["batchnorm"]
 TOL = 1e-5
 

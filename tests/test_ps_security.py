@@ -30,6 +30,7 @@ from conftest import free_ports, run_job, run_jobs  # noqa: E402
 SECRET = b"security-test-secret-0123456789"
 SCRIPTS = Path(__file__).parent / "scripts"
 JOB = SCRIPTS / "ps_job.py"
+TAG = 16  # a frame ends with the tag of its body
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,7 +56,7 @@ def test_a_tampered_tensor_byte_is_refused_and_the_weight_keeps_its_value():
     chief = wire.Signer(SECRET, "chief:0")
     _send(ps, "create", chief.encode("create", {"vars": [{"key": "w", "trainable": True}]}, [torch.zeros(8)]).chunks())
     frame = bytearray(chief.encode("assign", {"keys": ["w"]}, [torch.ones(8)]).to_bytes())
-    frame[-3] ^= 0x40  # one byte of the last float
+    frame[-3 - TAG] ^= 0x40  # one byte of the last float (the frame ends with its tag)
     with pytest.raises(ServiceError, match="altered") as e:
         _send(ps, "assign", [bytes(frame)])
     assert e.value.code == "unauthenticated"
@@ -63,9 +64,62 @@ def test_a_tampered_tensor_byte_is_refused_and_the_weight_keeps_its_value():
     # A reply with an altered tensor byte is refused by the caller too.
     call = chief.encode("read", {"keys": ["w"]})
     reply = bytearray(b"".join(_send(ps, "read", call.chunks())))
-    reply[-1] ^= 1
+    reply[-1 - TAG] ^= 1
     with pytest.raises(AuthenticationError, match="altered"):
         wire.Verifier(SECRET).decode("read", [bytes(reply)], reply_to=call.head)
+
+
+def test_every_byte_of_a_frame_is_signed_whatever_its_chunking():
+    # Header, blob, alignment padding and two tensors, cut into 61-byte chunks (boundaries fall
+    # inside every part): flipping any single byte anywhere is refused.
+    signer = wire.Signer(SECRET, "chief:0")
+    frame = signer.encode(
+        "assign", {"keys": ["a", "b"]}, [torch.arange(5.0), torch.ones(3, dtype=torch.int64)], [b"xy"]
+    )
+    data = frame.to_bytes()
+    assert wire.Verifier(SECRET).decode("assign", frame.chunks(61)).blobs == [b"xy"]
+    head_len = len(data) - frame.head.body_len - TAG
+    for at in range(len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        chunks = [bytes(bad[i : i + 61]) for i in range(0, len(bad), 61)]
+        with pytest.raises(AuthenticationError, match="altered" if at >= head_len else None) as e:
+            wire.Verifier(SECRET).decode("assign", chunks)
+        assert at >= head_len or "altered" not in str(e.value), at  # a head byte fails the head's HMAC
+
+
+def test_each_frame_has_its_own_body_key_and_nonce():
+    # GMAC under one (key, nonce) twice gives away its hash key, after which anyone forges: identical
+    # content signed twice, by one sender or by two, must get different tags.
+    def tag(frame):
+        return frame.to_bytes()[-TAG:]
+
+    a, b = wire.Signer(SECRET, "chief:0"), wire.Signer(SECRET, "chief:0")
+    frames = [a.encode("apply", {"keys": ["w"]}, [torch.ones(4)]) for _ in range(2)]
+    frames += [frames[0].renewed(), b.encode("apply", {"keys": ["w"]}, [torch.ones(4)])]
+    assert frames[3].head.seq == frames[0].head.seq
+    assert len({tag(f) for f in frames}) == 4
+
+
+def test_bodies_tagged_in_one_call_or_streamed_in_slices_get_the_same_tag(monkeypatch):
+    # A sender tags a large body chunk by chunk as it copies it, a receiver in one call over the
+    # whole body; a body longer than cryptography's limit per call (2**31 - 1 bytes; 7 here, so
+    # every path runs) goes in slices. A frame tagged one way verifies the other way, and an
+    # altered byte is caught either way.
+    w = torch.randn(2000)  # over _SMALL_BODY: GMAC
+    in_one_call = wire.Signer(SECRET).encode("assign", {"keys": ["w"]}, [w], [b"blob"]).to_bytes()
+    with monkeypatch.context() as m:
+        m.setattr(wire, "_ONE_SHOT_MAX", 7)
+        streamed = list(wire.Signer(SECRET).encode("assign", {"keys": ["w"]}, [w], [b"blob"]).chunks(61))
+        assert torch.equal(wire.Verifier(SECRET).decode("assign", streamed).tensors[0], w)
+        assert torch.equal(wire.Verifier(SECRET).decode("assign", [in_one_call]).tensors[0], w)
+        bad = bytearray(in_one_call)
+        bad[-200] ^= 1
+        with pytest.raises(AuthenticationError, match="altered"):
+            wire.Verifier(SECRET).decode("assign", [bytes(bad)])
+    assert torch.equal(wire.Verifier(SECRET).decode("assign", streamed).tensors[0], w)
+    with pytest.raises(AuthenticationError, match="altered"):
+        wire.Verifier(SECRET).decode("assign", [bytes(bad)])
 
 
 def test_large_tensors_travel_in_bounded_chunks_and_arrive_intact():
@@ -180,7 +234,7 @@ def test_a_request_that_never_sends_its_head_is_cancelled_and_its_slot_freed():
     release = threading.Event()
 
     def silent():  # a slow-loris client: opens the stream, sends 10 bytes, then nothing
-        yield b"PHX2" + bytes(6)
+        yield wire.MAGIC + bytes(6)
         release.wait(30)
 
     try:

@@ -67,7 +67,7 @@ def test_worker_facing_a_foreign_listener_fails_within_the_rendezvous_timeout(fo
     with pytest.raises(RendezvousTimeoutError) as info:
         ProcessGroupCommunicator(_spec(1, foreign.port, timeout=2.0))
     elapsed = time.monotonic() - start
-    print(f"\nforeign listener: typed error after {elapsed:.2f}s (rendezvous timeout 2 s): {info.value}")
+    print(f"\ntime-to-error foreign listener: typed error after {elapsed:.2f}s (rendezvous timeout 2 s): {info.value}")
     assert elapsed < 2.0 + 1.0  # the timeout, plus a 1 s probe at most
     assert f"127.0.0.1:{foreign.port}" in str(info.value) and "worker:0" in str(info.value)
 

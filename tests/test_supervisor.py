@@ -153,7 +153,7 @@ def test_tee_shows_every_replica_prefixed(tmp_path, script):
 def test_error_on_another_replica_ends_the_job_within_two_seconds(tmp_path, launcher):
     res, end = _exits(launcher, tmp_path, "peer_raises")
     took = end - float((tmp_path / "t_fault").read_text())
-    print(f"\n{launcher}: replica 1 raised; job ended {took:.2f}s later with {res.returncode}")
+    print(f"\ntime-to-error {launcher}: replica 1 raised; job ended {took:.2f}s later with {res.returncode}")
     assert res.returncode != 0, res.output
     assert res.output.count("root cause") == 1, res.output
     error_lines = [line for line in res.output.splitlines() if line.endswith("RuntimeError: boom on replica one")]
@@ -166,7 +166,7 @@ def test_error_on_another_replica_ends_the_job_within_two_seconds(tmp_path, laun
 def test_uncaught_exception_on_replica_0_only_ends_the_job_within_two_seconds(tmp_path, launcher):
     res, end = _exits(launcher, tmp_path, "zero_raises")
     took = end - float((tmp_path / "t_fault").read_text())
-    print(f"\n{launcher}: replica 0 raised; job ended {took:.2f}s later with {res.returncode}")
+    print(f"\ntime-to-error {launcher}: replica 0 raised; job ended {took:.2f}s later with {res.returncode}")
     assert res.returncode != 0, res.output
     assert "ValueError: boom on replica zero" in res.output and res.output.count("root cause") == 1, res.output
     assert took < BOUND, res.output
@@ -177,7 +177,7 @@ def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(
     res, end = _exits(launcher, tmp_path, "peer_lingers", PHALANX_EXIT_TIMEOUT="3")
     took = end - float((tmp_path / "t_done").read_text())
     print(
-        f"\n{launcher}: replica 0 finished, replica 1 blocked; job ended {took:.2f}s later with "
+        f"\ntime-to-error {launcher}: replica 0 finished, replica 1 blocked; job ended {took:.2f}s later with "
         f"{res.returncode}:\n{res.output[-1500:]}"
     )
     assert res.returncode != 0, res.output
@@ -187,6 +187,46 @@ def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(
     if launcher == "self":  # replica 0 itself waits, and says so
         assert "waiting up to 3 s for replica 1" in res.output, res.output
     assert took < 3 + BOUND + 1.0, res.output  # the exit timeout, the stack dump, the stop
+
+
+# A parameter-server cluster whose ps task never ends (a server the chief's shutdown did not
+# reach); the chief and the worker finish at once. No torch: the tasks start in milliseconds.
+_PS_TASK = """
+import faulthandler, json, os, signal, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+kind = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
+if kind == "ps":
+    def lingering_server():
+        while True:
+            time.sleep(0.05)
+    lingering_server()
+if kind == "chief":
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "t_done"), "w") as f:
+        f.write(repr(time.time()))
+"""
+# `phalanx run --ps 1 --workers 1` with a short shutdown grace; it ends as the CLI does (os._exit:
+# no interpreter teardown over torch once every task has ended).
+_PS_LAUNCH = (
+    "import os, sys\nfrom phalanx.ps.launcher import ClusterJob, run_cluster\n"
+    "code = run_cluster(ClusterJob(command=(sys.argv[1],), num_ps=1, num_workers=1, log_dir=sys.argv[2], "
+    "shutdown_grace=float(sys.argv[3])))\nsys.stdout.flush(); sys.stderr.flush(); os._exit(code)"
+)
+
+
+def test_ps_task_still_running_after_the_chief_finished_fails_the_job_with_its_stack(tmp_path):
+    program = tmp_path / "task.py"
+    program.write_text(_PS_TASK)
+    grace = 1.0
+    res = run_job(
+        [sys.executable, "-c", _PS_LAUNCH, str(program), str(tmp_path / "logs"), str(grace)], timeout=60, cwd=tmp_path
+    )
+    took = time.time() - float((tmp_path / "t_done").read_text())
+    print(f"\ntime-to-error ps launcher: chief finished, ps:0 still running; job ended {took:.2f}s later")
+    assert res.returncode == 1, res.output
+    cause = res.output.split("root cause (first failure): ")[1]
+    assert cause.startswith("ps:0") and "chief:0 finished normally" in cause, res.output
+    assert "lingering_server" in cause, res.output  # where it was
+    assert took < grace + BOUND + 1.0, res.output  # the grace, the stack dump, the stop
 
 
 def _start(launcher: str, tmp_path: Path, mode: str) -> subprocess.Popen:
@@ -233,7 +273,7 @@ def test_sigint_to_replica_0_only_ends_the_job_within_two_seconds(tmp_path, laun
         took = time.time() - sent
     finally:
         _cleanup(proc)
-    print(f"\n{launcher}: SIGINT to replica 0; job ended {took:.2f}s later with {proc.returncode}")
+    print(f"\ntime-to-error {launcher}: SIGINT to replica 0; job ended {took:.2f}s later with {proc.returncode}")
     assert proc.returncode != 0, out
     assert "KeyboardInterrupt" in out and out.count("root cause") == 1, out
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
@@ -246,11 +286,17 @@ def test_kill_9_of_the_launcher_leaves_no_replica_alive(tmp_path, launcher):
     try:
         pids = _wait_ready(proc, tmp_path)
         os.kill(proc.pid, signal.SIGKILL)  # phalanx run, or the self-launched replica 0
+        killed = time.monotonic()
         proc.wait()
-        time.sleep(BOUND)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        print(f"\n{launcher}: kill -9 of pid {proc.pid}; alive {BOUND}s later: {alive}")
-        assert not alive, [psutil.Process(p).cmdline() for p in alive]
+
+        def alive() -> list[int]:
+            return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+        while alive() and time.monotonic() - killed < BOUND:
+            time.sleep(0.01)
+        left, took = alive(), time.monotonic() - killed
+        print(f"\ntime-to-error {launcher}: kill -9 of pid {proc.pid}; replicas gone {took:.2f}s later; alive: {left}")
+        assert not left, [psutil.Process(p).cmdline() for p in left]
     finally:
         for pid in [int(f.read_text()) for f in tmp_path.glob("pid_*")]:
             if psutil.pid_exists(pid):

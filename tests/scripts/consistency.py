@@ -3,13 +3,14 @@
 Usage:
     python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync; KIND: reference |
                                                                    mirrored | central | mwms)
-    python consistency.py diverge CASE KIND N                    (CASE: skip | outside_scope | batch_size |
+    python consistency.py diverge CASE KIND N [noreduce]         (CASE: skip | outside_scope | batch_size |
                                                                    restore)
 
 ``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
 each (gradients accumulated without zero_grad). ``diverge`` prints, on each replica that catches
 it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
-re-raises.
+re-raises. With ``noreduce`` the loop calls no ``strategy.reduce``: only the gradient collectives
+can catch the divergence.
 """
 
 import contextlib
@@ -90,7 +91,7 @@ def accumulate(out, opt_name, kind, n, micro, mode):
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
 
 
-def diverge(case, kind, n):
+def diverge(case, kind, n, use_reduce=True):
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(rank)
@@ -123,13 +124,22 @@ def diverge(case, kind, n):
                 return loss
 
             try:
-                strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None)
+                result = strategy.run(step, args=(x, y))
+                if use_reduce:
+                    strategy.reduce("SUM", result, axis=None)
             except ValueError:
                 continue  # the user's loop skips the bad batch (on replica 1 only)
     except ReplicaDivergenceError as e:
         print(f"DIVERGED {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
+        # Replica 0's error stops the job at once: on a loaded machine that can come before a peer
+        # that caught it too has printed its line. Wait (bounded) until every replica has.
+        open(f"caught_{rank}", "w").close()
+        deadline = time.monotonic() + 2.0
+        while rank == 0 and time.monotonic() < deadline and not all(os.path.exists(f"caught_{r}") for r in range(n)):
+            time.sleep(0.01)
         raise
-    print(f"NOT DIVERGED {rank}", flush=True)
+    digest = sum(float(p.double().sum()) for p in model.parameters())
+    print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
 
 
 if __name__ == "__main__":
@@ -138,4 +148,4 @@ if __name__ == "__main__":
         accumulate(out, opt_name, kind, int(n), int(micro), mode)
     else:
         case, kind, n = sys.argv[2:5]
-        diverge(case, kind, int(n))
+        diverge(case, kind, int(n), use_reduce=sys.argv[5:6] != ["noreduce"])

@@ -142,6 +142,32 @@ def case_batchnorm():
     return model, lambda: model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, verbose=0)
 
 
+def case_accumulate_sgd():
+    # Keras 3's own gradient accumulation: every 3rd step applies the mean of 3 batches' gradients
+    # (the last step, a batch of one row, only accumulates).
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=3)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = data(257, 9)  # 8 batches of 32 and one of 1
+    return model, lambda: model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, verbose=0)
+
+
+def case_accumulate_adam():
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(24, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(hidden))
+    optimizer = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = data(224, 10)  # 7 batches: 3 updates, the last batch only accumulates
+    return model, lambda: model.fit(x, y, epochs=2, batch_size=GLOBAL_BATCH, shuffle=True, verbose=0)
+
+
 CASES = {
     "sgd": case_sgd,
     "adam": case_adam,
@@ -149,6 +175,8 @@ CASES = {
     "pydataset": case_pydataset,
     "lazy_sequential": case_lazy_sequential,
     "batchnorm": case_batchnorm,
+    "accumulate_sgd": case_accumulate_sgd,
+    "accumulate_adam": case_accumulate_adam,
 }
 
 
@@ -176,6 +204,8 @@ def run_case(name, strategy, rank, out, prefix):
 
 if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3:  # only these cases (comma-separated), for a quick look
+        CASES = {name: CASES[name] for name in sys.argv[3].split(",")}
     if mode == "reference":
         for name in CASES:
             run_case(name, None, 0, out, "ref")

@@ -111,7 +111,7 @@ for method in ("os.system", "builtins.eval", "__reduce__"):
 # Altered tensor bytes: a captured `assign` of w = 1 with one byte of the tensor replaced.
 call(ps, "create", {"vars": [{"key": "w", "trainable": True}]}, [torch.zeros(4)])
 frame = bytearray(CLUSTER.encode("assign", {"keys": ["w"]}, [torch.ones(4)]).to_bytes())
-frame[-2] = 0x44  # 1.0 -> 1234.5-like garbage in the last element
+frame[-2 - 16] = 0x44  # 1.0 -> 1234.5-like garbage in the last element (the frame ends with a 16-byte tag)
 tampered = attempt(ps, "assign", [bytes(frame)])
 after_tamper = call(ps, "read", {"keys": ["w"]}).tensors[0].tolist()
 

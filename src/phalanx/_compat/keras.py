@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "count_optimizer_step",
     "direct_sublayers",
     "initial_epoch",
     "is_uninitialized",
@@ -25,6 +26,16 @@ def learning_rate(optimizer: Any) -> Any:
     evaluates a schedule at the current step, and phalanx needs the schedule itself.
     """
     return optimizer._learning_rate
+
+
+def count_optimizer_step(optimizer: Any) -> None:
+    """Counts one ``optimizer.apply`` call without applying anything, as ``apply`` itself counts it.
+
+    ``optimizer._iterations`` (Keras 3.0 to 3.15) counts every ``apply`` call; the public
+    ``iterations`` is the same variable, except with ``gradient_accumulation_steps`` set, where it
+    is a tensor, the number of updates made (``_iterations // gradient_accumulation_steps``).
+    """
+    getattr(optimizer, "_iterations", optimizer.iterations).assign_add(1)
 
 
 def initial_epoch(model: Any) -> int | None:

@@ -120,9 +120,15 @@ class VerifiedFiles:
 _verified = VerifiedFiles()
 
 
+# (checkpoint, problem) pairs already reported: a damaged checkpoint that stays the newest one on
+# disk is skipped again at every latest_checkpoint() call, but said once per process.
+_warned: set[tuple[str, str]] = set()
+
+
 def forget_verified() -> None:
-    """Forgets which files were verified (as a new process would); for tests."""
+    """Forgets which files were verified and which were reported damaged (as a new process would); for tests."""
     _verified.clear()
+    _warned.clear()
 
 
 # --------------------------------------------------------------------------- durable writes
@@ -316,7 +322,8 @@ def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
 def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest intact checkpoint of ``candidates`` (oldest first), and those skipped on the way.
 
-    Each skipped checkpoint is logged as a warning (logger ``phalanx.checkpoint``) with the reason.
+    Each skipped checkpoint is logged as a warning (logger ``phalanx.checkpoint``) with the reason,
+    the first time this process skips it.
 
     Returns:
         ``(path or None, [(skipped path, reason), ...])``.
@@ -332,6 +339,11 @@ def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, st
 
 
 def warn_skipped(path: str, problem: str) -> None:
+    """Logs that the damaged checkpoint ``path`` was skipped and why, once per checkpoint, problem and process."""
+    key = (os.path.abspath(path), problem)
+    if key in _warned:
+        return
+    _warned.add(key)
     log.warning(
         "phalanx.checkpoint: skipped the damaged checkpoint %r: %s. Falling back to the previous "
         "valid checkpoint; the training saved in this one is lost and will be redone.",

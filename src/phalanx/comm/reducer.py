@@ -21,7 +21,9 @@ accumulates into ``.grad``, moves the earlier value aside (no copy).
 
 Consistency. An optional guard (:class:`phalanx.comm.guard.ReplicaGuard`) appends every replica's
 step, batch and parameter fingerprint to the first bucket of each pass and checks them after the
-sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`.
+sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`. Where the
+gradient collective does not give every replica the sum (CentralStorage reduces to replica 0),
+``guard_collective`` runs the guard in a small all-reduce of its own just before the first bucket.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class GradientReducer:
         num_packs: split the parameters into at least this many buckets.
         keep_grads: write the sums into ``.grad`` (True) or drop ``.grad`` after reducing (False).
         guard: checks that the replicas agree, riding on the first bucket of every pass.
+        guard_collective: ``(guard) -> None``, exchanging and checking the guard in a collective of
+            its own just before the first bucket of every pass; for a ``all_reduce`` that does not
+            give every replica the sum (a reduce to one replica). None: the guard rides on the bucket.
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class GradientReducer:
         num_packs: int = 1,
         keep_grads: bool = True,
         guard: Any = None,
+        guard_collective: Callable[[Any], None] | None = None,
     ) -> None:
         self._all_reduce = all_reduce
+        self._guard_collective = guard_collective
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
         # dropping .grad frees its memory and makes the optimizer skip the parameter.
         self._keep_grads = keep_grads
@@ -159,18 +166,26 @@ class GradientReducer:
                 return
             b, pos = self._where[id(param)]
             self._buckets[b].ready.add(pos)
-            while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
-                self._buckets[self._next].params
-            ):
-                self._launch(self._buckets[self._next])
-                self._next += 1
+            try:
+                while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
+                    self._buckets[self._next].params
+                ):
+                    self._launch(self._buckets[self._next])
+                    self._next += 1
+            except BaseException:
+                # The pass is over (autograd re-raises this from backward): leave .grad as the user
+                # left it and the reducer ready for the next pass.
+                self._reset()
+                raise
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is not None:
+            self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
         dirty = self._dirty
         # Only this synchronisation's local gradient is summed: an unused parameter adds zeros.
         grads = [p.grad if p.grad is not None and id(p) in dirty else torch.zeros_like(p) for p in bucket.params]
         pieces = [g.reshape(-1) for g in grads]
-        if bucket is self._buckets[0] and self.guard is not None:
+        if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is None:
             extra = self.guard.encode(pieces[0].dtype, pieces[0].device)
             self._guard_len = 0 if extra is None else extra.numel()
             if extra is not None:
@@ -187,6 +202,8 @@ class GradientReducer:
             self.skipped += 1
 
     def _finish(self) -> None:
+        if not self._pending:
+            return  # the pass failed in a hook and was reset there
         try:
             with self._lock:
                 while self._next < len(self._buckets):
@@ -220,19 +237,23 @@ class GradientReducer:
                     offset += n
             self.reductions += 1
         finally:
-            for bucket in self._buckets:
-                bucket.ready.clear()
-                bucket.handle = bucket.flat = None
-            self._next = 0
-            self._pending = False
-            self._guard_len = 0
-            # After a failure the set-aside gradients go back, so .grad is what the user left.
-            for key, base in self._base.items():
-                p = self._param_of(key)
-                if p is not None:
-                    p.grad = base if p.grad is None else base.add_(p.grad)
-            self._base.clear()
-            self._dirty.clear()
+            self._reset()
+
+    def _reset(self) -> None:
+        """Ends a pass, finished or failed: clears its state and puts set-aside gradients back."""
+        for bucket in self._buckets:
+            bucket.ready.clear()
+            bucket.handle = bucket.flat = None
+        self._next = 0
+        self._pending = False
+        self._guard_len = 0
+        # After a failure the set-aside gradients go back, so .grad is what the user left.
+        for key, base in self._base.items():
+            p = self._param_of(key)
+            if p is not None:
+                p.grad = base if p.grad is None else base.add_(p.grad)
+        self._base.clear()
+        self._dirty.clear()
 
     def _param_of(self, key: int) -> torch.nn.Parameter | None:
         where = self._where.get(key)

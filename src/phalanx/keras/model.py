@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from phalanx import context, hooks, nest
+from phalanx._compat.keras import count_optimizer_step
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
@@ -427,7 +428,7 @@ class SyncAdapter(DistributedModel):
         def apply(grads: Any, trainable_variables: Any = None) -> Any:
             grads = list(grads)
             if grads and all(g is None for g in grads) and self._num_replicas > 1 and not self.is_chief:
-                optimizer.iterations.assign_add(1)
+                count_optimizer_step(optimizer)  # the chief's accumulates (gradient_accumulation_steps) and updates
                 return None
             return original(grads, trainable_variables)
 

@@ -625,8 +625,11 @@ def lingering(runs: Sequence[Running]) -> list[Running]:
     return [r for r in runs if not r.done]
 
 
-def wait_for_the_rest(sup: Supervisor, *, primary: str = "replica 0", notice_after: float = 2.0) -> int:
-    """After ``primary`` finished normally: the others get ``PHALANX_EXIT_TIMEOUT`` seconds to finish.
+def wait_for_the_rest(
+    sup: Supervisor, *, primary: str = "replica 0", notice_after: float = 2.0, limit: float | None = None
+) -> int:
+    """After ``primary`` finished normally: the others get ``limit`` seconds (default
+    ``PHALANX_EXIT_TIMEOUT``) to finish.
 
     One still running its program after that is a failure: it is named with its stack (the root
     cause), the rest are stopped, and the status is 1. The wait is announced after
@@ -636,7 +639,7 @@ def wait_for_the_rest(sup: Supervisor, *, primary: str = "replica 0", notice_aft
     Returns:
         0, or the exit status of the failure.
     """
-    limit = settings.exit_timeout()
+    limit = settings.exit_timeout() if limit is None else limit
     start = time.monotonic()
     noticed = False
     while True:

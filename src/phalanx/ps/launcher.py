@@ -11,8 +11,11 @@ Supervision follows TF's fault model: a worker that exits is restarted on the sa
 ``max_restarts`` times (the coordinator reconnects and gives it new work); a parameter server is
 not restarted (its variables are gone: the coordinator reports it and the job restarts from a
 checkpoint). The job ends with the chief: the servers exit when its coordinator shuts the
-cluster down; any still running after ``shutdown_grace`` seconds are stopped. A failed chief's
-exit prints the root cause (the first failure across tasks) once.
+cluster down. After a chief that finished normally, a task still running its program
+``shutdown_grace`` seconds later fails the job, as a replica still running after replica 0
+finished fails a synchronous one: it is named with its stack as the root cause, the rest are
+stopped, and the status is 1. After a failed chief the rest are stopped after ``shutdown_grace``
+seconds, and the root cause (the first failure across tasks) is printed once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from phalanx.launch.supervisor import (
     exit_status,
     forwarded_signals,
     stop_on_signal,
+    wait_for_the_rest,
 )
 from phalanx.ps.wire import SECRET_ENV, generate_secret
 
@@ -94,6 +98,7 @@ class _Cluster:
                     env=env,
                     log_path=None if to_terminal else self.run.log_path(f"{kind}_{index}"),
                     error_path=self.run.error_path(f"{kind}_{index}"),
+                    done_path=self.run.done_path(f"{kind}_{index}"),
                 )
         self.restarts = {name: 0 for name in self.tasks}
 
@@ -157,8 +162,9 @@ def run_cluster(job: ClusterJob) -> int:
         try:
             cluster.start_all()
             code = cluster.supervise()
-            if code != 0:
-                sup.report_root_cause()
+            if code == 0:  # the others must end too, and soon: one still running is a failure
+                return wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace)
+            sup.report_root_cause()
             cluster.stop(job.shutdown_grace)
             return exit_status(code)
         except Interrupted as e:

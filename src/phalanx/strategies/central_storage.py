@@ -13,6 +13,15 @@ Each step:
    that state exists once, in replica 0, next to the variables;
 4. a barrier at the start of the next ``run`` makes the update visible before anyone reads it.
 
+Consistency. The gradients reach replica 0 only, so the consistency guard
+(:mod:`phalanx.comm.guard`) cannot ride on them as it rides on Mirrored's all-reduce. It rides on
+the collectives every replica takes part in instead: the two barriers of a step become small
+all-reduces of the guard's numbers (an all-reduce is a barrier: nobody leaves it before everyone
+arrived), and one more such all-reduce runs just before the first gradient bucket is reduced.
+All three have the same size, so a replica one step behind (an exception its loop caught) meets
+its peers' guard with its own and both raise :class:`~phalanx.errors.ReplicaDivergenceError`,
+instead of pairing a barrier with a reduce and waiting for the collective timeout.
+
 How a replica reaches the central copy depends on its compute device:
 
 * **In place** (CPU replicas, CPU parameter device: the default on CPU). Every replica's
@@ -107,10 +116,11 @@ class _CopyModeReducer(GradientReducer):
         reduce: Callable[[torch.Tensor], Any],
         bucket_bytes: int,
         on_reduced: Callable[[list[tuple[list[torch.nn.Parameter], torch.Tensor]]], None] | None,
+        **guarding: Any,
     ) -> None:
         self._on_reduced = on_reduced
         self._launched: list[tuple[list[torch.nn.Parameter], Any]] = []
-        super().__init__(params, reduce, bucket_bytes, keep_grads=False)
+        super().__init__(params, reduce, bucket_bytes, keep_grads=False, **guarding)
 
     def _launch(self, bucket: Any) -> None:
         super()._launch(bucket)
@@ -260,14 +270,38 @@ class CentralStorageExtended(SyncExtended):
                 comm.reduce(flat, dst=0)
             return Handle(flat)
 
+        # The guard cannot ride on a reduce (only replica 0 gets the sum): it has a collective of its own.
+        guarding = {"guard": self._guard, "guard_collective": self._exchange_guard}
         if self._reducer is not None:
             self._reducer.add(params, self._bucket_bytes)
         elif self._copy_mode:
             self._reducer = _CopyModeReducer(
-                params, reduce_to_chief, self._bucket_bytes, self._adopt_reduced if comm.rank == 0 else None
+                params, reduce_to_chief, self._bucket_bytes, self._adopt_reduced if comm.rank == 0 else None, **guarding
             )
         else:
-            self._reducer = GradientReducer(params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0)
+            self._reducer = GradientReducer(
+                params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0, **guarding
+            )
+
+    def _exchange_guard(self, guard: Any, with_parameters: bool = True) -> None:
+        """Every replica's guard numbers in one small all-reduce; raises if the replicas disagree."""
+        # A copy: the guard reuses its buffer, and the all-reduce works in place.
+        mine = guard.encode(torch.int64, _CENTRAL_DEVICE, with_parameters=with_parameters).clone()
+        guard.verify(self._comm.all_reduce(mine, "sum").wait())
+
+    def _barrier(self) -> None:
+        """A barrier that carries the consistency guard when it is on (see the module docstring).
+
+        Either way it is a small all-reduce (nobody leaves it before everyone arrived): on one host
+        that goes through shared memory, a few microseconds, where gloo's barrier is a loopback
+        round trip. So the guard's cost is what it adds, not a change of transport.
+        """
+        if self._guard is not None:
+            # No fingerprint here: replica 0 may still be writing an update into the shared copy
+            # (the reason for this barrier). The one before the first gradient bucket carries it.
+            self._exchange_guard(self._guard, with_parameters=False)
+        elif self._comm.world_size > 1:
+            self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
 
     def _adopt_reduced(self, buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
         """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients."""
@@ -285,7 +319,7 @@ class CentralStorageExtended(SyncExtended):
     def _before_run(self) -> None:
         if self._comm.world_size > 1:
             # Replica 0 may still be applying an update made outside `run` to the shared copy.
-            self._comm.barrier()
+            self._barrier()
         self._reduced_in_run = self._reducer.reductions if self._reducer is not None else 0
         super()._before_run()
         if self._copies:
@@ -299,7 +333,7 @@ class CentralStorageExtended(SyncExtended):
         # to finish it, so every replica reads the updated variables once `run` returns.
         # Every replica ran the same backward passes, so all take this branch together.
         if self._reducer is not None and self._reducer.reductions != self._reduced_in_run:
-            self._comm.barrier()
+            self._barrier()
         # Copy mode: outside `run` the parameters are the central copy again, so that reading
         # them gives the latest values and writing them (a restore) changes the one copy.
         for p, central, _ in self._copies:

@@ -61,6 +61,7 @@ from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
+from phalanx.launch import replica_hooks
 from phalanx.ps import pickling, wire
 from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
@@ -584,6 +585,9 @@ class ParameterServerStrategy(Strategy):
         transport: Any = None,
         serve_and_exit: bool = True,
     ) -> None:
+        # Under `phalanx run --ps`: the error file, the stack dump on SIGUSR1, the parent watch and
+        # the mark that the program finished (a task still running after the chief's end fails the job).
+        replica_hooks.install()
         self._build(cluster_resolver, variable_partitioner, rpc_timeout, cluster_secret, transport)
         extended = self._extended
         if extended.role in ("ps", "worker"):
