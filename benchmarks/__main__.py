@@ -12,6 +12,18 @@ Examples::
     python -m benchmarks                      # the full suite, about 9 minutes on 2 cores
     python -m benchmarks --quick              # a smoke run, well under a minute
     python -m benchmarks --rounds 5 --out ./my-run
+    python -m benchmarks --configs px_mirrored,px_mirrored_compiled,local2 --models cnn
+    python -m benchmarks --device cuda        # 2+ GPUs: phalanx against DDP with NCCL
+
+Overlap (``overlap`` in the report): the fraction of a step's communication hidden behind
+backward, ``1 - (step - ceiling step) / communication alone``, where the ceiling is the same two
+processes with no gradient exchange (``local2``) and "communication alone" all-reduces a buffer of
+the model's gradient size each step with the same library (``px_comm`` for phalanx, ``torch_comm``
+for DDP). 1.0: the exchange costs the step nothing; 0.0: it adds its whole duration. On a CPU the
+exchange also competes with backward for the cores, so there it measures the cost of
+communication rather than only waiting.
+
+Without 2 CUDA devices, ``--device cuda`` prints why and exits with status 77 (skipped).
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ THROUGHPUT_CONFIGS = {  # name -> how to launch it
         "--seconds",
         s,
     ],
+    "px_comm": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_comm", m, out, "--seconds", s],
+    "torch_comm": lambda m, out, s: _run2("torch_comm", m, out, s),
     "px_mwms": lambda m, out, s: _run2("px_mwms", m, out, s),
     "ddp": lambda m, out, s: _run2("ddp", m, out, s),
     "local2": lambda m, out, s: _run2("local2", m, out, s),
@@ -67,6 +81,20 @@ if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pi
         THROUGHPUT_CONFIGS[_tf] = (
             lambda c: lambda m, out, s: [sys.executable, "-m", "benchmarks.tf_worker", c, m, out, "--seconds", s]
         )(_tf)
+
+CUDA_CONFIGS = (  # one_process and the TF rows are CPU comparisons
+    "px_mirrored",
+    "px_mirrored_compiled",
+    "px_mirrored_bf16",
+    "px_comm",
+    "torch_comm",
+    "px_mwms",
+    "ddp",
+    "local2",
+)
+OVERLAP = {"px_mirrored": "px_comm", "px_mwms": "px_comm", "ddp": "torch_comm"}  # config -> its communication alone
+SKIPPED = 77  # the exit status of a run that cannot take place here (automake's "skipped")
+GLOBAL_BATCH = 256
 
 RATIOS = [
     ("px_mirrored", "ddp"),
@@ -102,6 +130,54 @@ def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
     ]
 
 
+def overlap(step_s: float, ceiling_s: float, comm_s: float) -> float:
+    """The fraction of ``comm_s`` (communication alone) that a step of ``step_s`` hides.
+
+    ``ceiling_s`` is the same step with no communication. Clamped to [0, 1]: noise can make a
+    step a little faster than its ceiling, or slower by more than its communication.
+    """
+    if comm_s <= 0:
+        raise ValueError(f"communication time must be positive; received {comm_s!r}")
+    return min(1.0, max(0.0, 1.0 - (step_s - ceiling_s) / comm_s))
+
+
+def _overlaps(raw: dict) -> dict:
+    """Per model and config: the median (min, max) over rounds of :func:`overlap`, paired by round."""
+    per_step = lambda sps: GLOBAL_BATCH / sps  # noqa: E731  # seconds per step (or per all-reduce)
+    result: dict = {}
+    for m, by_config in raw.items():
+        for config, comm in OVERLAP.items():
+            if not all(by_config.get(c) for c in (config, comm, "local2")):
+                continue
+            values = [
+                overlap(per_step(a), per_step(b), per_step(c))
+                for a, b, c in zip(by_config[config], by_config["local2"], by_config[comm])
+            ]
+            result.setdefault(m, {})[config] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+            }
+    return result
+
+
+def _cuda_devices_missing() -> Exception | None:
+    """Why ``--device cuda`` cannot run here (None if it can): it needs 2 CUDA devices."""
+    import torch
+
+    from phalanx.errors import DeviceNotFoundError
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= 2:
+        return None
+    return DeviceNotFoundError(
+        "cuda:1",
+        available=count,
+        hint="--device cuda compares phalanx with DDP over NCCL, one replica per GPU, on 2 GPUs; "
+        "run it on a machine with 2 or more GPUs, or leave --device out for the CPU suite",
+    )
+
+
 def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled configs compile for minutes
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("OMP_NUM_THREADS", None)
@@ -112,8 +188,9 @@ def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled co
         return json.load(f)
 
 
-def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float) -> dict:
+def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float, device: str = "cpu") -> dict:
     """samples/s per model, config and round; config order shuffled in every round."""
+    extra = ["--device", device] if device != "cpu" else []
     results = {m: {c: [] for c in configs} for m in models}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
@@ -122,7 +199,7 @@ def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float) 
                 random.Random(r * 31 + len(m)).shuffle(order)
                 for c in order:
                     out = os.path.join(tmp, f"{c}-{m}-{r}.json")
-                    results[m][c].append(_job(configs[c](m, out, str(seconds)), out)["samples_per_s"])
+                    results[m][c].append(_job([*configs[c](m, out, str(seconds)), *extra], out)["samples_per_s"])
                     print(f"  round {r + 1}/{rounds} {m:<10} {c:<14} {results[m][c][-1]:>10.0f} samples/s", flush=True)
     return results
 
@@ -205,6 +282,24 @@ def chart(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def machine(device: str = "cpu") -> dict:
+    """What the figures depend on: the CPU model and count (and the GPUs with --device cuda)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpus": os.cpu_count(), "cpu_model": cpu, "torch": torch.__version__}
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
 def default_out_dir() -> Path:
     """A fresh directory outside the repository, so a run never overwrites the committed figures."""
     return Path(tempfile.gettempdir()) / f"phalanx-bench-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -229,6 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--models", default=None, help=f"comma list of {','.join(MODELS)} (default: all; seed_mlp with --quick)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default): 2 CPU replicas; cuda: one replica per GPU on 2 GPUs, DDP with NCCL "
+        "(exits 77, skipped, without 2 GPUs)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="comma list of throughput configurations to time (default: all that run here); "
+        f"choose from {','.join(THROUGHPUT_CONFIGS)}",
     )
     parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead (default: none)")
     parser.add_argument(
@@ -264,18 +372,30 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS)}")
+    chosen = args.configs.split(",") if args.configs else None
+    if chosen and set(chosen) - set(THROUGHPUT_CONFIGS):
+        parser.error(
+            f"--configs: unknown or unavailable configuration(s) {sorted(set(chosen) - set(THROUGHPUT_CONFIGS))}; "
+            f"choose from {','.join(THROUGHPUT_CONFIGS)}"
+        )
     skip = set(filter(None, args.skip.split(",")))
     if skip - {"throughput", "allreduce", "overhead"}:
         parser.error(
             f"--skip: unknown part(s) {sorted(skip - {'throughput', 'allreduce', 'overhead'})}; "
             "choose from throughput,allreduce,overhead"
         )
+    if args.device == "cuda":
+        missing = _cuda_devices_missing()
+        if missing is not None:
+            print(f"phalanx bench --device cuda: skipped: {type(missing).__name__}: {missing}", file=sys.stderr)
+            return SKIPPED
+        skip |= {"allreduce", "overhead"}  # CPU measurements: gloo against phalanx's shm, one thread
     out_dir = (args.out or default_out_dir()).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"results go to {out_dir}", flush=True)
-    skip = set(filter(None, args.skip.split(",")))
     report: dict = {
-        "machine": {"cpus": os.cpu_count()},
+        "machine": machine(args.device),
+        "device": args.device,
         "rounds": args.rounds,
         "started": time.ctime(),
         "quick": args.quick,
@@ -284,15 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" not in skip:
         print("throughput (samples/s):", flush=True)
         # --quick times only the headline comparison (Mirrored against DDP and the ceiling).
-        configs = (
-            {c: THROUGHPUT_CONFIGS[c] for c in ("px_mirrored", "ddp", "local2")} if args.quick else THROUGHPUT_CONFIGS
-        )
-        raw = _interleaved(configs, models, args.rounds, args.seconds)
+        names = tuple(chosen or (("px_mirrored", "ddp", "local2") if args.quick else THROUGHPUT_CONFIGS))
+        if args.device == "cuda":
+            names = tuple(c for c in names if c in CUDA_CONFIGS)
+        configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
+        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device)
         ratios = {
             m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
             for m in models
         }
-        report["throughput"] = {"samples_per_s": raw, "ratios": ratios}
+        report["throughput"] = {"samples_per_s": raw, "ratios": ratios, "overlap": _overlaps(raw)}
     if "allreduce" not in skip:
         print("all-reduce:", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -349,6 +470,9 @@ def summary(report: dict) -> str:
     for m, rs in report.get("throughput", {}).get("ratios", {}).items():
         for k, r in rs.items():
             lines.append(f"  {m:<10} {k:<28} {fmt(r)}")
+    for m, by_config in report.get("throughput", {}).get("overlap", {}).items():
+        for c, r in by_config.items():
+            lines.append(f"  {m:<10} {'overlap_' + c:<28} {fmt(r).replace('x', '')}")
     for m, r in report.get("overhead", {}).get("ratios", {}).items():
         lines.append(f"  {m:<10} {'px_one_device_vs_raw':<28} {fmt(r)}")
     lines.append(f"elapsed: {report['elapsed_s']:.0f} s")

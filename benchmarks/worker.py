@@ -3,10 +3,13 @@
     python -m benchmarks.worker CONFIG MODEL OUT_JSON [--seconds S]
 
 CONFIG: px_mirrored (self-launched 2 replicas) | px_mirrored_compiled (the step under
-@phalanx.function, inductor) | px_mirrored_bf16 (bfloat16 autocast) | px_mwms | ddp | local2
+@phalanx.function, inductor) | px_mirrored_bf16 (bfloat16 autocast) | px_comm (self-launched 2
+replicas that only all-reduce a buffer of the model's gradient size, with phalanx, each step) |
+px_mwms | ddp | local2 | torch_comm (the gradient-sized all-reduce with torch.distributed's backend)
 (launched by ``phalanx run -n 2``) | one_process (1 process, all cores) | px_one_device | raw
 (1 process, 1 thread) | overhead_pair (px_one_device and raw in one process, alternating).
 Each process trains on global batch 256 (its share of it) with Adam and writes steps/s.
+``--device cuda`` puts replica k on GPU k (NCCL for the torch.distributed configs).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from benchmarks.models import batches, make_model
 GLOBAL_BATCH = 256
 
 
-def _timed(step, data, seconds: float, sync=lambda: None) -> tuple[int, float]:
+def _gradient_numel(model_name: str) -> int:
+    return sum(p.numel() for p in make_model(model_name).parameters())
+
+
+def _timed(step, data, seconds: float, sync=lambda: None, any_done=lambda done: done) -> tuple[int, float]:
+    """Steps over ``data`` until ``seconds`` have passed; ``any_done`` makes every process stop at the same pass."""
     for x, y in data[:5]:  # warm-up
         step(x, y)
     sync()
@@ -34,26 +42,43 @@ def _timed(step, data, seconds: float, sync=lambda: None) -> tuple[int, float]:
             steps += 1
         sync()  # every process stops together, so the slowest one decides
         elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
+        if any_done(elapsed >= seconds):  # one decision for all: a process alone in a pass would hang
             return steps, elapsed
 
 
-def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
+def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu") -> dict:
     import phalanx as px
 
-    if kind.startswith("px_mirrored"):
-        strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+    if kind.startswith("px_mirrored") or kind == "px_comm":
+        strategy = px.MirroredStrategy([f"{device}:0", f"{device}:1"])
     elif kind == "px_mwms":
         strategy = px.MultiWorkerMirroredStrategy()
     else:
         torch.set_num_threads(1)
         strategy = px.OneDeviceStrategy("cpu")
+    here = torch.device(device, strategy.extended.process_index) if device == "cuda" else torch.device("cpu")
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if strategy.num_replicas_in_sync > 1:
+            strategy.extended.barrier()
+
+    def any_done(done: bool) -> bool:
+        flag = torch.tensor([float(done)], device=here)
+        return bool(strategy.extended.all_reduce([flag])[0].item() > 0)
+
+    if kind == "px_comm":  # communication alone: what backward would hide if overlap were perfect
+        grads = torch.ones(_gradient_numel(model_name), device=here)
+        step = lambda x, y: strategy.extended.all_reduce([grads])  # noqa: E731
+        steps, elapsed = _timed(step, [(None, None)] * 20, seconds, sync, any_done)
+        return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
     torch.manual_seed(0)
     with strategy.scope():
-        model = make_model(model_name)
+        model = make_model(model_name).to(here)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind.endswith("_bf16"))
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=kind.endswith("_bf16"))
 
     def train_step(x, y):
         with autocast:
@@ -71,34 +96,52 @@ def run_phalanx(kind: str, model_name: str, seconds: float) -> dict:
     if kind.endswith("_compiled"):
         step = px.function(step)  # TF's @tf.function idiom; the warm-up steps compile
 
-    def sync():
-        if strategy.num_replicas_in_sync > 1:
-            strategy.extended.barrier()
-
-    steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync)
+    steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync, any_done)
     return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
 
 
-def run_torch(kind: str, model_name: str, seconds: float) -> dict:
+def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -> dict:
     import datetime
 
     import torch.distributed as dist
 
     rank, world = int(os.environ.get("PHALANX_RANK", 0)), int(os.environ.get("PHALANX_WORLD_SIZE", 1))
-    if kind in ("ddp", "local2", "raw"):
+    here = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(here)
+    elif kind in ("ddp", "local2", "raw", "torch_comm"):
         torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group(
-            "gloo",
+            "nccl" if device == "cuda" else "gloo",
             init_method=f"tcp://{os.environ['PHALANX_MASTER_ADDR']}:{os.environ['PHALANX_MASTER_PORT']}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=120),
         )
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
+    def any_done(done: bool) -> bool:
+        if world == 1:
+            return done
+        flag = torch.tensor([float(done)], device=here)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    if kind == "torch_comm":  # communication alone, as px_comm
+        grads = torch.ones(_gradient_numel(model_name), device=here)
+        steps, elapsed = _timed(lambda x, y: dist.all_reduce(grads), [(None, None)] * 20, seconds, sync, any_done)
+        dist.destroy_process_group()
+        return {"rank": rank, "steps": steps, "seconds": elapsed}
     torch.manual_seed(0)
-    model = make_model(model_name)
+    model = make_model(model_name).to(here)
     if kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[here.index] if device == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     local_batch = GLOBAL_BATCH // world
 
@@ -108,15 +151,14 @@ def run_torch(kind: str, model_name: str, seconds: float) -> dict:
         loss.backward()
         opt.step()
 
-    def sync():
-        if world > 1:
-            dist.barrier()
-
     data = [
-        (x[rank * local_batch : (rank + 1) * local_batch], y[rank * local_batch : (rank + 1) * local_batch])
+        (
+            x[rank * local_batch : (rank + 1) * local_batch].to(here),
+            y[rank * local_batch : (rank + 1) * local_batch].to(here),
+        )
         for x, y in batches(GLOBAL_BATCH, 20)
     ]
-    steps, elapsed = _timed(step, data, seconds, sync)
+    steps, elapsed = _timed(step, data, seconds, sync, any_done)
     if world > 1:
         dist.destroy_process_group()
     return {"rank": rank, "steps": steps, "seconds": elapsed}
@@ -180,12 +222,13 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.config == "overhead_pair":
         result = run_overhead_pair(args.model, args.seconds)
     else:
         run = run_phalanx if args.config.startswith("px_") else run_torch
-        result = run(args.config, args.model, args.seconds)
+        result = run(args.config, args.model, args.seconds, args.device)
         result["samples_per_s"] = result["steps"] * GLOBAL_BATCH / result["seconds"]
     if result["rank"] == 0:
         with open(args.out, "w") as f:

@@ -130,6 +130,49 @@ def test_bench_default_output_is_outside_the_repository():
     assert ROOT not in out.parents and out.name.startswith("phalanx-bench-")
 
 
+def torch_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _bench_module():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import benchmarks.__main__ as bench
+    finally:
+        sys.path.remove(str(ROOT))
+    return bench
+
+
+@pytest.mark.skipif(torch_cuda_devices() >= 2, reason="this host can run the CUDA benchmark")
+def test_bench_cuda_without_gpus_is_skipped_with_the_reason(capsys, tmp_path):
+    """`phalanx bench --device cuda` on a host without 2 GPUs says why and exits 77 (skipped), writing nothing."""
+    bench = _bench_module()
+    assert bench.main(["--device", "cuda", "--out", str(tmp_path / "run")]) == bench.SKIPPED == 77
+    err = capsys.readouterr().err
+    assert "skipped: DeviceNotFoundError: Device 'cuda:1' is not present" in err, err
+    assert "HINT:" in err and "2 GPUs" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_overlap_is_the_hidden_fraction_of_communication():
+    bench = _bench_module()
+    assert bench.overlap(step_s=0.010, ceiling_s=0.010, comm_s=0.004) == 1.0  # nothing added: all hidden
+    assert bench.overlap(step_s=0.014, ceiling_s=0.010, comm_s=0.004) == 0.0  # its whole duration added
+    assert bench.overlap(step_s=0.011, ceiling_s=0.010, comm_s=0.004) == pytest.approx(0.75)
+    assert bench.overlap(step_s=0.009, ceiling_s=0.010, comm_s=0.004) == 1.0  # noise: clamped
+    assert bench.overlap(step_s=0.020, ceiling_s=0.010, comm_s=0.004) == 0.0
+    with pytest.raises(ValueError, match="received 0"):
+        bench.overlap(step_s=0.01, ceiling_s=0.01, comm_s=0)
+    # Paired by round, from samples/s (global batch 256): round 1 hides 75 %, round 2 half.
+    raw = {"m": {"px_mirrored": [256 / 0.011, 256 / 0.012], "local2": [256 / 0.010] * 2, "px_comm": [256 / 0.004] * 2}}
+    got = bench._overlaps(raw)["m"]["px_mirrored"]
+    assert got["min"] == pytest.approx(0.5) and got["max"] == pytest.approx(0.75)
+    assert got["median"] == pytest.approx(0.625)
+    assert "ddp" not in bench._overlaps(raw)["m"]  # no DDP rows measured: no DDP overlap
+
+
 def test_bench_quick_writes_where_asked_and_keeps_the_committed_results(tmp_path):
     committed = ROOT / "benchmarks" / "results" / "latest.json"
     before = hashlib.sha256(committed.read_bytes()).hexdigest()

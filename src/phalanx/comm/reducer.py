@@ -225,10 +225,15 @@ class GradientReducer:
                         p.grad = None
                     elif prior is not None:
                         p.grad = prior.add_(chunk)
+                    elif p.is_contiguous() and (p.grad is None or p.grad.is_contiguous()):
+                        # The summed gradient becomes a view of the bucket (DDP's gradient_as_bucket_view):
+                        # copying it back cost a read and a write of every gradient byte per step,
+                        # about 2 % of a large MLP's step on 2 CPU cores. The bucket is new every pass.
+                        p.grad = chunk
                     elif p.grad is None or key not in self._dirty:
                         p.grad = chunk.clone()
                     else:
-                        p.grad.copy_(chunk)
+                        p.grad.copy_(chunk)  # keeps the layout autograd gave it (channels_last, ...)
                     offset += n
             self.reductions += 1
         finally:
