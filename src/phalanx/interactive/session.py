@@ -736,6 +736,12 @@ def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
         return current, current.env_for(strategy, world_size)
     if current is not None:
         current.close()
+    if os.environ.get("PYTEST_CURRENT_TEST") and "pytest" in sys.modules:
+        # A pytest-xdist worker runs as `python -c`: forking it would copy the test session.
+        raise LaunchError(
+            "A multi-replica strategy cannot start its replicas from inside pytest.",
+            hint="run the training code as a script (python train.py) or with `phalanx run -n N train.py`",
+        )
     mode = interactive_mode()
     if mode is None:
         raise LaunchError("phalanx.interactive.start is for interactive mains only.")
