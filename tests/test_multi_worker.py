@@ -74,34 +74,17 @@ def test_two_workers_two_replicas_each_phalanx_run_with_tf_config(tmp_path):
     print(f"\nMWMS 2 workers x 2 (phalanx run + TF_CONFIG): max diff {diff:.3g}")
 
 
-def test_two_nodes_phalanx_run_nnodes(tmp_path):
+def _two_nodes(tmp_path: Path, opt: str, env_for) -> list:
+    """`phalanx run --nnodes 2 -n 2` of the equivalence script, one job per node, on one machine."""
     (port,) = free_ports(1)
-    jobs = [
-        (
-            [
-                sys.executable,
-                "-m",
-                "phalanx.cli",
-                "run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--master",
-                f"127.0.0.1:{port}",
-                "-n",
-                "2",
-                str(EQUIV),
-                str(tmp_path),
-                "sgd",
-                "mwms",
-                "0",
-            ],
-            {},
-        )
-        for i in range(2)
-    ]
-    results = run_jobs(jobs, timeout=150, cwd=tmp_path)
+    command = [sys.executable, "-m", "phalanx.cli", "run", "--nnodes", "2", "--master", f"127.0.0.1:{port}"]
+    script = ["-n", "2", str(EQUIV), str(tmp_path), opt, "mwms", "0"]
+    jobs = [([*command, "--node-rank", str(i), *script], env_for(i)) for i in range(2)]
+    return run_jobs(jobs, timeout=150, cwd=tmp_path)
+
+
+def test_two_nodes_phalanx_run_nnodes(tmp_path):
+    results = _two_nodes(tmp_path, "sgd", lambda i: {})
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check_equivalence(tmp_path, 4, tmp_path)
     print(f"\nMWMS 2 nodes x 2 (phalanx run --nnodes): max diff {diff:.3g}")
@@ -119,33 +102,7 @@ def test_phalanx_run_single_host_mwms(tmp_path):
 
 def test_hierarchical_all_reduce_two_hosts_of_two(tmp_path):
     """Shared memory within each (simulated) host, gloo between hosts; same numbers as one device."""
-    (port,) = free_ports(1)
-    jobs = [
-        (
-            [
-                sys.executable,
-                "-m",
-                "phalanx.cli",
-                "run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--master",
-                f"127.0.0.1:{port}",
-                "-n",
-                "2",
-                str(EQUIV),
-                str(tmp_path),
-                "adam",
-                "mwms",
-                "0",
-            ],
-            {"PHALANX_HOST_ID": f"host{i}"},
-        )
-        for i in range(2)
-    ]
-    results = run_jobs(jobs, timeout=150, cwd=tmp_path)
+    results = _two_nodes(tmp_path, "adam", lambda i: {"PHALANX_HOST_ID": f"host{i}"})
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     diff = _check_equivalence(tmp_path, 4, tmp_path, "adam")
     print(f"\nMWMS 2 hosts x 2, shared memory + gloo: max diff {diff:.3g}")
