@@ -1,7 +1,7 @@
 # Port of tensorflow/docs site/en/tutorials/distribute/keras.ipynb ("Distributed training with Keras").
 # Run: phalanx run -n 2 examples/tutorials/keras_tutorial.py   (MirroredStrategy over 2 CPU replicas)
 #
-# About 20 lines changed beyond the rename (README "Porting from TensorFlow").
+# About 21 lines changed beyond the rename (README "Porting from TensorFlow").
 # Every tf.distribute call is kept, renamed to phalanx. Lines changed beyond the rename (forced by
 # TF -> torch / Keras 3, or by no downloads):
 #   1. data: tfds.load('mnist') -> scikit-learn's digits (8x8 images), DataLoader instead of tf.data
@@ -12,6 +12,8 @@
 #   3. TensorBoard callback dropped (Keras 3's needs TensorFlow).
 #   4. EPOCHS 12 -> 3; the learning-rate decay steps at epochs 1/2 instead of 3/7 (few epochs).
 #   5. Added at the end: the checks that it trained correctly.
+#   6. keras.utils.set_random_seed(0): 3 epochs of an unseeded run ended at 0.78-0.9 eval accuracy,
+#      so the check at the end gave a different verdict from run to run.
 import glob
 import os
 
@@ -24,6 +26,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 import phalanx  # noqa: E402
 import phalanx.keras  # noqa: E402,F401
 
+keras.utils.set_random_seed(0)
 digits = load_digits()
 images = (digits.images[..., None] / 16.0).astype("float32")
 labels = digits.target.astype("int64")
