@@ -131,6 +131,40 @@ def test_large_tensors_travel_in_bounded_chunks_and_arrive_intact():
     assert torch.equal(msg.tensors[1], big) and torch.equal(msg.tensors[0], torch.arange(3))
 
 
+def test_a_frame_that_fits_one_message_goes_as_one_and_each_of_its_bytes_is_signed():
+    # A frame of at most MAX_MESSAGE_BYTES (a 1 MiB tensor with its head and header) is one message
+    # and its tag (appended to a small frame); the receiver tags the body inside that message. A
+    # byte altered there, in the tag, a tag dropped or moved, or the same message arriving in a
+    # mutable buffer: each is refused, and the frame decodes whatever its chunking.
+    w = torch.randn(wire.CHUNK_BYTES // 4)
+    frame = wire.Signer(SECRET, "chief:0").encode("assign", {"keys": ["w"]}, [w], [b"blob"])
+    message, tag = list(frame.chunks())
+    assert wire.CHUNK_BYTES < len(message) <= wire.MAX_MESSAGE_BYTES and len(tag) == TAG
+    assert torch.equal(wire.Verifier(SECRET).decode("assign", [message, tag]).tensors[0], w)
+    assert torch.equal(wire.Verifier(SECRET).decode("assign", [message + tag]).tensors[0], w)
+    assert torch.equal(wire.Verifier(SECRET).decode("assign", frame.chunks(4099)).tensors[0], w)
+    body_at = len(message) - frame.head.body_len
+    for at in (body_at, body_at + 9, len(message) // 2, len(message) - 1):
+        bad = bytearray(message)
+        bad[at] ^= 0x01
+        for chunks in ([bytes(bad), tag], [bytes(bad) + tag], [bad, tag]):
+            with pytest.raises(AuthenticationError, match="altered"):
+                wire.Verifier(SECRET).decode("assign", chunks)
+    with pytest.raises(AuthenticationError, match="altered"):
+        wire.Verifier(SECRET).decode("assign", [message, bytes([tag[0] ^ 1]) + tag[1:]])
+    with pytest.raises(AuthenticationError, match="length"):
+        wire.Verifier(SECRET).decode("assign", [message])
+    with pytest.raises(AuthenticationError, match="length"):
+        wire.Verifier(SECRET).decode("assign", [message, tag, b"x"])
+    small = wire.Signer(SECRET, "chief:0").encode("assign", {"keys": ["w"]}, [torch.ones(3)])
+    (only,) = small.chunks()
+    assert only == small.to_bytes() and len(only) == small.nbytes
+    bad = bytearray(only)
+    bad[-1 - TAG] ^= 0x01
+    with pytest.raises(AuthenticationError, match="altered"):
+        wire.Verifier(SECRET).decode("assign", [bytes(bad)])
+
+
 # ------------------------------------------------------------------------------------ replays
 PS_CALLS = {
     "ping": ({}, []),

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from phalanx.cluster.validation import split_address
-from phalanx.ps.wire import CHUNK_BYTES
+from phalanx.ps.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("phalanx.ps")
 
@@ -49,7 +49,6 @@ BIND_ENV = "PHALANX_BIND_ADDRESS"
 TRANSIENT = frozenset({"unavailable", "deadline", "exhausted"})
 HEAD_BYTES = 512
 HEAD_TIMEOUT = 10.0
-MAX_MESSAGE_BYTES = CHUNK_BYTES + 1024
 _GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

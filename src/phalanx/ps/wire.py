@@ -82,6 +82,9 @@ from phalanx.ps.errors import AuthenticationError, ClusterSecretError, Overloade
 MAGIC = b"PHX3"  # PHX2 frames carried a Poly1305 body tag
 CALL, REPLY = 0, 1
 CHUNK_BYTES = 1 << 20
+# The largest message a transport accepts: a frame whose head and body fit goes as one message
+# (the head, a header and a tensor of CHUNK_BYTES fit), larger frames in chunks of CHUNK_BYTES.
+MAX_MESSAGE_BYTES = CHUNK_BYTES + 1024
 REPLAY_WINDOW = 1024
 MAX_SENDERS = 4096
 DEFAULT_CLOCK_SKEW = 60.0
@@ -176,15 +179,21 @@ def clock_skew(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+_GCM: tuple[Any, Any, Any, Any] | None = None
+
+
 def _gcm() -> tuple[Any, Any, Any, Any]:
-    try:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install 'phalanx[ps]'"
-        ) from e
-    return AESGCM, Cipher, algorithms, modes
+    global _GCM
+    if _GCM is None:  # imported once: a from-import costs about 1 us each time it runs
+        try:
+            from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install 'phalanx[ps]'"
+            ) from e
+        _GCM = (AESGCM, Cipher, algorithms, modes)
+    return _GCM
 
 
 # cryptography's one-shot AESGCM takes at most 2**31 - 1 bytes of associated data; longer buffers
@@ -216,25 +225,28 @@ class _BodyMac:
 
     def __init__(self, key: bytes, nonce: bytes, length: int) -> None:
         self._key, self._nonce = key, nonce
-        self._small: list[bytes] | None = [] if length <= _SMALL_BODY else None
+        self._small = length <= _SMALL_BODY
         self._ctx: Any = None
 
     def update(self, piece: Any) -> None:
-        if self._small is not None:
-            self._small.append(bytes(piece))  # a small copy: the caller's buffer may change
-            return
         if self._ctx is None:
-            _, cipher, algorithms, modes = _gcm()
-            self._ctx = cipher(algorithms.AES(self._key), modes.GCM(self._nonce)).encryptor()
+            if self._small:
+                self._ctx = hashlib.blake2b(key=self._key, digest_size=16)
+            else:
+                _, cipher, algorithms, modes = _gcm()
+                self._ctx = cipher(algorithms.AES(self._key), modes.GCM(self._nonce)).encryptor()
+        if self._small:
+            self._ctx.update(piece)  # hashed now: the caller's buffer may change afterwards
+            return
         view = memoryview(piece)
         for at in range(0, len(view), _ONE_SHOT_MAX):
             self._ctx.authenticate_additional_data(view[at : at + _ONE_SHOT_MAX])
 
     def finalize(self) -> bytes:
-        if self._small is not None:
-            return self.of(b"".join(self._small))
         if self._ctx is None:
             self.update(b"")
+        if self._small:
+            return self._ctx.digest()
         self._ctx.finalize()
         return self._ctx.tag
 
@@ -245,7 +257,7 @@ class _BodyMac:
         between frames, a call costs 40-90 us before it reads a byte (one-shot 40, streaming 90),
         as much as tagging a cached MiB.
         """
-        if self._small is not None:
+        if self._small:
             return hashlib.blake2b(body, key=self._key, digest_size=16).digest()
         if len(body) > _ONE_SHOT_MAX:
             self.update(body)
@@ -352,12 +364,20 @@ class Frame:
         """The same content under a new number and time (to send again: a server takes each number once)."""
         return Frame(self._signer, self.method, self._parts, self.head.body_len, self._reply_to)
 
-    def chunks(self, size: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """The frame as ``bytes`` of at most ``size``, copied from the buffers one chunk at a time.
+    def chunks(self, size: int | None = None) -> Iterator[bytes]:
+        """The frame as ``bytes`` messages, copied from the buffers one message at a time.
 
-        Each chunk's body bytes are tagged right after the copy, while they are in the CPU's cache
-        (see the module docstring); the tag is sent last.
+        By default a frame whose head and body fit in ``MAX_MESSAGE_BYTES`` goes as one message
+        (its tag appended, or after it in a message of its own if the body is large), larger
+        frames in messages of ``CHUNK_BYTES``; ``size`` cuts every frame into messages of that
+        size. Body bytes are tagged right after they are copied into a message, while they are
+        in the CPU's cache (see the module docstring); the tag is sent last.
         """
+        whole = len(self._head_bytes) + self.head.body_len
+        if size is None and whole <= MAX_MESSAGE_BYTES:
+            yield from self._one_message()
+            return
+        size = size or CHUNK_BYTES
         mac = _BodyMac(self._body_key, _body_nonce(self.head), self.head.body_len)
         body_at = len(self._head_bytes)
         body_end = body_at + self.head.body_len
@@ -388,8 +408,27 @@ class Frame:
             for at in range(0, _TAG_BYTES, size):
                 yield tag[at : at + size]
 
+    def _one_message(self) -> Iterator[bytes]:
+        mac = _BodyMac(self._body_key, _body_nonce(self.head), self.head.body_len)
+        if self.head.body_len <= _SMALL_BODY:
+            # Hashed from the buffers (usually one), then copied once with the tag after them.
+            if len(self._parts) == 1:
+                tag = mac.of(self._parts[0])
+            else:
+                for part in self._parts:
+                    mac.update(part)
+                tag = mac.finalize()
+            yield b"".join([self._head_bytes, *self._parts, tag])
+            return
+        # Tagged in one call (no streaming context to set up) right after the copy, while the
+        # bytes are in the cache; the tag follows in a message of its own (appending it would
+        # copy the whole message again).
+        message = b"".join([self._head_bytes, *self._parts])
+        yield message
+        yield mac.of(memoryview(message)[len(self._head_bytes) :])
+
     def to_bytes(self) -> bytes:
-        return b"".join(self.chunks(max(1, self.nbytes)))
+        return b"".join(self.chunks())
 
 
 class Signer:
@@ -502,13 +541,15 @@ class _Reader:
     def __init__(self, chunks: Iterable[Any]) -> None:
         self._it = iter(chunks)
         self._buf = memoryview(b"")
+        self._immutable = True
 
     def _fill(self) -> bool:
         while not len(self._buf):
             try:
-                self._buf = memoryview(next(self._it))
+                chunk = next(self._it)
             except StopIteration:
                 return False
+            self._buf, self._immutable = memoryview(chunk), isinstance(chunk, bytes)
         return True
 
     def read(self, n: int) -> bytes | None:
@@ -521,6 +562,13 @@ class _Reader:
             self._buf = self._buf[len(take) :]
             n -= len(take)
         return b"".join(out)
+
+    def peek(self, n: int) -> memoryview | None:
+        """The next ``n`` bytes, without consuming them, if the current chunk holds them all and
+        cannot change (``bytes``: what is tagged there is what :meth:`read_into` copies)."""
+        if not self._fill() or len(self._buf) < n or not self._immutable:
+            return None
+        return self._buf[:n]
 
     def read_into(self, target: memoryview) -> bool:
         at = 0
@@ -573,15 +621,20 @@ class Verifier:
             head, fields = self._verify_head(method, reader, reply_to)
         finally:
             self._slots.release()
+        mac = _BodyMac(_body_key(self._secret, method, fields), _body_nonce(head), head.body_len)
+        # A body that came in one message (see Frame.chunks) is tagged there, in one call, where
+        # the transport just wrote it; else once it is whole (one call too: see _BodyMac.of).
+        received = reader.peek(head.body_len) if head.body_len else None
+        expected = mac.of(received) if received is not None else None
         body = bytearray(head.body_len)  # calloc'd: memory is committed as the body arrives
         if not reader.read_into(memoryview(body)):
             raise AuthenticationError("message refused: its length differs from the signed length")
         tag = reader.read(_TAG_BYTES)
         if tag is None or not reader.at_end():
             raise AuthenticationError("message refused: its length differs from the signed length")
-        # The body is whole and was just written: one call tags it (see _BodyMac.of).
-        mac = _BodyMac(_body_key(self._secret, method, fields), _body_nonce(head), head.body_len)
-        if not hmac.compare_digest(mac.of(memoryview(body)), tag):
+        if expected is None:
+            expected = mac.of(memoryview(body))
+        if not hmac.compare_digest(expected, tag):
             raise AuthenticationError(
                 "message refused: the payload (tensor, header or blob bytes) does not match "
                 "its signature: it was altered on the way"
