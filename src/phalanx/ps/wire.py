@@ -25,15 +25,22 @@ tag            AES-256-GMAC over every byte of the body (keyed BLAKE2b for a bod
 Signing every byte costs one pass of AES-GMAC (AES-GCM with the body as associated data and no
 plaintext; OpenSSL runs it on the CPU's AES and carry-less-multiply instructions at about 20 GB/s
 here, against 11 GB/s for Poly1305 and 1.7 GB/s for HMAC-SHA256) over bytes that are in the CPU's
-cache anyway: the sender tags each chunk right after copying the tensors into it, the receiver
-the whole body, in one call, right after copying the chunks into it. That is why the tag comes
-last: a tag in the head would need its own pass over the tensors before the first chunk is sent,
-and a tensor that the training step left in main memory is read from there at a few GB/s (on a
-busy 2-core VM such a pass over 1 MiB cost about 200 us, twice the tag over the copied chunk). A
-receiver checks the head first (a few hundred bytes) and refuses a forged one before it reads,
-or allocates, the body; the tag is checked before any of the body is parsed. So a request is only
-acted on when its sender holds the secret, and code (a blob) is only unpickled, by workers, when
-it was signed with it (:mod:`phalanx.ps.pickling`).
+cache anyway, in as few calls as it can. A frame whose head and body fit in ``MAX_MESSAGE_BYTES``
+(1 MiB and 1 KiB: a 1 MiB tensor with its header fits) travels as one message: the sender tags
+its body in one call right after copying the tensors into it, the receiver in one call inside the
+message as the transport delivered it, before copying it out. A larger frame travels in chunks of
+``CHUNK_BYTES``: the sender tags each chunk right after copying it (one streaming GCM context per
+frame), the receiver the whole body in one call once it is copied. Before it reads a byte, a
+one-shot call costs 2 us in a warm process and 60 us after the caches were flushed; a streaming
+context (its Python layer) 11 and 160 us, more than tagging a cached MiB, so frames of up to a
+MiB do without it. The tag comes last: a tag in the head would need its own pass over the
+tensors before the first message is sent, and a tensor that the training step left in main
+memory is read from there at a few GB/s (on a busy 2-core VM such a pass over 1 MiB cost about
+200 us, twice the tag over the copied message). A receiver checks the head first (a few hundred
+bytes) and refuses a forged one before it reads, or allocates, the body; the tag is checked
+before any of the body is parsed. So a request is only acted on when its sender holds the
+secret, and code (a blob) is only unpickled, by workers, when it was signed with it
+(:mod:`phalanx.ps.pickling`).
 
 Replays. A server accepts each (sender, seq) once (:class:`ReplayGuard`): a frame whose number it
 has seen is refused, and so is one more than ``REPLAY_WINDOW`` (1024) numbers older than the
@@ -42,8 +49,9 @@ clock by more than ``PHALANX_CLOCK_SKEW`` seconds (default 60) is refused, which
 server that restarted, and so forgot the numbers it had seen, can be replayed. A reply is bound to
 its call (sender and seq), so an old reply cannot stand in for a new one.
 
-Frames travel in chunks of at most ``CHUNK_BYTES`` (1 MiB), so a transport can refuse any larger
-message before reading it without capping the size of a model.
+Frames travel in messages of at most ``MAX_MESSAGE_BYTES`` (one frame, or a chunk of
+``CHUNK_BYTES`` of a larger one), so a transport can refuse any larger message before reading it
+without capping the size of a model.
 
 Example:
     >>> import torch
@@ -253,9 +261,8 @@ class _BodyMac:
     def of(self, body: Any) -> bytes:
         """The tag of a whole body in one buffer, in one call when it can (instead of ``update`` and ``finalize``).
 
-        Measured in the parameter-server benchmark's processes, where the caches hold other data
-        between frames, a call costs 40-90 us before it reads a byte (one-shot 40, streaming 90),
-        as much as tagging a cached MiB.
+        A one-shot call costs 2 us before it reads a byte (60 us after the caches were flushed),
+        a streaming context 11 us (160 us): see the module docstring.
         """
         if self._small:
             return hashlib.blake2b(body, key=self._key, digest_size=16).digest()
