@@ -165,6 +165,23 @@ def test_a_frame_that_fits_one_message_goes_as_one_and_each_of_its_bytes_is_sign
         wire.Verifier(SECRET).decode("assign", [bytes(bad)])
 
 
+def test_a_frame_in_chunks_is_tagged_as_it_arrives_from_immutable_or_mutable_buffers():
+    # A receiver tags a chunk where the transport delivered it when the buffer cannot change
+    # (bytes), else the copy it made (a bytearray could change between the tag and the copy).
+    # Either way the frame decodes, and an altered byte in any chunk is refused.
+    w = torch.randn(5 * wire.CHUNK_BYTES // 8)  # 2.5 MiB: three chunks and the tag
+    frame = wire.Signer(SECRET, "chief:0").encode("assign", {"keys": ["w"]}, [w])
+    chunks = list(frame.chunks())
+    assert [len(c) for c in chunks[:2]] == [wire.CHUNK_BYTES] * 2 and [len(c) for c in chunks[3:]] == [TAG]
+    for deliver in (bytes, bytearray):
+        assert torch.equal(wire.Verifier(SECRET).decode("assign", [deliver(c) for c in chunks]).tensors[0], w)
+        for i, at in ((0, wire.CHUNK_BYTES - 1), (1, 0), (1, 12345), (2, 0), (2, len(chunks[2]) - 1)):
+            bad = [deliver(c) for c in chunks]
+            bad[i] = deliver(bytes(bad[i][:at]) + bytes([bad[i][at] ^ 0x20]) + bytes(bad[i][at + 1 :]))
+            with pytest.raises(AuthenticationError, match="altered"):
+                wire.Verifier(SECRET).decode("assign", bad)
+
+
 # ------------------------------------------------------------------------------------ replays
 PS_CALLS = {
     "ping": ({}, []),

@@ -577,13 +577,20 @@ class _Reader:
             return None
         return self._buf[:n]
 
-    def read_into(self, target: memoryview) -> bool:
+    def read_into(self, target: memoryview, mac: _BodyMac | None = None) -> bool:
+        """Fills ``target``; ``mac`` (if given) is fed the same bytes, from the chunk before the
+        copy when it cannot change (the copy then reads bytes that are in the cache), else from
+        ``target`` after it."""
         at = 0
         while at < len(target):
             if not self._fill():
                 return False
             take = self._buf[: len(target) - at]
+            if mac is not None and self._immutable:
+                mac.update(take)
             target[at : at + len(take)] = take
+            if mac is not None and not self._immutable:
+                mac.update(target[at : at + len(take)])
             self._buf = self._buf[len(take) :]
             at += len(take)
         return True
@@ -629,18 +636,20 @@ class Verifier:
         finally:
             self._slots.release()
         mac = _BodyMac(_body_key(self._secret, method, fields), _body_nonce(head), head.body_len)
-        # A body that came in one message (see Frame.chunks) is tagged there, in one call, where
-        # the transport just wrote it; else once it is whole (one call too: see _BodyMac.of).
-        received = reader.peek(head.body_len) if head.body_len else None
-        expected = mac.of(received) if received is not None else None
+        # Each byte is tagged where the transport delivered it, before it is copied out (the copy
+        # then reads cached bytes): a body that came in one message (see Frame.chunks) in one
+        # call, a longer one chunk by chunk.
+        received = reader.peek(head.body_len)
         body = bytearray(head.body_len)  # calloc'd: memory is committed as the body arrives
-        if not reader.read_into(memoryview(body)):
-            raise AuthenticationError("message refused: its length differs from the signed length")
-        tag = reader.read(_TAG_BYTES)
+        if received is not None:
+            expected = mac.of(received)
+            whole = reader.read_into(memoryview(body))
+        else:
+            whole = reader.read_into(memoryview(body), mac)
+            expected = mac.finalize()
+        tag = reader.read(_TAG_BYTES) if whole else None
         if tag is None or not reader.at_end():
             raise AuthenticationError("message refused: its length differs from the signed length")
-        if expected is None:
-            expected = mac.of(memoryview(body))
         if not hmac.compare_digest(expected, tag):
             raise AuthenticationError(
                 "message refused: the payload (tensor, header or blob bytes) does not match "
