@@ -7,6 +7,7 @@ step and 2 s, over the shared-memory path (default) and gloo (``PHALANX_SHM=0``)
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -130,17 +131,35 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, 
         assert field in marks[0].group(5)
 
 
-def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(tmp_path):
+@pytest.fixture(scope="module")
+def central_restore_job(tmp_path_factory):
+    """CentralStorage x2, replica 1 "restoring" other values at step 3; then one step counted with
+    the guard on and one with it off."""
+    cwd = tmp_path_factory.mktemp("central_restore")
+    return run_job([sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=cwd)
+
+
+def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(central_restore_job):
     # CentralStorage keeps one shared copy of the trainable variables: what replica 1 writes into
     # them (the restore case's "restore" on replica 1 only) is what replica 0 reads, so the
     # fingerprints after mark_parameters_changed() agree and training ends with equal parameters.
-    res = run_job(
-        [sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=tmp_path
-    )
+    res = central_restore_job
     logs = res.logs()
     assert res.returncode == 0, logs
     ends = dict(re.findall(r"NOT DIVERGED (\d) (\S+)", logs))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], logs[-3000:]
+
+
+def test_the_guard_adds_no_collective_under_central_storage_on_shared_memory(central_restore_job):
+    # On one host the gradient buckets are all-reduced through shared memory (every replica gets
+    # the sum), so the guard rides on the first one as under Mirrored: a step with the guard on
+    # runs the same collectives as one with it off: the two barriers and the bucket.
+    logs = central_restore_job.logs()
+    assert central_restore_job.returncode == 0, logs
+    counts = {int(r): json.loads(c) for r, c in re.findall(r"COLLECTIVES (\d) (\{.*\})", logs)}
+    assert set(counts) == {0, 1}, logs[-3000:]
+    for rank, per_step in counts.items():
+        assert per_step["on"] == per_step["off"] == {"all_reduce": 3, "reduce": 0}, (rank, per_step)
 
 
 def test_different_global_batch_per_worker_is_caught(tmp_path):

@@ -15,6 +15,7 @@ can catch the divergence.
 
 import contextlib
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -140,6 +141,40 @@ def diverge(case, kind, n, use_reduce=True):
         raise
     digest = sum(float(p.double().sum()) for p in model.parameters())
     print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
+    if kind == "central":
+        count_collectives(strategy, model, opt, data)
+
+
+def count_collectives(strategy, model, opt, data):
+    """Prints ``COLLECTIVES <rank> <json>``: the collectives of one training step, guard on and off."""
+    comm = strategy.extended._comm
+    calls = {"all_reduce": 0, "reduce": 0}
+
+    def counted(name):
+        method = getattr(comm, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    comm.all_reduce, comm.reduce = counted("all_reduce"), counted("reduce")  # this instance only
+
+    def step(x, y):
+        opt.zero_grad()
+        px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1)).backward()
+        opt.step()
+
+    per_step = {}
+    x, y = next(iter(strategy.experimental_distribute_dataset(data[:1])))
+    for on in (True, False):
+        strategy.extended.set_consistency_checks(on)
+        strategy.run(step, args=(x, y))  # a step after the switch; the next is counted
+        before = dict(calls)
+        strategy.run(step, args=(x, y))
+        per_step["on" if on else "off"] = {k: calls[k] - before[k] for k in calls}
+    print(f"COLLECTIVES {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
 
 
 if __name__ == "__main__":
