@@ -98,4 +98,7 @@ def test_calls_of_different_steps_that_do_not_match_are_a_step_divergence():
     assert error.replicas == ("replica:0 (rank 0)", "replica:1 (rank 1)")
     assert "step is 2 on replica:0 (rank 0) but 3 on replica:1 (rank 1)" in str(error)
     # Same step, different tensors: not a divergence of steps; the mismatch stays as it is.
-    assert comm._out_of_step(CollectiveMismatchError("shm all_reduce", 1, [{**bucket, "tag": 2}, {**barrier, "tag": 2}])) is None
+    assert (
+        comm._out_of_step(CollectiveMismatchError("shm all_reduce", 1, [{**bucket, "tag": 2}, {**barrier, "tag": 2}]))
+        is None
+    )

@@ -458,7 +458,7 @@ def test_mismatched_tensors_raise_instead_of_corrupting(tmp_path):
 def test_a_tagged_mismatch_names_every_ranks_call_and_tag(tmp_path):
     # What the CentralStorage strategy turns into a ReplicaDivergenceError naming both steps.
     results = _launch(tmp_path, 3, "tagged_mismatch")
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["agreed"] == [3.0] * 4, r
         assert r["type"] == "CollectiveMismatchError", r
         assert r["tags"] == [8, 8, 7], r

@@ -209,10 +209,15 @@ class CollectiveMismatchError(DistributedRuntimeError):
         self.operation, self.rank, self.calls = operation, rank, calls
         mine = calls[rank]
         shown = "; ".join(
-            f"rank {j}: numel={c['numel']} {c['dtype']} {c['op']}" + (f" tag={c['tag']}" if c["tag"] is not None else "")
+            f"rank {j}: numel={c['numel']} {c['dtype']} {c['op']}"
+            + (f" tag={c['tag']}" if c["tag"] is not None else "")
             for j, c in enumerate(calls)
         )
-        bad = [j for j, c in enumerate(calls) if (c["numel"], c["dtype"], c["op"]) != (mine["numel"], mine["dtype"], mine["op"])]
+        bad = [
+            j
+            for j, c in enumerate(calls)
+            if (c["numel"], c["dtype"], c["op"]) != (mine["numel"], mine["dtype"], mine["op"])
+        ]
         super().__init__(
             f"{operation}: ranks {bad} passed a different numel/dtype/op than rank {rank} ({shown}).",
             hint="call the collective with the same tensor shape, dtype and op, in the same order, on every rank",

@@ -436,8 +436,9 @@ class StrategyExtended:
         """Turns the consistency guard on (the default) or off; call it on every replica at the same point.
 
         The guard adds ``4 x num_replicas`` numbers to each gradient all-reduce and to
-        ``strategy.reduce``; under CentralStorageStrategy, whose gradients reach replica 0 only,
-        they travel in small all-reduces of their own (its cost is measured by
+        ``strategy.reduce``; under CentralStorageStrategy also to the step's two barriers, and
+        where its gradients reach replica 0 only (gloo, without shared memory) they travel in one
+        more small all-reduce of their own (its cost is measured by
         ``python -m benchmarks.consistency``).
         """
         guard = self._guard if self._guard is not None else self._disabled_guard

@@ -277,7 +277,9 @@ class CentralStorageExtended(SyncExtended):
         if self._reducer is None:
             # Decided once, with the first bucket (the one the guard rides on): see the module docstring.
             self._all_reduce_buckets = (
-                comm.world_size > 1 and getattr(comm, "shared_memory", False) and all(p.dtype in SHM_DTYPES for p in params)
+                comm.world_size > 1
+                and getattr(comm, "shared_memory", False)
+                and all(p.dtype in SHM_DTYPES for p in params)
             )
 
         def reduce_to_chief(flat: torch.Tensor) -> Handle:
@@ -294,7 +296,10 @@ class CentralStorageExtended(SyncExtended):
 
         # The guard rides on the first bucket where every replica gets its sum; where only replica 0
         # gets it (gloo's reduce), it has a small all-reduce of its own just before that bucket.
-        guarding = {"guard": self._guard, "guard_collective": None if self._all_reduce_buckets else self._exchange_guard}
+        guarding = {
+            "guard": self._guard,
+            "guard_collective": None if self._all_reduce_buckets else self._exchange_guard,
+        }
         if self._reducer is not None:
             self._reducer.add(params, self._bucket_bytes)
         elif self._copy_mode:
