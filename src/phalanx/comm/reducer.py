@@ -219,6 +219,12 @@ class GradientReducer:
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
+                    if not p.requires_grad:
+                        # Frozen since it was registered (fine-tuning): left as on one device,
+                        # where it gets no gradient, rather than given a zero one that an
+                        # optimizer's momentum or weight decay would still apply.
+                        offset += n
+                        continue
                     chunk = flat[offset : offset + n].view_as(p)
                     key = id(p)
                     # What .grad held before this synchronisation: set aside by the hook, or (a

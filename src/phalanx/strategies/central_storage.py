@@ -227,6 +227,15 @@ class CentralStorageExtended(SyncExtended):
             with torch.no_grad():
                 self._centralize(params)
 
+    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
+        # Created frozen, they stayed per replica (mirrored); trainable now, they become central.
+        if self._comm.world_size > 1 or self._copy_mode:
+            with torch.no_grad():
+                self._centralize(params)
+        self.mark_parameters_changed()
+        if self._comm.world_size > 1 or self._copy_mode:
+            self._attach_gradient_sync(params)
+
     def _centralize(self, params: list[torch.nn.Parameter]) -> None:
         """Moves ``params``' data into one shared mapping per dtype (collective).
 
@@ -279,7 +288,7 @@ class CentralStorageExtended(SyncExtended):
             self._all_reduce_buckets = (
                 comm.world_size > 1
                 and getattr(comm, "shared_memory", False)
-                and all(p.dtype in SHM_DTYPES for p in params)
+                and all(p.dtype in SHM_DTYPES for p in params if p.requires_grad)
             )
 
         def reduce_to_chief(flat: torch.Tensor) -> Handle:
