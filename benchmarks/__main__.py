@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.models import MODELS
+from benchmarks.models import EXTRA_MODELS, MODELS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -323,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seconds", type=float, default=None, help="timed seconds per job (default: 2.0; 0.3 with --quick)"
     )
     parser.add_argument(
-        "--models", default=None, help=f"comma list of {','.join(MODELS)} (default: all; seed_mlp with --quick)"
+        "--models",
+        default=None,
+        help=f"comma list of {','.join(MODELS + EXTRA_MODELS)} (default: {','.join(MODELS)}; seed_mlp with --quick)",
     )
     parser.add_argument(
         "--device",
@@ -369,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 2.0)
     models = (args.models or ("seed_mlp" if args.quick else ",".join(MODELS))).split(",")
-    unknown = [m for m in models if m not in MODELS]
+    unknown = [m for m in models if m not in MODELS + EXTRA_MODELS]
     if unknown:
-        parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS)}")
+        parser.error(f"--models: unknown model(s) {unknown}; choose from {','.join(MODELS + EXTRA_MODELS)}")
     chosen = args.configs.split(",") if args.configs else None
     if chosen and set(chosen) - set(THROUGHPUT_CONFIGS):
         parser.error(

@@ -6,8 +6,9 @@ Usage: ``python -m benchmarks.consistency [--rounds 9] [--blocks 10] [--block-st
 Everything is measured in one job, in interleaved rounds, as ratios:
 
 * **guard**, under MirroredStrategy x2 (the guard rides on the gradient all-reduce) and then
-  CentralStorageStrategy x2 on the same replicas (the guard has small all-reduces of its own; see
-  ``phalanx.strategies.central_storage``): every round alternates blocks of steps with the guard
+  CentralStorageStrategy x2 on the same replicas (on one host its gradient buckets are all-reduced
+  through shared memory too, and the guard rides on the first one and on the step's two barriers;
+  see ``phalanx.strategies.central_storage``): every round alternates blocks of steps with the guard
   on and off (both replicas switch together, so the collectives match), each step timed on its
   own. A round's ratio is the median step with the guard on over the median step with it off
   (medians: a step the OS preempted on a loaded machine does not move them); the result gives
@@ -164,7 +165,8 @@ def main() -> None:
             "guard_work_share_of_mirrored_step": round((encode_s + decode_s) / step_s, 5),
             "guard_extra_bytes_per_step": {
                 "mirrored": mine.size(torch.float32) * 4,
-                "central_storage": 3 * mine.size(torch.int64) * 8,
+                # in the first bucket, and in the step's two barriers (an int64 of 8 bytes without it)
+                "central_storage": mine.size(torch.float32) * 4 + 2 * (mine.size(torch.int64) * 8 - 8),
             },
             "accumulation_micro_batches": micro,
             "optimizer_step_ms_sync_every_backward": round(statistics.median(sync_times) * 1e3, 3),

@@ -68,7 +68,7 @@ def test_oversubscription_warning_names_the_cores(monkeypatch):
 
 
 def test_oversubscription_warning_names_the_gpus(monkeypatch):
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr(cli, "_visible_gpus", lambda: 2)
     assert cli._oversubscription_warning(2) is None
     assert "-n 3 starts 3 replicas on 2 GPU(s)" in cli._oversubscription_warning(3)
 

@@ -79,3 +79,26 @@ def test_a_missing_rank_is_a_collective_timeout_on_the_others():
 
     run_threaded(2, wrapped, collective_timeout=0.5)
     assert len(world_errors) == 1
+
+
+def test_calls_of_different_steps_that_do_not_match_are_a_step_divergence():
+    # Pure logic: the typed error of the shared-memory transport (tested with processes in
+    # test_shm_allreduce.py) becomes the divergence it shows; end to end in test_consistency.py.
+    from phalanx.comm.communicator import GroupSpec
+    from phalanx.errors import CollectiveMismatchError, ReplicaDivergenceError
+
+    comm = object.__new__(ProcessGroupCommunicator)
+    comm.spec = GroupSpec(rank=1, world_size=2, master_addr="127.0.0.1", master_port=1, bind_addr="127.0.0.1")
+    comm._host_ranks = [0, 1]
+    bucket, barrier = {"numel": 101_778, "dtype": "float32", "op": "sum"}, {"numel": 8, "dtype": "int64", "op": "sum"}
+    behind = CollectiveMismatchError("shm all_reduce", 1, [{**bucket, "tag": 2}, {**barrier, "tag": 3}])
+    error = comm._out_of_step(behind)
+    assert isinstance(error, ReplicaDivergenceError)
+    assert (error.field, error.values, error.step) == ("step", (2, 3), 2)
+    assert error.replicas == ("replica:0 (rank 0)", "replica:1 (rank 1)")
+    assert "step is 2 on replica:0 (rank 0) but 3 on replica:1 (rank 1)" in str(error)
+    # Same step, different tensors: not a divergence of steps; the mismatch stays as it is.
+    assert (
+        comm._out_of_step(CollectiveMismatchError("shm all_reduce", 1, [{**bucket, "tag": 2}, {**barrier, "tag": 2}]))
+        is None
+    )

@@ -49,21 +49,25 @@ def reference():
     with torch.random.fork_rng(devices=[]):
         for precision, opt in (("fp32", "adam"), ("fp32", "sgd"), ("bf16", "sgd")):
             refs[precision if opt == "adam" else f"{precision}-{opt}"] = script.reference(precision, opt)
+        refs["cnn_nhwc"] = script.reference("fp32", "adam", "cnn_nhwc")
     return refs
 
 
 # Every two-replica variant of the aot_eager / autocast cases, run in ONE program: MirroredStrategy
 # and CentralStorageStrategy run on the same two replica processes one after the other, each variant
 # with a fresh model, optimizer and strategy (process start-up, not training, is what these cost).
-def _variant(kind: str, compile_: str, backend: str, precision: str, opt: str) -> str:
-    return ",".join((kind, compile_, backend, precision, opt))
+def _variant(kind: str, compile_: str, backend: str, precision: str, opt: str, *model: str) -> str:
+    return ",".join((kind, compile_, backend, precision, opt, *model))
 
 
 COMPILED_CASES = [("one_device", 1, "step"), ("mirrored", 2, "step"), ("mirrored", 2, "model"), ("central", 2, "step")]
 BF16_KINDS = ["mirrored", "central"]
-TWO_REPLICA_VARIANTS = [_variant(k, c, "aot_eager", "fp32", "adam") for k, n, c in COMPILED_CASES if n == 2] + [
-    _variant(k, "none", "-", "bf16", "sgd") for k in BF16_KINDS
-]
+CHANNELS_LAST_CASES = ["none", "step"]  # eager, and the step under @phalanx.function
+TWO_REPLICA_VARIANTS = (
+    [_variant(k, c, "aot_eager", "fp32", "adam") for k, n, c in COMPILED_CASES if n == 2]
+    + [_variant(k, "none", "-", "bf16", "sgd") for k in BF16_KINDS]
+    + [_variant("mirrored", c, "aot_eager", "fp32", "adam", "cnn_nhwc") for c in CHANNELS_LAST_CASES]
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +124,18 @@ def test_inductor_compiled_step_under_mirrored(tmp_path, reference):
     assert res.returncode == 0, res.logs()
     assert "could not compile" not in res.output, res.output
     _check(tmp_path / variant, 2, reference["fp32"], 1e-5)
+
+
+@pytest.mark.parametrize("compile_", CHANNELS_LAST_CASES)
+def test_channels_last_gradients_match_one_eager_device(two_replica_runs, reference, compile_):
+    """A CNN in channels_last (PyTorch's advice for convolutions on the CPU): its weight gradients'
+    bytes are not in NCHW order, so the gradient buckets must flatten and write back by index, not
+    by memory order: a mix-up permutes gradient entries and moves the parameters by ~0.1 here."""
+    folder = two_replica_runs[0][_variant("mirrored", compile_, "aot_eager", "fp32", "adam", "cnn_nhwc")]
+    diff = _check(folder, 2, reference["cnn_nhwc"], 1e-5)
+    params, _ = _state(folder, 0)
+    assert params["3.weight"].is_contiguous(memory_format=torch.channels_last)  # it was saved as trained
+    print(f"\nchannels_last CNN, mirrored x2, compiled {compile_}: max diff {diff:.3g}")
 
 
 @pytest.mark.parametrize("kind", BF16_KINDS)

@@ -7,6 +7,7 @@ step and 2 s, over the shared-memory path (default) and gloo (``PHALANX_SHM=0``)
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -27,10 +28,14 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     res = run_job(
-        [sys.executable, str(SCRIPT), "accumulate", str(out), "-", "reference", "1", "2", "plain"], timeout=60, cwd=out
+        [sys.executable, str(SCRIPT), "accumulate", str(out), "sgd", "reference", "1", "2", "plain"],
+        timeout=60,
+        cwd=out,
     )
     assert res.returncode == 0, res.logs()
-    return {(opt, micro): _load(out / f"params_{opt}_{micro}.pt") for opt in ("sgd", "adam") for micro in (2, 4)}
+    found = {(opt, micro): _load(out / f"params_{opt}_{micro}.pt") for opt in ("sgd", "adam") for micro in (2, 4)}
+    found["sgd", 2, "thaw"] = _load(out / "params_sgd_2_thaw.pt")
+    return found
 
 
 def _check(out: Path, world: int, reference: dict) -> float:
@@ -50,6 +55,11 @@ def _check(out: Path, world: int, reference: dict) -> float:
         ("mirrored", 2, "sgd", 4, "no_sync"),
         ("central", 2, "sgd", 2, "plain"),
         ("central", 2, "adam", 4, "no_sync"),
+        # Fine-tuning: a layer created frozen and unfrozen later has its gradients summed from then
+        # on (they were not: the replicas drifted apart), and one frozen later is left alone (it
+        # was moved by a zero gradient's momentum).
+        ("mirrored", 2, "sgd", 2, "thaw"),
+        ("central", 2, "sgd", 2, "thaw"),
     ],
 )
 def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, opt, micro, mode):
@@ -59,7 +69,7 @@ def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, o
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.logs()
-    diff = _check(tmp_path, n, references[opt, micro])
+    diff = _check(tmp_path, n, references[(opt, micro, "thaw") if mode == "thaw" else (opt, micro)])
     print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
     assert diff < 1e-5
 
@@ -130,17 +140,35 @@ def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, 
         assert field in marks[0].group(5)
 
 
-def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(tmp_path):
+@pytest.fixture(scope="module")
+def central_restore_job(tmp_path_factory):
+    """CentralStorage x2, replica 1 "restoring" other values at step 3; then one step counted with
+    the guard on and one with it off."""
+    cwd = tmp_path_factory.mktemp("central_restore")
+    return run_job([sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=cwd)
+
+
+def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(central_restore_job):
     # CentralStorage keeps one shared copy of the trainable variables: what replica 1 writes into
     # them (the restore case's "restore" on replica 1 only) is what replica 0 reads, so the
     # fingerprints after mark_parameters_changed() agree and training ends with equal parameters.
-    res = run_job(
-        [sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=tmp_path
-    )
+    res = central_restore_job
     logs = res.logs()
     assert res.returncode == 0, logs
     ends = dict(re.findall(r"NOT DIVERGED (\d) (\S+)", logs))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], logs[-3000:]
+
+
+def test_the_guard_adds_no_collective_under_central_storage_on_shared_memory(central_restore_job):
+    # On one host the gradient buckets are all-reduced through shared memory (every replica gets
+    # the sum), so the guard rides on the first one as under Mirrored: a step with the guard on
+    # runs the same collectives as one with it off: the two barriers and the bucket.
+    logs = central_restore_job.logs()
+    assert central_restore_job.returncode == 0, logs
+    counts = {int(r): json.loads(c) for r, c in re.findall(r"COLLECTIVES (\d) (\{.*\})", logs)}
+    assert set(counts) == {0, 1}, logs[-3000:]
+    for rank, per_step in counts.items():
+        assert per_step["on"] == per_step["off"] == {"all_reduce": 3, "reduce": 0}, (rank, per_step)
 
 
 def test_different_global_batch_per_worker_is_caught(tmp_path):

@@ -63,8 +63,11 @@ def test_missing_peer_is_named_within_rendezvous_timeout(tmp_path):
     rec = _record(tmp_path, 0)
     assert results[0].returncode != 0
     assert rec["error"] == "RendezvousTimeoutError" and "worker:1" in rec["message"], rec
-    print(f"\nmissing peer: raised after {elapsed:.2f}s (rendezvous timeout 4s): {rec['message'][:160]}")
-    assert elapsed < 4 + 2 + 3  # + interpreter start-up and torch import
+    waited = rec["t_error"] - rec["t_start"]
+    print(f"\nmissing peer: raised {waited:.2f}s after the strategy began (rendezvous timeout 4s; job {elapsed:.1f}s)")
+    # From the strategy's construction: the job's wall time also counts interpreter start-up and
+    # torch's import, which took over 5 s on a loaded 2-core host.
+    assert waited < 4 + 2
 
 
 def test_mismatched_cluster_specs_fail_on_every_worker(tmp_path):

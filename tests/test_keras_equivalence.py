@@ -23,7 +23,16 @@ SCRIPT = Path(__file__).parent / "scripts" / "keras_equivalence.py"
 # One thread per process: on a small shared CI host, OpenMP pools of several processes (two
 # "workers" on one host, or other jobs) fight over the cores and a step can take 10x longer.
 ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
-COMPARED = ["sgd", "adam", "subclassed_dataloader", "pydataset", "lazy_sequential", "accumulate_sgd", "accumulate_adam"]
+COMPARED = [
+    "sgd",
+    "adam",
+    "subclassed_dataloader",
+    "pydataset",
+    "lazy_sequential",
+    "accumulate_sgd",
+    "accumulate_adam",
+    "fine_tune",
+]
 ALL = COMPARED + ["batchnorm"]
 TOL = 1e-5
 

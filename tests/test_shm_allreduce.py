@@ -221,6 +221,33 @@ def scenario_mismatch(comm, rank, world, store):
     return {"type": None}
 
 
+def scenario_tagged_mismatch(comm, rank, world, store):
+    from phalanx.errors import CollectiveMismatchError
+
+    # A tag is not part of the match: equal calls with different tags are reduced.
+    t = torch.ones(4)
+    comm.all_reduce(t, tag=100 + rank)
+    agreed = t.tolist()
+    # The last rank is one step behind: its small int64 barrier meets its peers' large float32
+    # gradient bucket (the chunked path), at step 7 while they are at step 8.
+    behind = rank == world - 1
+    x = torch.zeros(8, dtype=torch.int64) if behind else torch.ones(300_001)
+    start = time.time()
+    try:
+        comm.all_reduce(x, tag=7 if behind else 8)
+    except CollectiveMismatchError as e:
+        return {
+            "agreed": agreed,
+            "type": type(e).__name__,
+            "tags": e.tags,
+            "calls": [[c["numel"], c["dtype"], c["op"]] for c in e.calls],
+            "message": str(e),
+            "waited": time.time() - start,
+            "closed_after": comm._closed,
+        }
+    return {"agreed": agreed, "type": None}
+
+
 def _child_main(args: dict) -> None:
     import faulthandler
 
@@ -426,6 +453,18 @@ def test_stalled_peer_raises_collective_timeout(tmp_path):
 def test_mismatched_tensors_raise_instead_of_corrupting(tmp_path):
     results = _launch(tmp_path, 2, "mismatch")
     assert [r["type"] for r in results] == ["DistributedRuntimeError"] * 2, results
+
+
+def test_a_tagged_mismatch_names_every_ranks_call_and_tag(tmp_path):
+    # What the CentralStorage strategy turns into a ReplicaDivergenceError naming both steps.
+    results = _launch(tmp_path, 3, "tagged_mismatch")
+    for r in results:
+        assert r["agreed"] == [3.0] * 4, r
+        assert r["type"] == "CollectiveMismatchError", r
+        assert r["tags"] == [8, 8, 7], r
+        assert r["calls"] == [[300_001, "float32", "sum"]] * 2 + [[8, "int64", "sum"]], r
+        assert "tag=7" in r["message"] and "tag=8" in r["message"], r
+        assert r["waited"] < 2.0 and r["closed_after"], r
 
 
 # ---------------------------------------------------------------------------- in-process tests

@@ -79,15 +79,26 @@ def _run(args: argparse.Namespace) -> int:
     return run_job(spec)
 
 
+def _visible_gpus() -> int:
+    """CUDA devices this process sees; 0 without importing torch on a host with no NVIDIA driver.
+
+    Only a host with the driver can have CUDA devices: elsewhere the launcher spares itself
+    importing torch (1.5 s of CPU) just to count none.
+    """
+    if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _oversubscription_warning(nproc: int) -> str | None:
     """A warning when ``-n`` starts more replica processes than this host has GPUs or CPU cores.
 
     More replicas than devices still trains correctly (useful for testing), but replicas then
     share a device, and every synchronous step waits for the slowest of them.
     """
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = _visible_gpus()
     if gpus:
         if nproc > gpus:
             return (
@@ -171,6 +182,17 @@ def _version() -> str:
     return f"phalanx {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``, importing torch for its version only when asked (``phalanx run`` never is)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(_version())  # to stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx",
@@ -179,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="TensorFlow's tf.distribute strategies for PyTorch and Keras: launch a job, run the demo, "
         "or benchmark.",
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="cmd", metavar="{run,demo,bench}")
 
     run = sub.add_parser(
@@ -297,9 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     code = int(args.func(args) or 0)
     if from_command_line and args.func is _run:
-        # The launcher is done (every replica has ended) but it imported torch with phalanx, whose
-        # interpreter teardown took seconds under load: the job's end would lag its exit status.
-        # Nothing is left to clean up, so end now.
+        # The launcher is done (every replica has ended) and nothing is left to clean up: end now,
+        # so the job's exit status never waits on the interpreter's teardown (seconds under load
+        # when the launcher still imported torch).
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)

@@ -191,6 +191,44 @@ class WriteError(DistributedRuntimeError):
     """The chief failed to write a file every replica waits for (``model.save`` under a strategy)."""
 
 
+class CollectiveMismatchError(DistributedRuntimeError):
+    """The ranks met in one collective with calls that do not match (tensor size, dtype or op).
+
+    Raised on every rank at the same call. Each call carries a *tag*, an integer its caller
+    attached (phalanx's communicator passes the step), so the error says what each rank was doing:
+    ranks at different tags are out of step, not merely passing different tensors.
+
+    Attributes:
+        operation: the collective, e.g. ``"shm all_reduce"``.
+        rank: the rank that raised (an index among the ranks of the collective).
+        calls: every rank's call in rank order, as ``{"numel", "dtype", "op", "tag"}`` (``tag``
+            None where the caller attached none).
+    """
+
+    def __init__(self, operation: str, rank: int, calls: list[dict[str, Any]]) -> None:
+        self.operation, self.rank, self.calls = operation, rank, calls
+        mine = calls[rank]
+        shown = "; ".join(
+            f"rank {j}: numel={c['numel']} {c['dtype']} {c['op']}"
+            + (f" tag={c['tag']}" if c["tag"] is not None else "")
+            for j, c in enumerate(calls)
+        )
+        bad = [
+            j
+            for j, c in enumerate(calls)
+            if (c["numel"], c["dtype"], c["op"]) != (mine["numel"], mine["dtype"], mine["op"])
+        ]
+        super().__init__(
+            f"{operation}: ranks {bad} passed a different numel/dtype/op than rank {rank} ({shown}).",
+            hint="call the collective with the same tensor shape, dtype and op, in the same order, on every rank",
+        )
+
+    @property
+    def tags(self) -> list[int | None]:
+        """Every rank's tag, in rank order."""
+        return [c["tag"] for c in self.calls]
+
+
 class ReplicaDivergenceError(DistributedRuntimeError):
     """Replicas that must agree do not: a different step, global batch size, batch or parameters.
 

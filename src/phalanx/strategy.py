@@ -129,6 +129,9 @@ class StrategyExtended:
         self._reducer: GradientReducer | None = None
         self._step = 0
         self._synced: set[int] = set()  # ids of the parameters made identical (a WeakSet would compare tensors)
+        # Synchronised parameters created frozen (requires_grad=False): their gradients join the
+        # all-reduce when they are unfrozen (fine-tuning), checked at every `run`.
+        self._frozen: list[torch.nn.Parameter] = []
         self._checked_first_run = comm.world_size == 1
         # Every collective carries the replicas' step, batch and (first step, after a restore)
         # parameter fingerprint, so replicas that drifted apart fail within one step.
@@ -312,6 +315,18 @@ class StrategyExtended:
         for t in (*params, *buffers):  # a Checkpoint made outside scope() finds its strategy through them
             self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
+        self._frozen += [p for p in params if not p.requires_grad]
+        if self._comm.world_size > 1:
+            self._attach_gradient_sync(params)
+
+    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
+        """Parameters created frozen that now require gradients join the gradient synchronisation.
+
+        Collective: every replica unfreezes the same parameters before the same ``run`` (the
+        guard's fingerprint, due again, checks that they still agree). A replica that does not
+        meets buckets of another size: a typed error, not silent drift.
+        """
+        self.mark_parameters_changed()
         if self._comm.world_size > 1:
             self._attach_gradient_sync(params)
 
@@ -342,6 +357,10 @@ class StrategyExtended:
 
     def _before_run(self) -> None:
         self._sync_new_variables()
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            thawed = [p for p in self._frozen if p.requires_grad]
+            self._frozen = [p for p in self._frozen if not p.requires_grad]
+            self._adopt_thawed(thawed)
         if self._buffers and self._comm.world_size > 1:
             # Replicas' running statistics (BatchNorm) drift apart; DDP re-broadcasts them per
             # step from replica 0 by default, and so do we.
@@ -436,8 +455,9 @@ class StrategyExtended:
         """Turns the consistency guard on (the default) or off; call it on every replica at the same point.
 
         The guard adds ``4 x num_replicas`` numbers to each gradient all-reduce and to
-        ``strategy.reduce``; under CentralStorageStrategy, whose gradients reach replica 0 only,
-        they travel in small all-reduces of their own (its cost is measured by
+        ``strategy.reduce``; under CentralStorageStrategy also to the step's two barriers, and
+        where its gradients reach replica 0 only (gloo, without shared memory) they travel in one
+        more small all-reduce of their own (its cost is measured by
         ``python -m benchmarks.consistency``).
         """
         guard = self._guard if self._guard is not None else self._disabled_guard

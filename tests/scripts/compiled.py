@@ -3,12 +3,14 @@
 Usage: python compiled.py OUT_DIR STRATEGY N VARIANT [VARIANT ...]
   STRATEGY: one_device | mirrored | central | mwms | mixed (mirrored and central variants in one
     program: both strategies run on the same N replica processes, one after the other)
-  VARIANT: KIND,COMPILE,BACKEND,PRECISION,OPTIMIZER, each run with a fresh model, optimizer and
-    strategy; replica k writes OUT_DIR/VARIANT/params_k.pt and losses_k.json
+  VARIANT: KIND,COMPILE,BACKEND,PRECISION,OPTIMIZER[,MODEL], each run with a fresh model, optimizer
+    and strategy; replica k writes OUT_DIR/VARIANT/params_k.pt and losses_k.json
     KIND: the strategy kind (one_device | mirrored | central | mwms)
     COMPILE: none | model (torch.compile(model)) | step (@phalanx.function on the distributed step)
     PRECISION: fp32 | bf16 (torch.autocast on the CPU)
     OPTIMIZER: adam | sgd (momentum 0.9)
+    MODEL: mlp (default) | cnn_nhwc (a small CNN in channels_last: weights, activations and so
+      gradients whose memory order is not their NCHW index order)
 
 :func:`reference` (plain PyTorch on one device, eager) is imported by the test and run in its own
 process: it needs no replica.
@@ -30,7 +32,20 @@ import phalanx as px  # noqa: E402
 STEPS, GLOBAL_BATCH, FEATURES = 8, 24, 10
 
 
-def make_model():
+def make_model(name="mlp"):
+    if name == "cnn_nhwc":
+        # The second convolution's weight (6, 4, 2, 2) in channels_last has strides (16, 1, 8, 4): its
+        # gradient's bytes are not in NCHW order, which the gradient buckets must respect.
+        return torch.nn.Sequential(
+            torch.nn.Unflatten(1, (1, 2, FEATURES // 2)),
+            torch.nn.Conv2d(1, 4, 2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(4, 6, 2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(6 * 2 * 3, 1),
+        ).to(memory_format=torch.channels_last)
     return torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
     )
@@ -60,11 +75,11 @@ def strategy_for(kind, n):
     return px.MirroredStrategy([f"cpu:{i}" for i in range(n)], cross_device_ops=px.NcclAllReduce())
 
 
-def reference(precision, opt_name):
+def reference(precision, opt_name, model_name="mlp"):
     """Plain PyTorch on one device, eager: (state dict, losses). Seeds the global generator."""
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(model_name)
     opt = make_optimizer(opt_name, model.parameters())
     losses = []
     for x, y in data():
@@ -78,13 +93,13 @@ def reference(precision, opt_name):
 
 
 def run_variant(out, n, variant):
-    kind, compile_, backend, precision, opt_name = variant.split(",")
+    kind, compile_, backend, precision, opt_name, *model_name = variant.split(",")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     strategy = strategy_for(kind, n)
     rank = px.process_index()
     torch.manual_seed(0 if rank == 0 else 99)  # the first sync must make replicas equal
     with strategy.scope():
-        model = make_model()
+        model = make_model(*model_name)
         opt = make_optimizer(opt_name, model.parameters())
     forward = torch.compile(model, backend=backend) if compile_ == "model" else model
 

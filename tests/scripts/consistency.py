@@ -1,13 +1,15 @@
 """Replicas that must not drift apart (issue 13), as a user's custom loop meets them.
 
 Usage:
-    python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync; KIND: reference |
-                                                                   mirrored | central | mwms)
+    python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync | thaw; KIND:
+                                                                   reference | mirrored | central | mwms)
     python consistency.py diverge CASE KIND N [noreduce]         (CASE: skip | outside_scope | batch_size |
                                                                    restore)
 
 ``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
-each (gradients accumulated without zero_grad). ``diverge`` prints, on each replica that catches
+each (gradients accumulated without zero_grad). In ``thaw`` mode the first layer is created frozen
+and unfrozen from the second step on, and the last layer frozen for the third step (fine-tuning's
+usual moves), as :func:`trainable`. ``diverge`` prints, on each replica that catches
 it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
 re-raises. With ``noreduce`` the loop calls no ``strategy.reduce``: only the gradient collectives
 can catch the divergence.
@@ -15,6 +17,7 @@ can catch the divergence.
 
 import contextlib
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -46,6 +49,14 @@ def micro_batches(micro, size=GLOBAL):
     return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
+def trainable(model, step):
+    """The thaw schedule: layer 0 frozen at step 0, layer 2 frozen at step 2, the rest trainable."""
+    for p in model[0].parameters():
+        p.requires_grad_(step >= 1)
+    for p in model[2].parameters():
+        p.requires_grad_(step < 2)
+
+
 def make_strategy(kind, n):
     if kind == "central":
         return px.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
@@ -68,12 +79,25 @@ def accumulate(out, opt_name, kind, n, micro, mode):
                         opt.step()
                         opt.zero_grad()
                 torch.save(model.state_dict(), os.path.join(out, f"params_{name}_{k}.pt"))
+        torch.manual_seed(0)
+        model = make_model()
+        trainable(model, 0)
+        opt = make_optimizer(opt_name, model.parameters())
+        for i, (x, y) in enumerate(micro_batches(micro)):
+            trainable(model, i // micro)
+            (((model(x) - y) ** 2).sum() / (GLOBAL * micro)).backward()
+            if (i + 1) % micro == 0:
+                opt.step()
+                opt.zero_grad()
+        torch.save(model.state_dict(), os.path.join(out, f"params_{opt_name}_{micro}_thaw.pt"))
         return
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(0 if rank == 0 else 99)  # the scope's broadcast must make them equal
     with strategy.scope():
         model = make_model()
+        if mode == "thaw":
+            trainable(model, 0)
         opt = make_optimizer(opt_name, model.parameters())
 
     def forward_backward(x, y, last):
@@ -86,6 +110,8 @@ def accumulate(out, opt_name, kind, n, micro, mode):
 
     for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
         last = (i + 1) % micro == 0
+        if mode == "thaw":
+            trainable(model, i // micro)
         with strategy.extended.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
             strategy.run(forward_backward, args=(x, y, last))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
@@ -140,6 +166,40 @@ def diverge(case, kind, n, use_reduce=True):
         raise
     digest = sum(float(p.double().sum()) for p in model.parameters())
     print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
+    if kind == "central":
+        count_collectives(strategy, model, opt, data)
+
+
+def count_collectives(strategy, model, opt, data):
+    """Prints ``COLLECTIVES <rank> <json>``: the collectives of one training step, guard on and off."""
+    comm = strategy.extended._comm
+    calls = {"all_reduce": 0, "reduce": 0}
+
+    def counted(name):
+        method = getattr(comm, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    comm.all_reduce, comm.reduce = counted("all_reduce"), counted("reduce")  # this instance only
+
+    def step(x, y):
+        opt.zero_grad()
+        px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1)).backward()
+        opt.step()
+
+    per_step = {}
+    x, y = next(iter(strategy.experimental_distribute_dataset(data[:1])))
+    for on in (True, False):
+        strategy.extended.set_consistency_checks(on)
+        strategy.run(step, args=(x, y))  # a step after the switch; the next is counted
+        before = dict(calls)
+        strategy.run(step, args=(x, y))
+        per_step["on" if on else "off"] = {k: calls[k] - before[k] for k in calls}
+    print(f"COLLECTIVES {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def save():
 
 
 try:
+    record["t_start"] = time.time()  # after the imports: interpreter start-up is not phalanx's
     strategy = px.MultiWorkerMirroredStrategy(
         communication_options=px.CommunicationOptions(timeout_seconds=float(os.environ.get("FAULT_TIMEOUT", "5")))
     )

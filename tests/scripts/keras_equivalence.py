@@ -10,7 +10,8 @@ Each case writes ``{prefix}_{case}_{rank}.npz`` (weights, predictions) and ``.js
 evaluate). Cases: an SGD-with-momentum Sequential with L2 regularisation whose last batch has one
 row (replicas without rows); an Adam functional model with validation_split; a lazily built
 subclassed model fitted on a torch DataLoader with validation_data; a PyDataset; a Sequential
-without input shape, adapted with ``phalanx.keras.distribute``; and a BatchNormalization model
+without input shape, adapted with ``phalanx.keras.distribute``; fine-tuning (a frozen base
+unfrozen for a second fit); and a BatchNormalization model
 (only replica consistency is checked for it: each replica normalises with its own batch's statistics).
 """
 
@@ -169,6 +170,31 @@ def case_accumulate_adam():
     return model, lambda: model.fit(x, y, epochs=2, batch_size=GLOBAL_BATCH, shuffle=True, verbose=0)
 
 
+def case_fine_tune():
+    # Transfer learning's usual moves: train a head over a frozen base, then unfreeze the base,
+    # compile again and fine-tune everything (the base's gradients were never summed: the
+    # replicas drifted apart silently).
+    strategy = px.get_strategy()
+    base = keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(8, activation="tanh")])
+    base.trainable = False
+    model = keras.Sequential([keras.Input((FEATURES,)), base, keras.layers.Dense(CLASSES, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
+    x, y = data(192, 11)
+
+    def fit():
+        model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, verbose=0)
+        with strategy.scope():
+            base.trainable = True
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                loss="sparse_categorical_crossentropy",
+                metrics=["accuracy"],
+            )
+        return model.fit(x, y, epochs=1, batch_size=GLOBAL_BATCH, verbose=0)
+
+    return model, fit
+
+
 CASES = {
     "sgd": case_sgd,
     "adam": case_adam,
@@ -178,6 +204,7 @@ CASES = {
     "batchnorm": case_batchnorm,
     "accumulate_sgd": case_accumulate_sgd,
     "accumulate_adam": case_accumulate_adam,
+    "fine_tune": case_fine_tune,
 }
 
 

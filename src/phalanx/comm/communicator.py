@@ -40,7 +40,13 @@ import torch.distributed as dist
 
 from phalanx.comm import health, process_group, rendezvous
 from phalanx.comm.memory_store import InMemoryStore
-from phalanx.errors import CollectiveTimeoutError, PeerUnavailableError, PhalanxError
+from phalanx.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerUnavailableError,
+    PhalanxError,
+    ReplicaDivergenceError,
+)
 
 HEARTBEAT_INTERVAL = health.HEARTBEAT_INTERVAL  # read at construction (tests shorten it)
 _TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -260,6 +266,7 @@ class ProcessGroupCommunicator:
             name=spec.name,
         )
         self._subgroups: list[Any] = []
+        self._host_ranks: list[int] = []  # the global ranks of this host, in shared-memory rank order
         with self.errors_for("process group creation"):
             self.pg = process_group.make_group(
                 backend,
@@ -298,6 +305,7 @@ class ProcessGroupCommunicator:
         if len(hosts) > 1 and len({len(v) for v in hosts.values()}) != 1:
             return None, None  # uneven hosts: plain gloo keeps every rank's collectives alike
         shm = None
+        self._host_ranks = mine
         if len(mine) > 1:
             with self.errors_for("shared-memory set-up"):
                 shm = ShmAllReduce(
@@ -311,6 +319,15 @@ class ProcessGroupCommunicator:
             k = mine.index(self.rank)
             cross = self.subgroup([hosts[h][k] for h in order], tag=f"cross-host-{k}")
         return shm, cross
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether all-reduces of CPU tensors among this host's ranks go through shared memory.
+
+        There, a small all-reduce costs a few microseconds and a large one runs at memory speed,
+        where a gloo collective pays a loopback round trip (~200-600 us) per call.
+        """
+        return self._shm is not None
 
     # ----------------------------------------------------------------------------- failures
     def _unresponsive_peers(self) -> list[int]:
@@ -366,7 +383,13 @@ class ProcessGroupCommunicator:
     def _hierarchical_all_reduce(self, tensor: torch.Tensor, op: str, native: Any) -> Handle:
         if self._shm is not None:
             try:
-                self._shm.all_reduce(tensor, "sum" if op == "mean" else op)
+                # The step travels beside the call's signature: calls that do not match say where each rank was.
+                self._shm.all_reduce(tensor, "sum" if op == "mean" else op, tag=self.step)
+            except CollectiveMismatchError as e:
+                divergence = self._out_of_step(e)
+                if divergence is None:
+                    raise
+                raise divergence from e
             except PeerUnavailableError as e:  # keep its kind (dead vs stalled); name peers the job's way
                 peers = [self.spec.name(r) for r in self._unresponsive_peers()]
                 raise type(e)(
@@ -381,6 +404,21 @@ class ProcessGroupCommunicator:
         if op == "mean":
             tensor.div_(self.world_size) if tensor.is_floating_point() else tensor.floor_divide_(self.world_size)
         return Handle(tensor)
+
+    def _out_of_step(self, error: CollectiveMismatchError) -> ReplicaDivergenceError | None:
+        """The divergence behind calls that do not match, where the ranks were at different steps.
+
+        A replica that skipped a step (an exception its loop caught) sends its next step's first
+        collective while its peers send this step's: the tensors differ, and so do the steps.
+        Compared with the host's first rank, so every rank raises the same error.
+        """
+        tags, ranks = error.tags, self._host_ranks
+        for j, tag in enumerate(tags):
+            if tag != tags[0]:
+                return ReplicaDivergenceError(
+                    "step", (self.spec.name(ranks[0]), self.spec.name(ranks[j])), (tags[0], tag), step=tags[0]
+                )
+        return None
 
     def _wait(self, work: Any, operation: str) -> None:
         with self.errors_for(operation):

@@ -21,9 +21,11 @@ accumulates into ``.grad``, moves the earlier value aside (no copy).
 
 Consistency. An optional guard (:class:`phalanx.comm.guard.ReplicaGuard`) appends every replica's
 step, batch and parameter fingerprint to the first bucket of each pass and checks them after the
-sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`. Where the
-gradient collective does not give every replica the sum (CentralStorage reduces to replica 0),
-``guard_collective`` runs the guard in a small all-reduce of its own just before the first bucket.
+sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`. It needs
+a collective that gives every replica the sum: an all-reduce (MirroredStrategy, and CentralStorage
+on the same-host shared-memory transport, whose other replicas drop the sum). Where only one
+replica gets it (CentralStorage's gloo reduce to replica 0), ``guard_collective`` runs the guard in
+a small all-reduce of its own just before the first bucket.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class GradientReducer:
 
     Args:
         params: the parameters to synchronise (those created in ``strategy.scope()``).
-        all_reduce: ``(flat_tensor) -> handle`` starting an in-place sum; ``handle.wait()`` ends it.
+        all_reduce: ``(flat_tensor) -> handle`` starting a sum; ``handle.wait()`` ends it and returns
+            the summed tensor (the same one, or a copy of it on another device).
         bucket_bytes: target bucket size; ``bytes_per_pack`` of ``CommunicationOptions``.
         num_packs: split the parameters into at least this many buckets.
         keep_grads: write the sums into ``.grad`` (True) or drop ``.grad`` after reducing (False).
@@ -216,6 +219,12 @@ class GradientReducer:
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
+                    if not p.requires_grad:
+                        # Frozen since it was registered (fine-tuning): left as on one device,
+                        # where it gets no gradient, rather than given a zero one that an
+                        # optimizer's momentum or weight decay would still apply.
+                        offset += n
+                        continue
                     chunk = flat[offset : offset + n].view_as(p)
                     key = id(p)
                     # What .grad held before this synchronisation: set aside by the hook, or (a

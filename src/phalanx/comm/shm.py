@@ -52,13 +52,14 @@ import torch
 
 from phalanx.comm.health import alive, start_time
 from phalanx.errors import (
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     DistributedRuntimeError,
     PeerUnavailableError,
     RendezvousTimeoutError,
 )
 
-__all__ = ["ShmAllReduce"]
+__all__ = ["DTYPES", "ShmAllReduce"]
 
 _UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply, "max": np.maximum, "min": np.minimum}
 _TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
@@ -78,6 +79,7 @@ _STORAGE = {
     torch.int64: np.int64,
 }
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_STORAGE)}
+DTYPES = frozenset(_STORAGE)  # the dtypes ShmAllReduce reduces
 # numpy has no bfloat16 and no vectorised float16 math (40x slower than torch), and no
 # truncating integer division: these use torch ops of at most at::internal::GRAIN_SIZE
 # elements, which torch runs on the calling thread.
@@ -86,10 +88,11 @@ _GRAIN = 32768
 
 _MAGIC = 0x3178_6E61_6C61_6870  # b"phalanx1", little-endian
 # Control block of one rank, in int64 slots: `arrived` shares its cache line with the step
-# signatures written just before it (one line transfer per step); `reduced` sits 128 bytes
-# further so the adjacent-line prefetcher does not couple the two.
+# signatures and the callers' tags written just before it (one line transfer per step);
+# `reduced` sits 128 bytes further so the adjacent-line prefetcher does not couple the two.
 _RANK_BYTES = 256
-_ARRIVED, _SIG, _REDUCED = 0, 1, 16  # _SIG + parity
+_ARRIVED, _SIG, _TAG, _REDUCED = 0, 1, 3, 16  # _SIG + parity, _TAG + parity
+_NO_TAG = -(1 << 63)  # the tag slot of a call made without a tag
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
 
 # Tuned on a 2-core VM, 2 processes (medians of 7 interleaved rounds): up to 256 KiB one copy
@@ -237,6 +240,7 @@ class ShmAllReduce:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size}).")
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self._step = 0
+        self._tag = _NO_TAG  # the current call's tag, published beside its signature
         self._closed = False
         if world_size == 1:  # nothing to exchange
             self._finalizer = weakref.finalize(self, lambda: None)
@@ -309,13 +313,16 @@ class ShmAllReduce:
         return views
 
     # ------------------------------------------------------------------ public API
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: int | None = None) -> torch.Tensor:
         """Reduces ``tensor`` across all ranks, in place, and returns it.
 
         Args:
             tensor: a CPU tensor of any shape (non-contiguous ones are copied and written back).
             op: "sum", "mean", "max", "min" or "product". MEAN divides the rank-order sum by
                 world_size; for integer dtypes it truncates toward zero (as NCCL's ncclAvg).
+            tag: an integer published beside the call's signature (the caller's step, say). It
+                does not take part in matching the calls: it says, when they do not match, what
+                each rank was doing (see ``CollectiveMismatchError``).
 
         Returns:
             ``tensor``, holding the result, bit-identical on every rank.
@@ -323,8 +330,10 @@ class ShmAllReduce:
         Raises:
             PeerUnavailableError: a peer process exited.
             CollectiveTimeoutError: a peer did not arrive within ``timeout`` seconds.
-            DistributedRuntimeError: the ranks passed different numel/dtype/op, or this
-                instance is closed. After any error raised mid-collective the instance is closed.
+            CollectiveMismatchError: a tagged call met calls of a different numel/dtype/op; it
+                carries every rank's call and tag, and every rank raises it at the same call.
+            DistributedRuntimeError: the same for an untagged call, or this instance is closed.
+                After any error raised mid-collective the instance is closed.
         """
         key = getattr(op, "value", op)
         key = key.lower() if isinstance(key, str) else key
@@ -345,6 +354,7 @@ class ShmAllReduce:
         flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
         reduce = _Reduction(tensor.dtype, key, self.world_size)
         sig = (flat.size << 8) | (code << 3) | _OP_CODES[key]
+        self._tag = _NO_TAG if tag is None else int(tag)
         try:
             with np.errstate(all="ignore"):  # inf/nan propagate silently, as in torch
                 if flat.nbytes <= min(_SMALL_MAX_BYTES, self._chunk_bytes):
@@ -372,6 +382,7 @@ class ShmAllReduce:
         words, at = self._seg.words, (self.rank + 1) * self._stride
         if sig is not None:
             words[at + _SIG + (step & 1)] = sig
+            words[at + _TAG + (step & 1)] = self._tag
         words[at + field] = step
 
     def _small(self, flat: np.ndarray, reduce: _Reduction, sig: int) -> None:
@@ -439,11 +450,36 @@ class ShmAllReduce:
             slot = stride + _SIG + (step & 1)
             bad = [j for j in ranks if words[j * stride + slot] != sig]
             if bad:
-                raise DistributedRuntimeError(
-                    f"shm all_reduce: ranks {bad} passed a different numel/dtype/op than rank "
-                    f"{self.rank} (numel={sig >> 8}).",
-                    hint="call all_reduce with the same tensor shape, dtype and op on every rank",
-                )
+                self._mismatch(bad, sig, step)
+
+    def _mismatch(self, bad: list[int], sig: int, step: int) -> None:
+        """Raises the error of calls that do not match, naming every rank's call.
+
+        The slots read here are stable: no rank can publish step ``step + 2`` (same parity)
+        before every rank has passed this step's check, which raises on every rank alike.
+        """
+        words, stride, parity = self._seg.words, self._stride, step & 1
+        if self._tag == _NO_TAG:
+            raise DistributedRuntimeError(
+                f"shm all_reduce: ranks {bad} passed a different numel/dtype/op than rank "
+                f"{self.rank} (numel={sig >> 8}).",
+                hint="call all_reduce with the same tensor shape, dtype and op on every rank",
+            )
+        dtypes, ops = list(_STORAGE), list(_UFUNCS)
+        calls = []
+        for j in range(self.world_size):
+            theirs = words[(j + 1) * stride + _SIG + parity]
+            tag = words[(j + 1) * stride + _TAG + parity]
+            code = (theirs >> 3) & 31
+            calls.append(
+                {
+                    "numel": theirs >> 8,
+                    "dtype": str(dtypes[code]).removeprefix("torch.") if code < len(dtypes) else f"code {code}",
+                    "op": ops[theirs & 7] if (theirs & 7) < len(ops) else f"code {theirs & 7}",
+                    "tag": None if tag == _NO_TAG else tag,
+                }
+            )
+        raise CollectiveMismatchError("shm all_reduce", self.rank, calls)
 
     def _check_peers(self, pending: list[int], expired: bool) -> None:
         dead = [j for j in pending if not _alive(*self._peers[j])]

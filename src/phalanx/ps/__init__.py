@@ -24,21 +24,50 @@ Importing this package does not import gRPC or cloudpickle (the ``phalanx[ps]`` 
 loaded when a cluster is started.
 """
 
-from phalanx.ps.closures import PerWorkerDataset, PerWorkerIterator, RemoteValue
-from phalanx.ps.coordinator import ClusterCoordinator, WorkerState
-from phalanx.ps.errors import (
-    AuthenticationError,
-    CancelledError,
-    ClusterSecretError,
-    CoordinatorClosedError,
-    ParameterServerUnavailableError,
-    RemoteError,
-    TaskUnavailableError,
-    VariableError,
-    WorkerUnavailableError,
-)
-from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
-from phalanx.ps.variables import RemoteVariable, ShardedVariable
+from typing import TYPE_CHECKING
+
+from phalanx._lazy import attach
+
+# Lazy (phalanx._lazy): the cluster launcher imports phalanx.ps.launcher, which needs no torch.
+if TYPE_CHECKING:
+    from phalanx.ps.closures import PerWorkerDataset, PerWorkerIterator, RemoteValue
+    from phalanx.ps.coordinator import ClusterCoordinator, WorkerState
+    from phalanx.ps.errors import (
+        AuthenticationError,
+        CancelledError,
+        ClusterSecretError,
+        CoordinatorClosedError,
+        ParameterServerUnavailableError,
+        RemoteError,
+        TaskUnavailableError,
+        VariableError,
+        WorkerUnavailableError,
+    )
+    from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
+    from phalanx.ps.variables import RemoteVariable, ShardedVariable
+
+_ATTRIBUTES = {
+    "PerWorkerDataset": "phalanx.ps.closures",
+    "PerWorkerIterator": "phalanx.ps.closures",
+    "RemoteValue": "phalanx.ps.closures",
+    "ClusterCoordinator": "phalanx.ps.coordinator",
+    "WorkerState": "phalanx.ps.coordinator",
+    "AuthenticationError": "phalanx.ps.errors",
+    "CancelledError": "phalanx.ps.errors",
+    "ClusterSecretError": "phalanx.ps.errors",
+    "CoordinatorClosedError": "phalanx.ps.errors",
+    "ParameterServerUnavailableError": "phalanx.ps.errors",
+    "RemoteError": "phalanx.ps.errors",
+    "TaskUnavailableError": "phalanx.ps.errors",
+    "VariableError": "phalanx.ps.errors",
+    "WorkerUnavailableError": "phalanx.ps.errors",
+    "FixedShardsPartitioner": "phalanx.ps.partitioners",
+    "MaxSizePartitioner": "phalanx.ps.partitioners",
+    "MinSizePartitioner": "phalanx.ps.partitioners",
+    "Partitioner": "phalanx.ps.partitioners",
+    "RemoteVariable": "phalanx.ps.variables",
+    "ShardedVariable": "phalanx.ps.variables",
+}
 
 
 def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - ParameterServerStrategy's arguments
@@ -56,26 +85,5 @@ def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Pa
     return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
 
 
-__all__ = [
-    "AuthenticationError",
-    "CancelledError",
-    "ClusterCoordinator",
-    "ClusterSecretError",
-    "CoordinatorClosedError",
-    "FixedShardsPartitioner",
-    "MaxSizePartitioner",
-    "MinSizePartitioner",
-    "ParameterServerUnavailableError",
-    "Partitioner",
-    "PerWorkerDataset",
-    "PerWorkerIterator",
-    "RemoteError",
-    "RemoteValue",
-    "RemoteVariable",
-    "ShardedVariable",
-    "TaskUnavailableError",
-    "VariableError",
-    "WorkerState",
-    "WorkerUnavailableError",
-    "serve",
-]
+__getattr__, __dir__, __all__ = attach(__name__, (), _ATTRIBUTES)
+__all__ = [*__all__, "serve"]

@@ -7,20 +7,31 @@ memory (the *central copy*), so N replicas hold one copy of the variables, not N
 Each step:
 
 1. every replica computes its gradients on its slice of the global batch;
-2. the gradients are *reduced to replica 0* (summed);
+2. the gradients are summed for replica 0: on one host with the shared-memory transport (the
+   usual case; see :mod:`phalanx.comm.shm`) each bucket is *all-reduced* there, a few tens of
+   microseconds, and the other replicas drop the sum; without it (``PHALANX_SHM=0``, no
+   ``/dev/shm``, a dtype it does not reduce) each bucket is *reduced to replica 0* by gloo, a
+   loopback round trip of ~200-600 us;
 3. replica 0 alone applies the optimizer update to the central copy. Other replicas drop their
    gradients, so their optimizers skip every parameter and never allocate optimizer state:
    that state exists once, in replica 0, next to the variables;
 4. a barrier at the start of the next ``run`` makes the update visible before anyone reads it.
 
-Consistency. The gradients reach replica 0 only, so the consistency guard
-(:mod:`phalanx.comm.guard`) cannot ride on them as it rides on Mirrored's all-reduce. It rides on
-the collectives every replica takes part in instead: the two barriers of a step become small
-all-reduces of the guard's numbers (an all-reduce is a barrier: nobody leaves it before everyone
-arrived), and one more such all-reduce runs just before the first gradient bucket is reduced.
-All three have the same size, so a replica one step behind (an exception its loop caught) meets
-its peers' guard with its own and both raise :class:`~phalanx.errors.ReplicaDivergenceError`,
-instead of pairing a barrier with a reduce and waiting for the collective timeout.
+Consistency. The consistency guard (:mod:`phalanx.comm.guard`) also rides on the two barriers
+of a step: each is a small all-reduce of the guard's numbers (an all-reduce is a barrier: nobody
+leaves it before everyone arrived). For the gradients:
+
+* **Shared memory.** Every replica gets the first bucket's sum, so the guard rides on it as under
+  MirroredStrategy: no collective of its own, no extra wait. A replica one step behind (an
+  exception its loop caught) pairs its next step's barrier with its peers' first bucket; the
+  shared-memory transport sees calls of different sizes, and every call carries the caller's
+  step beside its size (the communicator's tag), so every replica raises
+  :class:`~phalanx.errors.ReplicaDivergenceError` naming both steps at that collective.
+* **Gloo.** Only replica 0 gets the sum of a reduce, so one more small guard all-reduce runs just
+  before the first bucket. All three guard all-reduces have the same size, so a replica one step
+  behind meets its peers' guard with its own and both raise
+  :class:`~phalanx.errors.ReplicaDivergenceError`, instead of pairing a barrier with a reduce and
+  waiting for the collective timeout.
 
 How a replica reaches the central copy depends on its compute device:
 
@@ -31,7 +42,7 @@ How a replica reaches the central copy depends on its compute device:
 
   - at the start of every ``run`` the central copy is copied into the compute copy, and each
     parameter's ``.data`` points to the compute copy for the forward and backward passes;
-  - each gradient bucket is copied to the CPU and reduced to replica 0 there;
+  - each gradient bucket is copied to the CPU and summed there (step 2 above);
   - on replica 0, as soon as the reduction of a backward pass ends (so before the
     ``optimizer.step()`` of a usual train step), each parameter's ``.data`` becomes its central
     CPU view and its ``.grad`` the summed CPU gradient: the optimizer updates the central copy
@@ -74,6 +85,7 @@ import torch
 
 from phalanx.comm.communicator import Handle
 from phalanx.comm.reducer import GradientReducer
+from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
@@ -180,6 +192,7 @@ class CentralStorageExtended(SyncExtended):
         )
         self._mappings: list[mmap.mmap] = []  # keep the shared memory mapped while parameters use it
         self._reduced_in_run = 0
+        self._all_reduce_buckets = False  # gradient buckets go by shared-memory all-reduce, not gloo's reduce
         self._copy_mode = copy_mode
         # Copy mode: (parameter, central CPU view, compute copy on the replica's device).
         self._copies: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -213,6 +226,15 @@ class CentralStorageExtended(SyncExtended):
         if params and (self._comm.world_size > 1 or self._copy_mode):
             with torch.no_grad():
                 self._centralize(params)
+
+    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
+        # Created frozen, they stayed per replica (mirrored); trainable now, they become central.
+        if self._comm.world_size > 1 or self._copy_mode:
+            with torch.no_grad():
+                self._centralize(params)
+        self.mark_parameters_changed()
+        if self._comm.world_size > 1 or self._copy_mode:
+            self._attach_gradient_sync(params)
 
     def _centralize(self, params: list[torch.nn.Parameter]) -> None:
         """Moves ``params``' data into one shared mapping per dtype (collective).
@@ -261,17 +283,32 @@ class CentralStorageExtended(SyncExtended):
 
     def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
         comm = self._comm
+        if self._reducer is None:
+            # Decided once, with the first bucket (the one the guard rides on): see the module docstring.
+            self._all_reduce_buckets = (
+                comm.world_size > 1
+                and getattr(comm, "shared_memory", False)
+                and all(p.dtype in SHM_DTYPES for p in params if p.requires_grad)
+            )
 
         def reduce_to_chief(flat: torch.Tensor) -> Handle:
             # Copy mode: the sum is made, and kept, on the CPU next to the central copy (a no-op
             # for CPU replicas; a device-to-host copy of the bucket for GPU replicas).
             flat = flat.to(_CENTRAL_DEVICE) if self._copy_mode else flat
-            if comm.world_size > 1:
-                comm.reduce(flat, dst=0)
+            if comm.world_size == 1:
+                return Handle(flat)
+            if self._all_reduce_buckets and flat.dtype in SHM_DTYPES:
+                # Every replica gets the sum (the others drop it): faster than gloo's reduce on one host.
+                return comm.all_reduce(flat, "sum")
+            comm.reduce(flat, dst=0)
             return Handle(flat)
 
-        # The guard cannot ride on a reduce (only replica 0 gets the sum): it has a collective of its own.
-        guarding = {"guard": self._guard, "guard_collective": self._exchange_guard}
+        # The guard rides on the first bucket where every replica gets its sum; where only replica 0
+        # gets it (gloo's reduce), it has a small all-reduce of its own just before that bucket.
+        guarding = {
+            "guard": self._guard,
+            "guard_collective": None if self._all_reduce_buckets else self._exchange_guard,
+        }
         if self._reducer is not None:
             self._reducer.add(params, self._bucket_bytes)
         elif self._copy_mode:
@@ -298,7 +335,8 @@ class CentralStorageExtended(SyncExtended):
         """
         if self._guard is not None:
             # No fingerprint here: replica 0 may still be writing an update into the shared copy
-            # (the reason for this barrier). The one before the first gradient bucket carries it.
+            # (the reason for this barrier). The first gradient bucket (or, on gloo, the guard
+            # all-reduce just before it) carries it.
             self._exchange_guard(self._guard, with_parameters=False)
         elif self._comm.world_size > 1:
             self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
