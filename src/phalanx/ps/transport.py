@@ -6,13 +6,14 @@ stream of raw ``bytes`` chunks (identity serializers); :mod:`phalanx.ps.wire` do
 and the authentication. A method that is not registered is answered ``UNIMPLEMENTED`` by gRPC
 itself, so a peer can call nothing but a service's own operations.
 
-Refusing cheaply. A frame travels in chunks of at most ``wire.CHUNK_BYTES`` (1 MiB), so gRPC is
-told to refuse any larger message (``grpc.max_receive_message_length``) from its length prefix,
-and a model of any size still fits. A request must deliver its first ``HEAD_BYTES`` (enough for
-a signed head) within ``HEAD_TIMEOUT`` seconds or it is cancelled, and the service verifies the
-head before it reads the rest (:class:`phalanx.ps.wire.Verifier` admits a bounded number of
-unverified requests at once). The server runs at most ``max_concurrent_rpcs`` calls at once
-(gRPC's ``maximum_concurrent_rpcs``; more are answered ``RESOURCE_EXHAUSTED``, which callers retry).
+Refusing cheaply. A frame travels in messages of at most ``wire.MAX_MESSAGE_BYTES`` (1 MiB and
+1 KiB: a frame that fits, else chunks of 1 MiB), so gRPC is told to refuse any larger message
+(``grpc.max_receive_message_length``) from its length prefix, and a model of any size still fits.
+A request must deliver its first ``HEAD_BYTES`` (enough for a signed head) within
+``HEAD_TIMEOUT`` seconds or it is cancelled, and the service verifies the head before it reads
+the rest (:class:`phalanx.ps.wire.Verifier` admits a bounded number of unverified requests at
+once). The server runs at most ``max_concurrent_rpcs`` calls at once (gRPC's
+``maximum_concurrent_rpcs``; more are answered ``RESOURCE_EXHAUSTED``, which callers retry).
 
 TLS is used when ``PHALANX_TLS_CERT`` / ``PHALANX_TLS_KEY`` (and, for mutual TLS,
 ``PHALANX_TLS_CA``) are set: :mod:`phalanx.ps.tls`.
