@@ -16,11 +16,12 @@ FACADES = {"phalanx": SRC / "__init__.py", "phalanx.ps": SRC / "ps" / "__init__.
 
 
 def test_launchers_do_not_import_torch():
-    """`phalanx run`'s supervisor (and `phalanx --help`) imported torch through the eager facade:
+    """`phalanx run`'s supervisor, the parameter-server launcher and `phalanx --help` imported torch
+    (through the eager facade, and the wire for the secret's name):
     1.5 s of CPU and ~300 MB per launcher, for a process that only starts and watches others."""
     code = """
 import sys
-import phalanx, phalanx.launch.runner, phalanx.launch.self_launch, phalanx.launch.supervisor
+import phalanx, phalanx.launch.runner, phalanx.launch.self_launch, phalanx.launch.supervisor, phalanx.ps.launcher
 from phalanx.cli import _oversubscription_warning, build_parser
 build_parser().parse_args(["run", "-n", "2", "train.py"])
 _oversubscription_warning(64)

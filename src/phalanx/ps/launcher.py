@@ -40,7 +40,7 @@ from phalanx.launch.supervisor import (
     stop_on_signal,
     wait_for_the_rest,
 )
-from phalanx.ps.wire import SECRET_ENV, generate_secret
+from phalanx.ps.secret import SECRET_ENV, generate_secret
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ from typing import Any
 import torch
 
 from phalanx.ps.errors import AuthenticationError, ClusterSecretError, OverloadedError, ProtocolError
+from phalanx.ps.secret import MIN_SECRET_CHARS, SECRET_ENV, generate_secret  # noqa: F401 - re-exported
 
 MAGIC = b"PHX3"  # PHX2 frames carried a Poly1305 body tag
 CALL, REPLY = 0, 1
@@ -97,8 +98,6 @@ REPLAY_WINDOW = 1024
 MAX_SENDERS = 4096
 DEFAULT_CLOCK_SKEW = 60.0
 CLOCK_SKEW_ENV = "PHALANX_CLOCK_SKEW"
-SECRET_ENV = "PHALANX_CLUSTER_SECRET"
-MIN_SECRET_CHARS = 16
 _ALIGN = 16
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_TASK_BYTES = 255
@@ -160,11 +159,6 @@ def cluster_secret(explicit: str | bytes | None = None, environ: Mapping[str, st
     if len(raw) < MIN_SECRET_CHARS:
         raise ClusterSecretError(f"<{len(raw)} characters>", f"must be at least {MIN_SECRET_CHARS} characters")
     return raw
-
-
-def generate_secret() -> str:
-    """A fresh random secret (64 hex characters)."""
-    return secrets.token_hex(32)
 
 
 def clock_skew(environ: Mapping[str, str] | None = None) -> float:
