@@ -172,7 +172,7 @@ def diverge(case, kind, n, use_reduce=True):
 
 def count_collectives(strategy, model, opt, data):
     """Prints ``COLLECTIVES <rank> <json>``: the collectives of one training step, guard on and off."""
-    comm = strategy.extended._comm
+    comm = strategy.extended.communicator
     calls = {"all_reduce": 0, "reduce": 0}
 
     def counted(name):
