@@ -228,13 +228,14 @@ class CentralStorageExtended(SyncExtended):
                 self._centralize(params)
 
     def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
-        # Created frozen, they stayed per replica (mirrored); trainable now, they become central.
+        # Created frozen, they stayed per replica (mirrored); trainable now, they become central,
+        # as _sync_new_variables makes trainable ones (one copy-mode replica included).
         if self._comm.world_size > 1 or self._copy_mode:
             with torch.no_grad():
                 self._centralize(params)
-        self.mark_parameters_changed()
-        if self._comm.world_size > 1 or self._copy_mode:
-            self._attach_gradient_sync(params)
+            if self._comm.world_size == 1:
+                self._attach_gradient_sync(params)  # the base class attaches only with peers
+        super()._adopt_thawed(params)
 
     def _centralize(self, params: list[torch.nn.Parameter]) -> None:
         """Moves ``params``' data into one shared mapping per dtype (collective).
