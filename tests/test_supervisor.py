@@ -251,6 +251,47 @@ def _wait_ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
     return [int((tmp_path / f"pid_{r}").read_text()) for r in range(2)]
 
 
+def _threads_taking(pid: int, sig: int) -> list[int]:
+    """The thread ids of ``pid`` that neither block nor ignore ``sig`` (from /proc)."""
+    takers = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
+        fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        if not (int(fields["SigBlk"], 16) | int(fields["SigIgn"], 16)) >> (sig - 1) & 1:
+            takers.append(int(task.name))
+    return takers
+
+
+def _hung_job_report(proc: subprocess.Popen, tmp_path: Path, pids: list[int]) -> str:
+    """What a job that outlived its bound was doing: each replica's threads and signal state, its
+    Python stack (py-spy, where installed), then the job's output and replica logs."""
+    parts = []
+    for pid in pids:
+        if not psutil.pid_exists(pid):
+            parts.append(f"pid {pid}: gone")
+            continue
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
+            try:
+                comm = (task / "comm").read_text().strip()
+                sig = [
+                    ln for ln in (task / "status").read_text().splitlines() if ln.startswith(("State", "Sig", "ShdPnd"))
+                ]
+                parts.append(f"pid {pid} thread {task.name} ({comm}): " + "; ".join(sig))
+            except OSError:
+                pass
+        try:
+            parts.append(
+                subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20).stdout
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            parts.append(f"(no py-spy stack: {e})")
+    _cleanup(proc)
+    out = proc.communicate()[0]  # all of it: what the timed-out communicate() had read is kept
+    parts.append("--- the job's output:\n" + out)
+    for log in sorted(tmp_path.glob("logs/*/*.log")):
+        parts.append(f"--- {log.name}:\n" + log.read_text(errors="replace")[-4000:])
+    return "\n".join(parts)
+
+
 def _cleanup(proc: subprocess.Popen) -> None:
     for p in _session_processes(proc.pid) if proc.poll() is None else []:
         p.kill()
@@ -264,12 +305,20 @@ def test_sigint_to_replica_0_only_ends_the_job_within_two_seconds(tmp_path, laun
     proc = _start(launcher, tmp_path, "zero_sleeps")
     try:
         pids = _wait_ready(proc, tmp_path)
+        # Only replica 0's main thread may take the signal: one delivered to a helper thread (gloo's,
+        # the store's, a watcher) does not wake a main thread asleep in time.sleep (seen: 30 s hang).
+        if launcher == "self":  # the process the user started (under `phalanx run`, a plain child)
+            takers = _threads_taking(pids[0], signal.SIGINT)
+            assert takers == [pids[0]], (
+                f"threads of replica 0 that can take SIGINT: {takers} (main: {pids[0]}; none: it inherited "
+                "SIGINT ignored)\n" + _hung_job_report(proc, tmp_path, pids)
+            )
         sent = time.time()
         os.kill(pids[0], signal.SIGINT)  # an IDE's stop button: replica 0's pid only
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail("the job outlived SIGINT to replica 0 by 30 s")
+            pytest.fail("the job outlived SIGINT to replica 0 by 30 s\n" + _hung_job_report(proc, tmp_path, pids))
         took = time.time() - sent
     finally:
         _cleanup(proc)

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.comm import health, process_group, rendezvous
 from phalanx.comm.memory_store import InMemoryStore
 from phalanx.errors import (
@@ -267,7 +268,8 @@ class ProcessGroupCommunicator:
         )
         self._subgroups: list[Any] = []
         self._host_ranks: list[int] = []  # the global ranks of this host, in shared-memory rank order
-        with self.errors_for("process group creation"):
+        # gloo's threads start here; peers have all checked in above, so this is short.
+        with self.errors_for("process group creation"), helper_threads_ignore_stop_signals():
             self.pg = process_group.make_group(
                 backend,
                 dist.PrefixStore("pg", self._store),

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
+
 HEARTBEAT_INTERVAL = 0.25  # seconds; a peer whose counter stops for 4 intervals is unresponsive
 
 
@@ -65,7 +67,8 @@ class Heartbeat:
         self._store, self._rank, self._interval = store, rank, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
-        self._thread.start()
+        with helper_threads_ignore_stop_signals():  # a Ctrl-C must wake the main thread, not this one
+            self._thread.start()
 
     def _beat(self) -> None:
         count = 0

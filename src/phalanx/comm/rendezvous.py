@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.cluster.placement import compare_fingerprints
 from phalanx.errors import ClusterSpecError, ClusterSpecMismatchError, RendezvousTimeoutError
 
@@ -132,9 +133,16 @@ def connect_store(
     delta = datetime.timedelta(seconds=timeout)
     if rank == 0:
         sock = listen_socket(bind_addr or master_addr, master_port, task)
-        return dist.TCPStore(
-            master_addr, master_port, world_size, True, delta, wait_for_workers=False, master_listen_fd=sock.detach()
-        )
+        with helper_threads_ignore_stop_signals():  # the store's server thread: a Ctrl-C is for the main one
+            return dist.TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                True,
+                delta,
+                wait_for_workers=False,
+                master_listen_fd=sock.detach(),
+            )
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -144,7 +152,8 @@ def connect_store(
             box["error"] = e
 
     helper = threading.Thread(target=connect, name="phalanx-store-connect", daemon=True)
-    helper.start()
+    with helper_threads_ignore_stop_signals():  # and so the client's native threads it starts
+        helper.start()
     helper.join(timeout)
     if "store" in box:
         return box["store"]

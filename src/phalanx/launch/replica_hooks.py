@@ -22,6 +22,8 @@ import sys
 import threading
 from typing import Any
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
+
 _WATCH_PERIOD = 0.25  # seconds
 _installed = False
 
@@ -131,4 +133,5 @@ def _watch_parent() -> None:
                 finally:
                     os._exit(1)
 
-    threading.Thread(target=watch, name="phalanx-parent-watch", daemon=True).start()
+    with helper_threads_ignore_stop_signals():  # a Ctrl-C must wake the main thread, not this one
+        threading.Thread(target=watch, name="phalanx-parent-watch", daemon=True).start()

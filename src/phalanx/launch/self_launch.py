@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
 from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
@@ -111,7 +112,8 @@ class ReplicaLauncher:
         self._install_excepthook()
         atexit.register(self.finish)
         self._watcher = threading.Thread(target=self._watch, name="phalanx-replica-watcher", daemon=True)
-        self._watcher.start()
+        with helper_threads_ignore_stop_signals():  # a Ctrl-C must wake the main thread, not this one
+            self._watcher.start()
 
     def log_path(self, rank: int) -> str:
         return self.run.log_path(f"replica_{rank}")
