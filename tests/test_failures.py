@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import free_ports, run_job, run_jobs, tf_config
 
 FAULTS = Path(__file__).parent / "scripts" / "faults.py"
@@ -91,21 +93,27 @@ def test_mismatched_cluster_specs_fail_on_every_worker(tmp_path):
     assert elapsed < 10 + 2 + 3
 
 
-def test_uneven_inputs_end_together_with_identical_replicas(tmp_path):
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory):
+    """One fault-free 2-worker job (worker 1 has 3 more batches) that also reports its listeners."""
+    out = tmp_path_factory.mktemp("uneven")
     start = time.monotonic()
-    results = run_jobs(_jobs(tmp_path, "uneven"), timeout=60, cwd=tmp_path)
+    results = run_jobs(_jobs(out, "uneven"), timeout=60, cwd=out)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    a, b = _record(tmp_path, 0), _record(tmp_path, 1)
+    return out, time.monotonic() - start
+
+
+def test_uneven_inputs_end_together_with_identical_replicas(uneven_run):
+    out, took = uneven_run
+    a, b = _record(out, 0), _record(out, 1)
     assert a["steps"] == b["steps"] == 11, (a["steps"], b["steps"])  # the longer input decides
     assert a["params"] == b["params"]
-    print(f"\nuneven inputs: both stopped after {a['steps']} steps in {time.monotonic() - start:.2f}s")
+    print(f"\nuneven inputs: both stopped after {a['steps']} steps in {took:.2f}s")
 
 
-def test_listeners_bind_to_the_task_address_only(tmp_path):
-    results = run_jobs(_jobs(tmp_path, "listeners"), timeout=60, cwd=tmp_path)
-    assert all(r.returncode == 0 for r in results), [r.output for r in results]
+def test_listeners_bind_to_the_task_address_only(uneven_run):
     for i in range(2):
-        rec = _record(tmp_path, i)
+        rec = _record(uneven_run[0], i)
         mine = [line for line in rec["ss"].splitlines() if f"pid={rec['pid']}," in line]
         assert mine, rec["ss"]  # gloo listens in every process
         for line in mine:
