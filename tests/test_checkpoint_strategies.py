@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import phalanx as px
@@ -63,8 +64,34 @@ def _one_device_objects():
     return strategy, objects, ckpt
 
 
-def test_mirrored_to_one_device_and_to_plain_pytorch(tmp_path):
-    out = _job(tmp_path, "mirrored", ["mirrored", "--train", "3", "--save"])
+STAGES = [("central", "central"), ("mirrored", "mirrored"), ("central_again", "central")]
+
+
+@pytest.fixture(scope="module")
+def chain_run(tmp_path_factory):
+    """OneDevice (here) -> CentralStorage(2) -> Mirrored(2) -> CentralStorage(2), the three stages in
+    one self-launched program, each under a fresh strategy on the same two processes, restoring from
+    disk what the stage before saved (process start-up is most of what a job costs). The Mirrored(2)
+    stage's checkpoint is also the source of the Mirrored -> OneDevice / plain PyTorch test."""
+    root = tmp_path_factory.mktemp("chain")
+    strategy, objects, ckpt = _one_device_objects()
+    rt.train(strategy, objects, 2)
+    source = root / "one_device"
+    CheckpointManager(ckpt, str(source / "ckpts"), max_to_keep=1).save()
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(root), "--chain", str(source / "ckpts"), "2"]
+        + [f"{name}:{kind}" for name, kind in STAGES],
+        timeout=180,
+        cwd=root,
+        env=ENV,
+        log_dir=root / "logs-chain",
+    )
+    assert res.returncode == 0, res.logs()[-6000:]
+    return root, rt.dump(objects)
+
+
+def test_mirrored_to_one_device_and_to_plain_pytorch(chain_run):
+    out = chain_run[0] / "mirrored"  # saved by Mirrored(2) after 2 Adam steps of its own
     saved = _load(out / "saved.pt")
     path = latest_checkpoint(str(out / "ckpts"))
     assert storage_saved_by(path) == {"strategy": "MirroredStrategy", "num_replicas_in_sync": 2}
@@ -93,26 +120,11 @@ def test_multi_worker_two_workers_to_three(tmp_path):
         _assert_same(saved, _load(three / f"restored_{rank}.pt"), f"MWMS 2 workers -> 3 workers, rank {rank}")
 
 
-def test_one_device_to_central_storage_to_mirrored_and_back(tmp_path):
-    strategy, objects, ckpt = _one_device_objects()
-    rt.train(strategy, objects, 2)
-    source = tmp_path / "one_device"
-    CheckpointManager(ckpt, str(source / "ckpts"), max_to_keep=1).save()
-    chain = [("one_device", rt.dump(objects), source)]
-    stages = [("central", "central"), ("mirrored", "mirrored"), ("central_again", "central")]
-    # One program runs the three stages, each under a fresh strategy on the same two processes,
-    # restoring from disk what the stage before saved (process start-up is most of what a job costs).
-    res = run_job(
-        [sys.executable, str(SCRIPT), str(tmp_path), "--chain", str(source / "ckpts"), "2"]
-        + [f"{name}:{kind}" for name, kind in stages],
-        timeout=180,
-        cwd=tmp_path,
-        env=ENV,
-        log_dir=tmp_path / "logs-chain",
-    )
-    assert res.returncode == 0, res.logs()[-6000:]
-    for name, _ in stages:
-        out = tmp_path / name
+def test_one_device_to_central_storage_to_mirrored_and_back(chain_run):
+    root, one_device = chain_run
+    chain = [("one_device", one_device, root / "one_device")]
+    for name, _ in STAGES:
+        out = root / name
         for rank in range(2):
             _assert_same(chain[-1][1], _load(out / f"restored_{rank}.pt"), f"{chain[-1][0]} -> {name}, rank {rank}")
         chain.append((name, _load(out / "saved.pt"), out))
