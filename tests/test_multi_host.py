@@ -5,7 +5,7 @@ Skipped, with the reason, where namespaces cannot be created (not root, no iprou
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -58,7 +58,20 @@ def two_hosts():
             _ip("netns", "delete", n)
 
 
-def test_two_hosts_training_matches_one_device(tmp_path, two_hosts):
+@pytest.fixture(scope="module")
+def sgd_reference() -> dict[str, torch.Tensor]:
+    """Plain PyTorch on one device, computed here: bitwise what ``equivalence.py OUT sgd reference``
+    saves, without a process of its own (as tests/test_multi_worker.py does). At module set-up,
+    before any test's hygiene snapshot: the first optimizer step sets TORCHINDUCTOR_CACHE_DIR in
+    os.environ once per process. fork_rng: the reference seeds the global generator."""
+    spec = importlib.util.spec_from_file_location("_equivalence_script", EQUIV)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with torch.random.fork_rng(devices=[]):
+        return {k: v.detach().clone() for k, v in script.reference("sgd").state_dict().items()}
+
+
+def test_two_hosts_training_matches_one_device(tmp_path, two_hosts, sgd_reference):
     workers = [f"{addr}:29611" for _, addr in two_hosts]
     jobs = [
         (
@@ -69,15 +82,7 @@ def test_two_hosts_training_matches_one_device(tmp_path, two_hosts):
     ]
     results = run_jobs(jobs, timeout=120, cwd=tmp_path)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    subprocess.run(
-        [sys.executable, str(EQUIV), str(ref_dir), "sgd", "reference"],
-        check=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
-    )
-    ref = torch.load(ref_dir / "params_0.pt", weights_only=True)
+    ref = sgd_reference
     a, b = (torch.load(tmp_path / f"params_{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
     diff = max(float((a[k] - ref[k]).abs().max()) for k in a)
@@ -90,7 +95,7 @@ def test_two_hosts_listeners_use_the_host_address(tmp_path, two_hosts):
 
     workers = [f"{addr}:29612" for _, addr in two_hosts]
     jobs = [
-        (["ip", "netns", "exec", ns, sys.executable, str(FAULTS), str(tmp_path), "listeners"], tf_config(workers, i))
+        (["ip", "netns", "exec", ns, sys.executable, str(FAULTS), str(tmp_path), "uneven"], tf_config(workers, i))
         for i, (ns, _) in enumerate(two_hosts)
     ]
     results = run_jobs(jobs, timeout=90, cwd=tmp_path)
