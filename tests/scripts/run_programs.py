@@ -35,7 +35,8 @@ import types
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 _PLAN = json.loads(os.environ["PHALANX_TEST_PROGRAMS"])
-_HOME = os.getcwd()
+# The job's folder: replicas that a program's strategy starts begin in that program's folder.
+_HOME = os.environ.setdefault("PHALANX_TEST_PROGRAMS_HOME", os.getcwd())
 _PATH0 = sys.path[0]
 _REPLICA = int(os.environ.get("PHALANX_RANK", "0"))
 
