@@ -73,7 +73,9 @@ def two_cpu_job(tmp_path_factory) -> tuple[Path, str]:
 def reference(two_cpu_job) -> Path:
     """Plain Keras and OneDeviceStrategy, in one process (the first of the two-CPU job)."""
     out, failure = two_cpu_job
-    missing = [f"{p}_{case}_0.json" for p in ("ref", "one") for case in ALL if not (out / f"{p}_{case}_0.json").exists()]
+    missing = [
+        f"{p}_{case}_0.json" for p in ("ref", "one") for case in ALL if not (out / f"{p}_{case}_0.json").exists()
+    ]
     assert not missing, (missing, failure)
     return out
 
