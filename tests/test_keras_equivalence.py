@@ -65,7 +65,7 @@ def two_cpu_job(tmp_path_factory) -> tuple[Path, str]:
     strategies one after the other on it and the replica it starts. (output directory, failure log)"""
     out = tmp_path_factory.mktemp("keras-two-cpus")
     mode = ",".join(["reference", *TWO_CPU_MODES])
-    res = run_job([sys.executable, str(SCRIPT), str(out), mode], timeout=300, cwd=out, env=ENV)
+    res = run_job([sys.executable, str(SCRIPT), str(out), mode], timeout=150 + 240, cwd=out, env=ENV)
     return out, "" if res.returncode == 0 else f"the job exited {res.returncode}\n{res.logs()[-8000:]}"
 
 

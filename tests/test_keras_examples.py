@@ -50,7 +50,7 @@ def self_launched_job(tmp_path_factory) -> tuple[int, str, str]:
     CentralStorage runs, on one process that self-launches one more."""
     out = tmp_path_factory.mktemp("examples-self-launched")
     cmd = [sys.executable, str(RUN_PROGRAMS)]
-    res = run_job(cmd, timeout=60 * len(SELF_LAUNCHED) + 120, cwd=out, env={**ENV, **_plan(SELF_LAUNCHED)})
+    res = run_job(cmd, timeout=150 * len(SELF_LAUNCHED), cwd=out, env={**ENV, **_plan(SELF_LAUNCHED)})
     other = "\n".join(p.read_text(errors="replace") for p in res.log_dir.rglob("replica_*.log"))
     return res.returncode, res.logs() if res.returncode != 0 else res.output, other
 

@@ -147,7 +147,7 @@ def two_replica_job(tmp_path_factory) -> tuple[Path, int, str]:
     for index, body in enumerate((CUSTOM_LOOP, KERAS_FIT)):
         (out / f"program_{index}.py").write_text(PRELUDE + body)
         programs.append([out / f"program_{index}.py", out / str(index) / "tb"])
-    res = run_job([sys.executable, str(RUN_PROGRAMS)], timeout=240, cwd=out, env=programs_job_env(programs))
+    res = run_job([sys.executable, str(RUN_PROGRAMS)], timeout=120 + 180, cwd=out, env=programs_job_env(programs))
     return out, res.returncode, res.logs() if res.returncode != 0 else res.output
 
 

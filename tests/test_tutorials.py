@@ -36,7 +36,7 @@ def mirrored_job(tmp_path_factory) -> tuple[int, str]:
     out = tmp_path_factory.mktemp("tutorials-mirrored")
     cmd = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(RUN_PROGRAMS)]
     env = {**ENV, **programs_job_env([[TUTORIALS / name] for name in MIRRORED])}
-    res = run_job(cmd, timeout=60 * len(MIRRORED) + 120, cwd=out, env=env)
+    res = run_job(cmd, timeout=240 * len(MIRRORED), cwd=out, env=env)
     return res.returncode, res.logs() if res.returncode != 0 else res.output
 
 
@@ -47,7 +47,7 @@ def multi_worker_job(tmp_path_factory) -> list[tuple[int, str]]:
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     cmd = [sys.executable, str(RUN_PROGRAMS)]
     env = {**ENV, **programs_job_env([[TUTORIALS / name] for name in MULTI_WORKER])}
-    results = run_jobs([(cmd, {**env, **tf_config(workers, i)}) for i in range(2)], timeout=360, cwd=out)
+    results = run_jobs([(cmd, {**env, **tf_config(workers, i)}) for i in range(2)], timeout=240 * len(MULTI_WORKER), cwd=out)
     return [(r.returncode, r.output) for r in results]
 
 
