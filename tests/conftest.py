@@ -255,7 +255,7 @@ def program_output(returncode: int, output: str, index: int, count: int, name: s
     """
     start, end = f"<<< START {index}\n", f"<<< END {index}\n"
     if start not in output:
-        pytest.fail(f"{name} did not run: an earlier program of the same job failed\n{output[-8000:]}")
+        pytest.fail(f"{name} did not run (the job never started it: an earlier program failed?)\n{output[-8000:]}")
     text = output.split(start, 1)[1]
     if end not in text:
         pytest.fail(f"{name} did not finish (the job exited {returncode})\n{text[-8000:]}")

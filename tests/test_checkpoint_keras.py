@@ -32,7 +32,12 @@ SELF_LAUNCHED = ["one_device", "mirrored"]  # one job: one_device on the first p
 @pytest.fixture(scope="module")
 def self_launched_job(tmp_path_factory) -> tuple[Path, int, str]:
     out = tmp_path_factory.mktemp("backup-self-launched")
-    res = run_job([sys.executable, str(SCRIPT), str(out), ",".join(SELF_LAUNCHED)], timeout=150 * len(SELF_LAUNCHED), cwd=out, env=ENV)
+    res = run_job(
+        [sys.executable, str(SCRIPT), str(out), ",".join(SELF_LAUNCHED)],
+        timeout=150 * len(SELF_LAUNCHED),
+        cwd=out,
+        env=ENV,
+    )
     return out, res.returncode, res.logs()[-6000:]
 
 

@@ -47,7 +47,9 @@ def multi_worker_job(tmp_path_factory) -> list[tuple[int, str]]:
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     cmd = [sys.executable, str(RUN_PROGRAMS)]
     env = {**ENV, **programs_job_env([[TUTORIALS / name] for name in MULTI_WORKER])}
-    results = run_jobs([(cmd, {**env, **tf_config(workers, i)}) for i in range(2)], timeout=240 * len(MULTI_WORKER), cwd=out)
+    results = run_jobs(
+        [(cmd, {**env, **tf_config(workers, i)}) for i in range(2)], timeout=240 * len(MULTI_WORKER), cwd=out
+    )
     return [(r.returncode, r.output) for r in results]
 
 
