@@ -7,6 +7,7 @@ step and 2 s, over the shared-memory path (default) and gloo (``PHALANX_SHM=0``)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -24,18 +25,20 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
+def _load_script():
+    spec = importlib.util.spec_from_file_location("_consistency_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    res = run_job(
-        [sys.executable, str(SCRIPT), "accumulate", str(out), "sgd", "reference", "1", "2", "plain"],
-        timeout=60,
-        cwd=out,
-    )
-    assert res.returncode == 0, res.logs()
-    found = {(opt, micro): _load(out / f"params_{opt}_{micro}.pt") for opt in ("sgd", "adam") for micro in (2, 4)}
-    found["sgd", 2, "thaw"] = _load(out / "params_sgd_2_thaw.pt")
-    return found
+def references():
+    """Plain PyTorch on one device: computed here, it needs no process of its own (fork_rng: it
+    seeds the global generator, which the tests after it must not see). Module scope puts it before
+    any test's hygiene snapshot: Adam's first step sets TORCHINDUCTOR_CACHE_DIR once per process."""
+    with torch.random.fork_rng(devices=[]):
+        return _load_script().references()
 
 
 def _check(out: Path, world: int, reference: dict) -> float:
@@ -45,50 +48,78 @@ def _check(out: Path, world: int, reference: dict) -> float:
     return max(float((replicas[0][k] - reference[k]).abs().max()) for k in reference)
 
 
-@pytest.mark.parametrize(
-    "kind,n,opt,micro,mode",
-    [
-        ("mirrored", 2, "sgd", 2, "plain"),
-        ("mirrored", 2, "adam", 4, "plain"),
-        ("mirrored", 3, "sgd", 4, "plain"),
-        ("mirrored", 3, "adam", 2, "no_sync"),
-        ("mirrored", 2, "sgd", 4, "no_sync"),
-        ("central", 2, "sgd", 2, "plain"),
-        ("central", 2, "adam", 4, "no_sync"),
-        # Fine-tuning: a layer created frozen and unfrozen later has its gradients summed from then
-        # on (they were not: the replicas drifted apart), and one frozen later is left alone (it
-        # was moved by a zero gradient's momentum).
-        ("mirrored", 2, "sgd", 2, "thaw"),
-        ("central", 2, "sgd", 2, "thaw"),
-    ],
-)
-def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, opt, micro, mode):
-    res = run_job(
-        [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, kind, str(n), str(micro), mode],
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert res.returncode == 0, res.logs()
-    diff = _check(tmp_path, n, references[(opt, micro, "thaw") if mode == "thaw" else (opt, micro)])
-    print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
-    assert diff < 1e-5
+ACCUMULATE_CASES = [
+    ("mirrored", 2, "sgd", 2, "plain"),
+    ("mirrored", 2, "adam", 4, "plain"),
+    ("mirrored", 3, "sgd", 4, "plain"),
+    ("mirrored", 3, "adam", 2, "no_sync"),
+    ("mirrored", 2, "sgd", 4, "no_sync"),
+    ("central", 2, "sgd", 2, "plain"),
+    ("central", 2, "adam", 4, "no_sync"),
+    # Fine-tuning: a layer created frozen and unfrozen later has its gradients summed from then
+    # on (they were not: the replicas drifted apart), and one frozen later is left alone (it
+    # was moved by a zero gradient's momentum).
+    ("mirrored", 2, "sgd", 2, "thaw"),
+    ("central", 2, "sgd", 2, "thaw"),
+]
+MWMS_CASES = [("sgd", 2, "plain"), ("adam", 4, "no_sync")]
 
 
-@pytest.mark.parametrize("opt,micro,mode", [("sgd", 2, "plain"), ("adam", 4, "no_sync")])
-def test_accumulated_gradients_match_one_device_two_workers(tmp_path, references, opt, micro, mode):
+def _case(kind: str, opt: str, micro: int, mode: str) -> str:
+    return f"{kind},{opt},{micro},{mode}"
+
+
+@pytest.fixture(scope="module")
+def accumulate_runs(tmp_path_factory):
+    """{world: folder}: every case on N local replicas in ONE job, Mirrored and CentralStorage one
+    after the other on the same N processes (start-up, not training, is what a case costs); each
+    world size's job started on first use. A job that fails names its failing case (CASE lines)."""
+    done: dict[int, Path] = {}
+
+    def run(n: int) -> Path:
+        if n not in done:
+            out = tmp_path_factory.mktemp(f"accumulate_x{n}")
+            cases = [_case(k, o, m, mode) for k, w, o, m, mode in ACCUMULATE_CASES if w == n]
+            res = run_job([sys.executable, str(SCRIPT), "accumulate", str(out), str(n), *cases], timeout=240, cwd=out)
+            assert res.returncode == 0, res.logs()
+            done[n] = out
+        return done[n]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def mwms_accumulate_run(tmp_path_factory):
+    """Both MWMS cases in one two-worker job, one after the other."""
+    out = tmp_path_factory.mktemp("accumulate_mwms")
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    cases = [_case("mwms", o, m, mode) for o, m, mode in MWMS_CASES]
     jobs = [
-        (
-            [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, "mwms", "2", str(micro), mode],
-            tf_config(workers, i),
-        )
-        for i in range(2)
+        ([sys.executable, str(SCRIPT), "accumulate", str(out), "2", *cases], tf_config(workers, i)) for i in range(2)
     ]
-    results = run_jobs(jobs, timeout=120, cwd=tmp_path)
+    results = run_jobs(jobs, timeout=180, cwd=out)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    diff = _check(tmp_path, 2, references[opt, micro])
+    return out
+
+
+@pytest.mark.parametrize("kind,n,opt,micro,mode", ACCUMULATE_CASES)
+def test_accumulated_gradients_match_one_device(accumulate_runs, references, kind, n, opt, micro, mode):
+    case = _case(kind, opt, micro, mode)
+    folder = accumulate_runs(n) / case
+    assert (folder / "params_0.pt").exists(), f"case {case} x{n} wrote no result"
+    diff = _check(folder, n, references[(opt, micro, "thaw") if mode == "thaw" else (opt, micro)])
+    print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
+    assert diff < 1e-5, f"case {case} x{n}: max diff {diff:.3g}"
+
+
+@pytest.mark.parametrize("opt,micro,mode", MWMS_CASES)
+def test_accumulated_gradients_match_one_device_two_workers(mwms_accumulate_run, references, opt, micro, mode):
+    case = _case("mwms", opt, micro, mode)
+    folder = mwms_accumulate_run / case
+    assert (folder / "params_0.pt").exists(), f"case {case} wrote no result"
+    diff = _check(folder, 2, references[opt, micro])
     print(f"\nMWMS 2 workers {opt} {micro} micro-batches ({mode}): max diff {diff:.3g}")
-    assert diff < 1e-5
+    assert diff < 1e-5, f"case {case}: max diff {diff:.3g}"
 
 
 _MARK = re.compile(r"DIVERGED (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")

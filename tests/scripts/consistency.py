@@ -1,13 +1,17 @@
 """Replicas that must not drift apart (issue 13), as a user's custom loop meets them.
 
 Usage:
-    python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync | thaw; KIND:
-                                                                   reference | mirrored | central | mwms)
+    python consistency.py accumulate OUT N CASE [CASE ...]        (CASE: KIND,OPT,MICRO,MODE; KIND:
+                                                                   mirrored | central | mwms; MODE:
+                                                                   plain | no_sync | thaw)
     python consistency.py diverge CASE KIND N [noreduce]         (CASE: skip | outside_scope | batch_size |
                                                                    restore)
 
 ``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
-each (gradients accumulated without zero_grad). In ``thaw`` mode the first layer is created frozen
+each (gradients accumulated without zero_grad), to ``OUT/CASE/params_<rank>.pt``. The cases run one
+after the other on the same N processes (a fresh strategy, model and optimizer each: process
+start-up is most of what a case costs); the one-device references come from :func:`references`,
+which the test calls in its own process. In ``thaw`` mode the first layer is created frozen
 and unfrozen from the second step on, and the last layer frozen for the third step (fine-tuning's
 usual moves), as :func:`trainable`. ``diverge`` prints, on each replica that catches
 it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
@@ -25,7 +29,8 @@ import time
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a replica process; not the test process that imports references()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import phalanx as px
 from phalanx.errors import ReplicaDivergenceError
@@ -65,32 +70,46 @@ def make_strategy(kind, n):
     return px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
 
 
-def accumulate(out, opt_name, kind, n, micro, mode):
-    data = micro_batches(micro)
-    if kind == "reference":  # every (optimizer, micro-batches) pair at once: one process start
-        for name in ("sgd", "adam"):
-            for k in (2, 4):
-                torch.manual_seed(0)
-                model = make_model()
-                opt = make_optimizer(name, model.parameters())
-                for i, (x, y) in enumerate(micro_batches(k)):
-                    (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
-                    if (i + 1) % k == 0:
-                        opt.step()
-                        opt.zero_grad()
-                torch.save(model.state_dict(), os.path.join(out, f"params_{name}_{k}.pt"))
+def references():
+    """Plain PyTorch on one device: {(opt, micro): params} and {(opt, micro, "thaw"): params}."""
+    found = {}
+    for name in ("sgd", "adam"):
+        for k in (2, 4):
+            torch.manual_seed(0)
+            model = make_model()
+            opt = make_optimizer(name, model.parameters())
+            for i, (x, y) in enumerate(micro_batches(k)):
+                (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+                if (i + 1) % k == 0:
+                    opt.step()
+                    opt.zero_grad()
+            found[name, k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+    for name, k in (("sgd", 2),):  # the thaw cases' schedule
         torch.manual_seed(0)
         model = make_model()
         trainable(model, 0)
-        opt = make_optimizer(opt_name, model.parameters())
-        for i, (x, y) in enumerate(micro_batches(micro)):
-            trainable(model, i // micro)
-            (((model(x) - y) ** 2).sum() / (GLOBAL * micro)).backward()
-            if (i + 1) % micro == 0:
+        opt = make_optimizer(name, model.parameters())
+        for i, (x, y) in enumerate(micro_batches(k)):
+            trainable(model, i // k)
+            (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+            if (i + 1) % k == 0:
                 opt.step()
                 opt.zero_grad()
-        torch.save(model.state_dict(), os.path.join(out, f"params_{opt_name}_{micro}_thaw.pt"))
-        return
+        found[name, k, "thaw"] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+    return found
+
+
+def accumulate_cases(out, n, cases):
+    for case in cases:
+        kind, opt_name, micro, mode = case.split(",")
+        print(f"CASE {case} begins", flush=True)  # a failing case is named in the job's log
+        folder = os.path.join(out, case)
+        os.makedirs(folder, exist_ok=True)
+        accumulate(folder, opt_name, kind, n, int(micro), mode)
+
+
+def accumulate(out, opt_name, kind, n, micro, mode):
+    data = micro_batches(micro)
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(0 if rank == 0 else 99)  # the scope's broadcast must make them equal
@@ -115,6 +134,7 @@ def accumulate(out, opt_name, kind, n, micro, mode):
         with strategy.extended.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
             strategy.run(forward_backward, args=(x, y, last))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
+    strategy.close()
 
 
 def diverge(case, kind, n, use_reduce=True):
@@ -204,8 +224,7 @@ def count_collectives(strategy, model, opt, data):
 
 if __name__ == "__main__":
     if sys.argv[1] == "accumulate":
-        out, opt_name, kind, n, micro, mode = sys.argv[2:8]
-        accumulate(out, opt_name, kind, int(n), int(micro), mode)
+        accumulate_cases(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
     else:
         case, kind, n = sys.argv[2:5]
         diverge(case, kind, int(n), use_reduce=sys.argv[5:6] != ["noreduce"])
