@@ -122,7 +122,7 @@ def test_accumulated_gradients_match_one_device_two_workers(mwms_accumulate_run,
     assert diff < 1e-5, f"case {case}: max diff {diff:.3g}"
 
 
-_MARK = re.compile(r"DIVERGED (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
+_MARK = re.compile(r"DIVERGED (\S+) (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
 
 
 _CASES = [
@@ -137,56 +137,85 @@ _CASES = [
 # CentralStorage: the gradients go to replica 0 only, and the loop calls no strategy.reduce, so
 # only the guard's own collectives can catch the divergence (on shared memory; the skipped step,
 # where the pairing of collectives matters, on gloo too). Its restore case is below.
-@pytest.mark.parametrize(
-    "kind,shm,case,field",
+DIVERGENCE_CASES = (
     [("mirrored", shm, *c) for shm in ("1", "0") for c in _CASES]
     + [("central", "1", *c) for c in _CASES[:3]]
-    + [("central", "0", *_CASES[0])],
+    + [("central", "0", *_CASES[0])]
 )
-def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, field, shm):
-    res = run_job(
-        [sys.executable, str(SCRIPT), "diverge", case, kind, "2", "reduce" if kind == "mirrored" else "noreduce"],
-        timeout=90,
-        cwd=tmp_path,
-        env={"PHALANX_SHM": shm},
-    )
-    logs = res.logs()
-    assert res.returncode != 0, logs
-    marks = {int(m.group(1)): m for m in _MARK.finditer(logs)}
-    assert set(marks) == {0, 1}, logs[-5000:]
-    # The divergence exists once both replicas reached the step where it starts (they may start
-    # their loops at different times); a replica that detects it alone is timed from its own step.
-    began = max(float(m.group(3)) for m in marks.values())
-    for m in marks.values():
-        assert m.group(4) in ("ReplicaDivergenceError", "UnsynchronizedParameterError")
-        elapsed = float(m.group(2)) - (float(m.group(3)) if case == "outside_scope" else began)
-        print(
-            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
-            f"{m.group(5)[:160]}"
-        )
-        assert elapsed < 2.0
-    if field == "parameters":
-        assert "Linear.bias (shape (1,))" in marks[0].group(5)
-    else:
-        assert field in marks[0].group(5)
+CENTRAL_RESTORE = "restore,central,noreduce"
+
+
+def _label(kind: str, case: str) -> str:
+    return f"{case},{kind},{'reduce' if kind == 'mirrored' else 'noreduce'}"
 
 
 @pytest.fixture(scope="module")
-def central_restore_job(tmp_path_factory):
+def divergence_jobs(tmp_path_factory):
+    """{shm: job}: every divergence case of one collective path in ONE two-replica job, one after the
+    other on the same processes, each with a fresh strategy (a case that diverged closes its strategy;
+    the job re-raises the first divergence at its end); the shared-memory job ends with the
+    CentralStorage restore case, which must not diverge. Each job is started on first use."""
+    done = {}
+
+    def run(shm: str):
+        if shm not in done:
+            cwd = tmp_path_factory.mktemp(f"diverge_shm{shm}")
+            labels = [_label(kind, case) for kind, s, case, _ in DIVERGENCE_CASES if s == shm]
+            labels += [CENTRAL_RESTORE] if shm == "1" else []
+            done[shm] = run_job(
+                [sys.executable, str(SCRIPT), "diverge-many", "2", *labels],
+                timeout=240,
+                cwd=cwd,
+                env={"PHALANX_SHM": shm},
+            )
+        return done[shm]
+
+    return run
+
+
+@pytest.mark.parametrize("kind,shm,case,field", DIVERGENCE_CASES)
+def test_divergence_raises_on_every_replica_within_a_step(divergence_jobs, kind, case, field, shm):
+    res = divergence_jobs(shm)
+    label = _label(kind, case)
+    logs = res.logs()
+    assert res.returncode != 0, logs  # the job fails as one that stopped at its first divergence
+    marks = {int(m.group(2)): m for m in _MARK.finditer(logs) if m.group(1) == label}
+    assert set(marks) == {0, 1}, f"case {label}: not caught on every replica\n{logs[-5000:]}"
+    # The divergence exists once both replicas reached the step where it starts (they may start
+    # their loops at different times); a replica that detects it alone is timed from its own step.
+    began = max(float(m.group(4)) for m in marks.values())
+    for m in marks.values():
+        assert m.group(5) in ("ReplicaDivergenceError", "UnsynchronizedParameterError"), label
+        elapsed = float(m.group(3)) - (float(m.group(4)) if case == "outside_scope" else began)
+        print(
+            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(2)} raised {elapsed * 1000:.0f} ms after the divergence: "
+            f"{m.group(6)[:160]}"
+        )
+        assert elapsed < 2.0, label
+    if field == "parameters":
+        assert "Linear.bias (shape (1,))" in marks[0].group(6), label
+    else:
+        assert field in marks[0].group(6), label
+
+
+@pytest.fixture(scope="module")
+def central_restore_job(divergence_jobs):
     """CentralStorage x2, replica 1 "restoring" other values at step 3; then one step counted with
-    the guard on and one with it off."""
-    cwd = tmp_path_factory.mktemp("central_restore")
-    return run_job([sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=cwd)
+    the guard on and one with it off: the last case of the shared-memory divergence job."""
+    res = divergence_jobs("1")
+    logs = res.logs()
+    done = set(re.findall(rf"CASE {re.escape(CENTRAL_RESTORE)} done (\d)", logs))
+    # Each replica ended the case normally (no error of any kind: the job would have stopped there).
+    assert done == {"0", "1"}, logs[-5000:]
+    return logs
 
 
 def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(central_restore_job):
     # CentralStorage keeps one shared copy of the trainable variables: what replica 1 writes into
     # them (the restore case's "restore" on replica 1 only) is what replica 0 reads, so the
     # fingerprints after mark_parameters_changed() agree and training ends with equal parameters.
-    res = central_restore_job
-    logs = res.logs()
-    assert res.returncode == 0, logs
-    ends = dict(re.findall(r"NOT DIVERGED (\d) (\S+)", logs))
+    logs = central_restore_job
+    ends = dict(re.findall(rf"NOT DIVERGED {re.escape(CENTRAL_RESTORE)} (\d) (\S+)", logs))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], logs[-3000:]
 
 
@@ -194,9 +223,10 @@ def test_the_guard_adds_no_collective_under_central_storage_on_shared_memory(cen
     # On one host the gradient buckets are all-reduced through shared memory (every replica gets
     # the sum), so the guard rides on the first one as under Mirrored: a step with the guard on
     # runs the same collectives as one with it off: the two barriers and the bucket.
-    logs = central_restore_job.logs()
-    assert central_restore_job.returncode == 0, logs
-    counts = {int(r): json.loads(c) for r, c in re.findall(r"COLLECTIVES (\d) (\{.*\})", logs)}
+    logs = central_restore_job
+    counts = {
+        int(r): json.loads(c) for r, c in re.findall(rf"COLLECTIVES {re.escape(CENTRAL_RESTORE)} (\d) (\{{.*\}})", logs)
+    }
     assert set(counts) == {0, 1}, logs[-3000:]
     for rank, per_step in counts.items():
         assert per_step["on"] == per_step["off"] == {"all_reduce": 3, "reduce": 0}, (rank, per_step)
@@ -211,7 +241,7 @@ def test_different_global_batch_per_worker_is_caught(tmp_path):
     for r in results:
         assert r.returncode != 0
         m = _MARK.search(r.output)
-        assert m is not None and "global batch size is 24" in m.group(5) and "but 48" in m.group(5), r.output[-3000:]
-        took = float(m.group(2)) - float(m.group(3))
-        print(f"\ntime-to-error mwms batch_size: worker {m.group(1)} raised {took * 1000:.0f} ms after its first step")
+        assert m is not None and "global batch size is 24" in m.group(6) and "but 48" in m.group(6), r.output[-3000:]
+        took = float(m.group(3)) - float(m.group(4))
+        print(f"\ntime-to-error mwms batch_size: worker {m.group(2)} raised {took * 1000:.0f} ms after its first step")
         assert took < 2.0

@@ -33,16 +33,6 @@ def test_grad_scaler_overflow_on_one_replica_skips_the_step_everywhere(tmp_path)
     assert runs[0] == runs[1], "replicas disagree on the loss scale or the parameters"
 
 
-@pytest.fixture(scope="module")
-def keras_reference(tmp_path_factory):
-    """Plain Keras on one device, every variant in one process."""
-    out = tmp_path_factory.mktemp("keras-ref")
-    runs = [f"reference,{v}" for v in ("jit", "mixed_bfloat16", "mixed_float16")]
-    res = run_job([sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *runs], timeout=240, cwd=out, env=ENV)
-    assert res.returncode == 0, res.logs()[-6000:]
-    return {run.split(",")[1]: out / run for run in runs}
-
-
 CASES = [
     ("jit", 1e-5),  # jit_compile=True (torch.compile, inductor) against eager Keras
     ("mixed_float16", 1e-3),  # float16 compute: per-replica partial gradients are rounded to float16
@@ -57,15 +47,28 @@ def _runs() -> list[str]:
     ]
 
 
+REFERENCE_RUNS = [f"reference,{v}" for v in ("jit", "mixed_bfloat16", "mixed_float16")]
+
+
 @pytest.fixture(scope="module")
 def strategy_runs(tmp_path_factory):
-    """Every strategy run in ONE job: both strategies, one after the other on the same two processes."""
+    """Every strategy run in ONE job: both strategies, one after the other on the same two processes;
+    then replica 0 runs the plain-Keras one-device references (every variant) in the same process."""
     out = tmp_path_factory.mktemp("keras-strategies")
     res = run_job(
-        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *_runs()], timeout=540, cwd=out, env=ENV
+        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *_runs(), *REFERENCE_RUNS],
+        timeout=560,
+        cwd=out,
+        env=ENV,
     )
     assert res.returncode == 0, res.logs()[-6000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def keras_reference(strategy_runs):
+    """Plain Keras on one device, every variant: {variant: folder}."""
+    return {run.split(",")[1]: strategy_runs / run for run in REFERENCE_RUNS}
 
 
 def _load(out: Path, rank: int) -> tuple[dict, dict]:

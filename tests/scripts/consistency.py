@@ -6,6 +6,7 @@ Usage:
                                                                    plain | no_sync | thaw)
     python consistency.py diverge CASE KIND N [noreduce]         (CASE: skip | outside_scope | batch_size |
                                                                    restore)
+    python consistency.py diverge-many N CASE,KIND,REDUCE [...]  (REDUCE: reduce | noreduce)
 
 ``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
 each (gradients accumulated without zero_grad), to ``OUT/CASE/params_<rank>.pt``. The cases run one
@@ -16,7 +17,11 @@ and unfrozen from the second step on, and the last layer frozen for the third st
 usual moves), as :func:`trainable`. ``diverge`` prints, on each replica that catches
 it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
 re-raises. With ``noreduce`` the loop calls no ``strategy.reduce``: only the gradient collectives
-can catch the divergence.
+can catch the divergence. ``diverge-many`` runs several cases one after the other on the same N
+processes (a fresh strategy each; a case that diverged closes its strategy, and the next starts
+anew), labels every line with ``CASE,KIND,REDUCE``, prints ``CASE <label> done <rank>`` after a case
+that ends normally, and at the end re-raises the first divergence: the job fails as one that
+stopped at it would.
 """
 
 import contextlib
@@ -137,7 +142,9 @@ def accumulate(out, opt_name, kind, n, micro, mode):
     strategy.close()
 
 
-def diverge(case, kind, n, use_reduce=True):
+def diverge(case, kind, n, use_reduce=True, label=None, keep_going=False):
+    """One divergence case; returns its ReplicaDivergenceError when ``keep_going``, else raises it."""
+    label = label or case
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(rank)
@@ -176,22 +183,50 @@ def diverge(case, kind, n, use_reduce=True):
             except ValueError:
                 continue  # the user's loop skips the bad batch (on replica 1 only)
     except ReplicaDivergenceError as e:
-        print(f"DIVERGED {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
+        print(f"DIVERGED {label} {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
         # Replica 0's error stops the job at once: on a loaded machine that can come before a peer
         # that caught it too has printed its line. Wait (bounded) until every replica has.
-        open(f"caught_{rank}", "w").close()
+        open(f"caught_{label}_{rank}", "w").close()
         deadline = time.monotonic() + 2.0
-        while rank == 0 and time.monotonic() < deadline and not all(os.path.exists(f"caught_{r}") for r in range(n)):
+        while (
+            rank == 0
+            and time.monotonic() < deadline
+            and not all(os.path.exists(f"caught_{label}_{r}") for r in range(n))
+        ):
             time.sleep(0.01)
-        raise
+        if not keep_going:
+            raise
+        strategy.close()
+        return e
     digest = sum(float(p.double().sum()) for p in model.parameters())
-    print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
+    print(f"NOT DIVERGED {label} {rank} {digest!r}", flush=True)
     if kind == "central":
-        count_collectives(strategy, model, opt, data)
+        count_collectives(strategy, model, opt, data, label)
+    strategy.close()
+    print(f"CASE {label} done {rank}", flush=True)
+    return None
 
 
-def count_collectives(strategy, model, opt, data):
-    """Prints ``COLLECTIVES <rank> <json>``: the collectives of one training step, guard on and off."""
+def diverge_many(n, cases):
+    errors = []
+    for label in cases:
+        case, kind, reduce_ = label.split(",")
+        print(f"CASE {label} begins", flush=True)
+        error = diverge(case, kind, n, use_reduce=reduce_ == "reduce", label=label, keep_going=True)
+        if error is not None:
+            errors.append(error)
+    # Replica 0's error stops the others at once: wait (bounded) until every replica has printed
+    # all its lines.
+    open(f"finished_{os.getpid()}", "w").close()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len([f for f in os.listdir(".") if f.startswith("finished_")]) < n:
+        time.sleep(0.01)
+    if errors:
+        raise errors[0]
+
+
+def count_collectives(strategy, model, opt, data, label):
+    """Prints ``COLLECTIVES <label> <rank> <json>``: the collectives of one training step, guard on and off."""
     comm = strategy.extended.communicator
     calls = {"all_reduce": 0, "reduce": 0}
 
@@ -219,12 +254,14 @@ def count_collectives(strategy, model, opt, data):
         before = dict(calls)
         strategy.run(step, args=(x, y))
         per_step["on" if on else "off"] = {k: calls[k] - before[k] for k in calls}
-    print(f"COLLECTIVES {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
+    print(f"COLLECTIVES {label} {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "accumulate":
         accumulate_cases(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    elif sys.argv[1] == "diverge-many":
+        diverge_many(int(sys.argv[2]), sys.argv[3:])
     else:
         case, kind, n = sys.argv[2:5]
         diverge(case, kind, int(n), use_reduce=sys.argv[5:6] != ["noreduce"])
