@@ -3,6 +3,8 @@
 Usage: python keras_precision.py OUT_DIR RUN [RUN ...]      (RUN: STRATEGY,VARIANT)
   STRATEGY: reference (plain Keras, one device) | mirrored | central_storage | mwms
   VARIANT: jit (jit_compile=True; the reference runs eagerly) | mixed_bfloat16 | mixed_float16
+  or RUN = grad_scaler,KIND: grad_scaler.py's run of KIND (torch autocast and GradScaler) on the same
+  replica processes, written to OUT_DIR/RUN/scaler_{rank}.json
 Each RUN builds a fresh model under a fresh strategy (the runs of one program share its processes:
 process start-up is most of what a run costs) and writes OUT_DIR/RUN/weights_{rank}.npz and
 history_{rank}.json (History, evaluate, the loss scale if any). The reference runs come after the
@@ -66,7 +68,12 @@ def main():
             continue
         out = os.path.join(sys.argv[1], run)
         os.makedirs(out, exist_ok=True)
-        rank = train(out, name, variant)
+        if name == "grad_scaler":
+            import grad_scaler  # a sibling script: this script's folder is on sys.path
+
+            rank = grad_scaler.run(out, variant)
+        else:
+            rank = train(out, name, variant)
 
 
 def train(out, name, variant):
