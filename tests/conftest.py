@@ -235,3 +235,30 @@ def script(tmp_path: Path):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+RUN_PROGRAMS = Path(__file__).parent / "scripts" / "run_programs.py"
+
+
+def programs_job_env(programs: list[list[str]]) -> dict[str, str]:
+    """The environment that makes ``scripts/run_programs.py`` run ``programs`` one after the other."""
+    import json
+
+    return {"PHALANX_TEST_PROGRAMS": json.dumps([[str(a) for a in p] for p in programs])}
+
+
+def program_output(returncode: int, output: str, index: int, count: int, name: str) -> str:
+    """Program ``index``'s own output from a ``scripts/run_programs.py`` job of ``count`` programs.
+
+    Fails naming ``name`` when the program did not start (an earlier program of the job failed) or
+    did not finish, and when the job failed after every program finished (e.g. at exit).
+    """
+    start, end = f"<<< START {index}\n", f"<<< END {index}\n"
+    if start not in output:
+        pytest.fail(f"{name} did not run (the job never started it: an earlier program failed?)\n{output[-8000:]}")
+    text = output.split(start, 1)[1]
+    if end not in text:
+        pytest.fail(f"{name} did not finish (the job exited {returncode})\n{text[-8000:]}")
+    if returncode != 0 and f"<<< END {count - 1}\n" in output:
+        pytest.fail(f"the job of {name} exited {returncode} after its programs finished\n{output[-8000:]}")
+    return text.split(end, 1)[0]

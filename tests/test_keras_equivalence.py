@@ -56,12 +56,27 @@ def _diffs(a: tuple[dict, dict], b: tuple[dict, dict]) -> dict[str, float]:
     return out
 
 
+TWO_CPU_MODES = ["mirrored", "central_storage"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """Plain Keras and OneDeviceStrategy, in one process."""
-    out = tmp_path_factory.mktemp("keras-ref")
-    res = run_job([sys.executable, str(SCRIPT), str(out), "reference"], timeout=150, cwd=out, env=ENV)
-    assert res.returncode == 0, res.logs()[-8000:]
+def two_cpu_job(tmp_path_factory) -> tuple[Path, str]:
+    """ONE job: plain Keras and OneDeviceStrategy on the first process alone, then both two-CPU-replica
+    strategies one after the other on it and the replica it starts. (output directory, failure log)"""
+    out = tmp_path_factory.mktemp("keras-two-cpus")
+    mode = ",".join(["reference", *TWO_CPU_MODES])
+    res = run_job([sys.executable, str(SCRIPT), str(out), mode], timeout=150 + 240, cwd=out, env=ENV)
+    return out, "" if res.returncode == 0 else f"the job exited {res.returncode}\n{res.logs()[-8000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(two_cpu_job) -> Path:
+    """Plain Keras and OneDeviceStrategy, in one process (the first of the two-CPU job)."""
+    out, failure = two_cpu_job
+    missing = [
+        f"{p}_{case}_0.json" for p in ("ref", "one") for case in ALL if not (out / f"{p}_{case}_0.json").exists()
+    ]
+    assert not missing, (missing, failure)
     return out
 
 
@@ -90,15 +105,10 @@ def test_one_device_strategy_is_plain_keras(reference):
         assert all(v == 0.0 for v in diffs.values()), (case, diffs)
 
 
-TWO_CPU_MODES = ["mirrored", "central_storage"]
-
-
 @pytest.fixture(scope="module")
-def two_cpu_replicas(tmp_path_factory) -> Path:
-    """Both two-CPU-replica strategies in ONE job, one after the other on the same two processes."""
-    out = tmp_path_factory.mktemp("keras-two-cpus")
-    res = run_job([sys.executable, str(SCRIPT), str(out), ",".join(TWO_CPU_MODES)], timeout=240, cwd=out, env=ENV)
-    assert res.returncode == 0, res.logs()[-8000:]
+def two_cpu_replicas(two_cpu_job, reference) -> Path:
+    out, failure = two_cpu_job
+    assert not failure, failure
     return out
 
 

@@ -1,6 +1,13 @@
 """The two seed examples (examples/keras_*.py) run under every strategy, only ``--strategy`` changed:
 OneDevice, Mirrored, CentralStorage and MultiWorkerMirrored here (2 CPU replicas or 2 TF_CONFIG
 workers), ParameterServer on a real `phalanx run --ps 2 --workers 2` cluster.
+
+A Keras process costs ~7 s of CPU to start, more than these examples' training: the synchronous
+runs share two jobs (``scripts/run_programs.py`` runs each as ``python EXAMPLE --strategy S``
+would, one after the other): one ``python`` job whose one-device runs come first on replica 0 and
+whose Mirrored and CentralStorage runs self-launch the second replica once, and one pair of
+TF_CONFIG workers. Each example comes first (in a fresh process) in one of them. Each test checks
+its own run's output on the chief and on the other replica.
 """
 
 from __future__ import annotations
@@ -10,29 +17,66 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, run_job, run_jobs, tf_config
+from conftest import RUN_PROGRAMS, free_ports, program_output, programs_job_env, run_job, run_jobs, tf_config
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 # One thread per process: on a small shared CI host, OpenMP pools of several processes (two
 # "workers" on one host, or other jobs) fight over the cores and a step can take 10x longer.
 ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
 DONE = {"keras_mnist_mlp.py": "Time taken by normal training", "keras_toy.py": "Epoch 5/5"}
+# (example, strategy) in the order the self-launched job runs them; one_device on replica 0 only.
+SELF_LAUNCHED = [
+    ("keras_mnist_mlp.py", "one_device"),
+    ("keras_toy.py", "one_device"),
+    ("keras_toy.py", "mirrored"),
+    ("keras_mnist_mlp.py", "mirrored"),
+    ("keras_mnist_mlp.py", "central_storage"),
+    ("keras_toy.py", "central_storage"),
+]
+MULTI_WORKER = [("keras_toy.py", "multi_worker"), ("keras_mnist_mlp.py", "multi_worker")]
+
+
+def _plan(runs: list[tuple[str, str]]) -> dict[str, str]:
+    entries = [
+        (["chief-only"] if strategy == "one_device" else []) + [EXAMPLES / example, "--strategy", strategy]
+        for example, strategy in runs
+    ]
+    return programs_job_env(entries)
+
+
+@pytest.fixture(scope="module")
+def self_launched_job(tmp_path_factory) -> tuple[int, str, str]:
+    """(exit code, the chief's output, replica 1's log) of the one-device, Mirrored and
+    CentralStorage runs, on one process that self-launches one more."""
+    out = tmp_path_factory.mktemp("examples-self-launched")
+    cmd = [sys.executable, str(RUN_PROGRAMS)]
+    res = run_job(cmd, timeout=150 * len(SELF_LAUNCHED), cwd=out, env={**ENV, **_plan(SELF_LAUNCHED)})
+    other = "\n".join(p.read_text(errors="replace") for p in res.log_dir.rglob("replica_*.log"))
+    return res.returncode, res.logs() if res.returncode != 0 else res.output, other
+
+
+@pytest.fixture(scope="module")
+def multi_worker_job(tmp_path_factory) -> tuple[int, str, str]:
+    """(exit code, worker 0's output, worker 1's output) of the MultiWorkerMirrored runs."""
+    out = tmp_path_factory.mktemp("examples-multi-worker")
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    cmd, env = [sys.executable, str(RUN_PROGRAMS)], {**ENV, **_plan(MULTI_WORKER)}
+    results = run_jobs([(cmd, {**env, **tf_config(workers, i)}) for i in range(2)], timeout=300, cwd=out)
+    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    return code, results[0].output, results[1].output
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored", "central_storage", "multi_worker"])
 @pytest.mark.parametrize("example", sorted(DONE))
-def test_seed_example_runs(tmp_path, example, strategy):
-    cmd = [sys.executable, str(EXAMPLES / example), "--strategy", strategy]
-    if strategy == "multi_worker":
-        workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-        results = run_jobs([(cmd, {**ENV, **tf_config(workers, i)}) for i in range(2)], timeout=150, cwd=tmp_path)
-        assert all(r.returncode == 0 for r in results), [r.output[-4000:] for r in results]
-        chief, other = results[0].output, results[1].output
-    else:
-        res = run_job(cmd, timeout=150, cwd=tmp_path, env=ENV)
-        assert res.returncode == 0, res.logs()[-8000:]
-        chief = res.output
-        other = "\n".join(p.read_text(errors="replace") for p in res.log_dir.rglob("replica_*.log"))
+def test_seed_example_runs(request, example, strategy):
+    runs = MULTI_WORKER if strategy == "multi_worker" else SELF_LAUNCHED
+    code, chief_out, other_out = request.getfixturevalue(
+        "multi_worker_job" if strategy == "multi_worker" else "self_launched_job"
+    )
+    index, name = runs.index((example, strategy)), f"{example} --strategy {strategy}"
+    chief = program_output(code, chief_out, index, len(runs), name)
+    if strategy != "one_device":
+        other = program_output(code, other_out, index, len(runs), f"{name} (replica 1)")
     assert DONE[example] in chief
     if example == "keras_mnist_mlp.py":
         # The distributed model's progress bar appears on the chief only (the normal model, trained

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import phalanx as px  # noqa: E402
 from phalanx import summary  # noqa: E402
 
-from conftest import run_job  # noqa: E402
+from conftest import PRELUDE, RUN_PROGRAMS, program_output, programs_job_env, run_job  # noqa: E402
 
 
 def _events(logdir: Path) -> EventAccumulator:
@@ -68,6 +68,9 @@ def test_summary_errors_are_typed(tmp_path):
 
 
 # ------------------------------------------------------------------------------ 2 replicas
+# Both scripts below run in ONE job (scripts/run_programs.py), one after the other on the same two
+# replica processes (the second strategy runs on the replicas the first one started): a process
+# start costs more than either script's work. Each runs in its own folder, <job>/<index>.
 CUSTOM_LOOP = """
 import json, sys, torch
 import phalanx as px
@@ -101,10 +104,8 @@ json.dump({"written": written, "losses": losses}, open(f"result_{rank}.json", "w
 """
 
 
-def test_custom_loop_summaries_under_two_replicas_are_written_once(tmp_path, script):
-    path = script(CUSTOM_LOOP)
-    result = run_job([sys.executable, str(path), str(tmp_path / "tb")], timeout=120, cwd=tmp_path)
-    assert result.returncode == 0, result.logs()
+def test_custom_loop_summaries_under_two_replicas_are_written_once(two_replica_job):
+    tmp_path = _program(two_replica_job, 0, "the custom loop")
     chief, other = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2))
     assert all(chief["written"]) and not any(other["written"])
     assert chief["losses"] == other["losses"]
@@ -138,10 +139,27 @@ json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, open
 """
 
 
-def test_keras_tensorboard_callback_under_two_replicas(tmp_path, script):
-    path = script(KERAS_FIT)
-    result = run_job([sys.executable, str(path), str(tmp_path / "tb")], timeout=180, cwd=tmp_path)
-    assert result.returncode == 0, result.logs()
+@pytest.fixture(scope="module")
+def two_replica_job(tmp_path_factory) -> tuple[Path, int, str]:
+    """(job folder, exit code, output) of CUSTOM_LOOP then KERAS_FIT, each writing to <job>/<index>/tb."""
+    out = tmp_path_factory.mktemp("tensorboard-two-replicas")
+    programs = []
+    for index, body in enumerate((CUSTOM_LOOP, KERAS_FIT)):
+        (out / f"program_{index}.py").write_text(PRELUDE + body)
+        programs.append([out / f"program_{index}.py", out / str(index) / "tb"])
+    res = run_job([sys.executable, str(RUN_PROGRAMS)], timeout=120 + 180, cwd=out, env=programs_job_env(programs))
+    return out, res.returncode, res.logs() if res.returncode != 0 else res.output
+
+
+def _program(job: tuple[Path, int, str], index: int, name: str) -> Path:
+    """Program ``index``'s folder, once its run finished (fails naming ``name`` otherwise)."""
+    out, code, output = job
+    program_output(code, output, index, 2, name)
+    return out / str(index)
+
+
+def test_keras_tensorboard_callback_under_two_replicas(two_replica_job):
+    tmp_path = _program(two_replica_job, 1, "the Keras fit")
     history = json.loads((tmp_path / "history_0.json").read_text())
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["train", "validation"]
     train, validation = _events(tmp_path / "tb" / "train"), _events(tmp_path / "tb" / "validation")

@@ -1,7 +1,12 @@
 """keras.callbacks.BackupAndRestore under a strategy: interrupted fit, then fit again.
 
-Usage: python ckpt_keras_backup.py OUT_DIR STRATEGY
+Usage: python ckpt_keras_backup.py OUT_DIR STRATEGY[,STRATEGY...]
     STRATEGY: one_device | mirrored | central (2 CPU replicas each) | mwms (under phalanx run -n 2)
+
+Several strategies run one after the other in the same processes, each in OUT_DIR/STRATEGY
+(process start-up is most of what a job costs). ``one_device`` runs on the first process alone:
+listed before a multi-replica strategy, it runs before that strategy starts the other replicas
+(which run this script again and skip it).
 
 3 epochs of 5 batches. The first fit raises at the end of batch 2 of epoch 1; the second fit, with
 a new BackupAndRestore on the same directory, resumes from the backup taken after epoch 0 (Keras
@@ -100,4 +105,8 @@ def main(out, kind):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for kind in sys.argv[2].split(","):
+        if kind == "one_device" and int(os.environ.get("PHALANX_RANK", "0")) != 0:
+            continue
+        os.makedirs(os.path.join(sys.argv[1], kind), exist_ok=True)
+        main(os.path.join(sys.argv[1], kind), kind)

@@ -1,7 +1,7 @@
 """Keras fit / evaluate / predict under a strategy, for comparison with one-device Keras.
 
 Usage: python keras_equivalence.py OUT_DIR MODE      (MODE: reference | mirrored | central_storage | mwms,
-or several strategies separated by commas: mirrored,central_storage)
+or several separated by commas: reference,mirrored,central_storage)
 
 ``reference`` runs every case with plain Keras (no strategy) and again under OneDeviceStrategy;
 ``mirrored`` and ``central_storage`` run them on 2 CPU replicas; ``mwms`` under
@@ -234,22 +234,25 @@ if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
     if len(sys.argv) > 3:  # only these cases (comma-separated), for a quick look
         CASES = {name: CASES[name] for name in sys.argv[3].split(",")}
-    if mode == "reference":
+    # MODE may name several runs (reference,mirrored,central_storage): they run one after the other
+    # on the same processes (process start-up is most of what a job costs). The reference runs
+    # first, on this process alone: the first multi-replica strategy starts the other replicas
+    # (they run this script again and skip it).
+    for kind in mode.split(","):
+        if kind == "reference":
+            if int(os.environ.get("PHALANX_RANK", "0")) == 0:
+                for name in CASES:
+                    run_case(name, None, 0, out, "ref")
+                one = px.OneDeviceStrategy("cpu")
+                for name in CASES:
+                    run_case(name, one, 0, out, "one")
+            continue
+        strategy = {
+            "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
+            "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+            "mwms": px.MultiWorkerMirroredStrategy,
+        }[kind]()
+        rank = strategy.extended.process_index
         for name in CASES:
-            run_case(name, None, 0, out, "ref")
-        one = px.OneDeviceStrategy("cpu")
-        for name in CASES:
-            run_case(name, one, 0, out, "one")
-    else:
-        # MODE may name several strategies (mirrored,central_storage): they run one after the other
-        # on the same replica processes (process start-up is most of what a job costs).
-        for kind in mode.split(","):
-            strategy = {
-                "mirrored": lambda: px.MirroredStrategy(["cpu:0", "cpu:1"]),
-                "central_storage": lambda: px.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-                "mwms": px.MultiWorkerMirroredStrategy,
-            }[kind]()
-            rank = strategy.extended.process_index
-            for name in CASES:
-                run_case(name, strategy, rank, out, kind)
-            strategy.close()
+            run_case(name, strategy, rank, out, kind)
+        strategy.close()
