@@ -7,6 +7,7 @@ step and 2 s, over the shared-memory path (default) and gloo (``PHALANX_SHM=0``)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -24,18 +25,20 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
+def _load_script():
+    spec = importlib.util.spec_from_file_location("_consistency_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    res = run_job(
-        [sys.executable, str(SCRIPT), "accumulate", str(out), "sgd", "reference", "1", "2", "plain"],
-        timeout=60,
-        cwd=out,
-    )
-    assert res.returncode == 0, res.logs()
-    found = {(opt, micro): _load(out / f"params_{opt}_{micro}.pt") for opt in ("sgd", "adam") for micro in (2, 4)}
-    found["sgd", 2, "thaw"] = _load(out / "params_sgd_2_thaw.pt")
-    return found
+def references():
+    """Plain PyTorch on one device: computed here, it needs no process of its own (fork_rng: it
+    seeds the global generator, which the tests after it must not see). Module scope puts it before
+    any test's hygiene snapshot: Adam's first step sets TORCHINDUCTOR_CACHE_DIR once per process."""
+    with torch.random.fork_rng(devices=[]):
+        return _load_script().references()
 
 
 def _check(out: Path, world: int, reference: dict) -> float:
@@ -45,53 +48,81 @@ def _check(out: Path, world: int, reference: dict) -> float:
     return max(float((replicas[0][k] - reference[k]).abs().max()) for k in reference)
 
 
-@pytest.mark.parametrize(
-    "kind,n,opt,micro,mode",
-    [
-        ("mirrored", 2, "sgd", 2, "plain"),
-        ("mirrored", 2, "adam", 4, "plain"),
-        ("mirrored", 3, "sgd", 4, "plain"),
-        ("mirrored", 3, "adam", 2, "no_sync"),
-        ("mirrored", 2, "sgd", 4, "no_sync"),
-        ("central", 2, "sgd", 2, "plain"),
-        ("central", 2, "adam", 4, "no_sync"),
-        # Fine-tuning: a layer created frozen and unfrozen later has its gradients summed from then
-        # on (they were not: the replicas drifted apart), and one frozen later is left alone (it
-        # was moved by a zero gradient's momentum).
-        ("mirrored", 2, "sgd", 2, "thaw"),
-        ("central", 2, "sgd", 2, "thaw"),
-    ],
-)
-def test_accumulated_gradients_match_one_device(tmp_path, references, kind, n, opt, micro, mode):
-    res = run_job(
-        [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, kind, str(n), str(micro), mode],
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert res.returncode == 0, res.logs()
-    diff = _check(tmp_path, n, references[(opt, micro, "thaw") if mode == "thaw" else (opt, micro)])
-    print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
-    assert diff < 1e-5
+ACCUMULATE_CASES = [
+    ("mirrored", 2, "sgd", 2, "plain"),
+    ("mirrored", 2, "adam", 4, "plain"),
+    ("mirrored", 3, "sgd", 4, "plain"),
+    ("mirrored", 3, "adam", 2, "no_sync"),
+    ("mirrored", 2, "sgd", 4, "no_sync"),
+    ("central", 2, "sgd", 2, "plain"),
+    ("central", 2, "adam", 4, "no_sync"),
+    # Fine-tuning: a layer created frozen and unfrozen later has its gradients summed from then
+    # on (they were not: the replicas drifted apart), and one frozen later is left alone (it
+    # was moved by a zero gradient's momentum).
+    ("mirrored", 2, "sgd", 2, "thaw"),
+    ("central", 2, "sgd", 2, "thaw"),
+]
+MWMS_CASES = [("sgd", 2, "plain"), ("adam", 4, "no_sync")]
 
 
-@pytest.mark.parametrize("opt,micro,mode", [("sgd", 2, "plain"), ("adam", 4, "no_sync")])
-def test_accumulated_gradients_match_one_device_two_workers(tmp_path, references, opt, micro, mode):
+def _case(kind: str, opt: str, micro: int, mode: str) -> str:
+    return f"{kind},{opt},{micro},{mode}"
+
+
+@pytest.fixture(scope="module")
+def accumulate_runs(tmp_path_factory):
+    """{world: folder}: every case on N local replicas in ONE job, Mirrored and CentralStorage one
+    after the other on the same N processes (start-up, not training, is what a case costs); each
+    world size's job started on first use. A job that fails names its failing case (CASE lines)."""
+    done: dict[int, Path] = {}
+
+    def run(n: int) -> Path:
+        if n not in done:
+            out = tmp_path_factory.mktemp(f"accumulate_x{n}")
+            cases = [_case(k, o, m, mode) for k, w, o, m, mode in ACCUMULATE_CASES if w == n]
+            res = run_job([sys.executable, str(SCRIPT), "accumulate", str(out), str(n), *cases], timeout=240, cwd=out)
+            assert res.returncode == 0, res.logs()
+            done[n] = out
+        return done[n]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def mwms_accumulate_run(tmp_path_factory):
+    """Both MWMS cases in one two-worker job, one after the other."""
+    out = tmp_path_factory.mktemp("accumulate_mwms")
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    cases = [_case("mwms", o, m, mode) for o, m, mode in MWMS_CASES]
     jobs = [
-        (
-            [sys.executable, str(SCRIPT), "accumulate", str(tmp_path), opt, "mwms", "2", str(micro), mode],
-            tf_config(workers, i),
-        )
-        for i in range(2)
+        ([sys.executable, str(SCRIPT), "accumulate", str(out), "2", *cases], tf_config(workers, i)) for i in range(2)
     ]
-    results = run_jobs(jobs, timeout=120, cwd=tmp_path)
+    results = run_jobs(jobs, timeout=180, cwd=out)
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    diff = _check(tmp_path, 2, references[opt, micro])
+    return out
+
+
+@pytest.mark.parametrize("kind,n,opt,micro,mode", ACCUMULATE_CASES)
+def test_accumulated_gradients_match_one_device(accumulate_runs, references, kind, n, opt, micro, mode):
+    case = _case(kind, opt, micro, mode)
+    folder = accumulate_runs(n) / case
+    assert (folder / "params_0.pt").exists(), f"case {case} x{n} wrote no result"
+    diff = _check(folder, n, references[(opt, micro, "thaw") if mode == "thaw" else (opt, micro)])
+    print(f"\n{kind} x{n} {opt} {micro} micro-batches ({mode}): max |param - one-device param| = {diff:.3g}")
+    assert diff < 1e-5, f"case {case} x{n}: max diff {diff:.3g}"
+
+
+@pytest.mark.parametrize("opt,micro,mode", MWMS_CASES)
+def test_accumulated_gradients_match_one_device_two_workers(mwms_accumulate_run, references, opt, micro, mode):
+    case = _case("mwms", opt, micro, mode)
+    folder = mwms_accumulate_run / case
+    assert (folder / "params_0.pt").exists(), f"case {case} wrote no result"
+    diff = _check(folder, 2, references[opt, micro])
     print(f"\nMWMS 2 workers {opt} {micro} micro-batches ({mode}): max diff {diff:.3g}")
-    assert diff < 1e-5
+    assert diff < 1e-5, f"case {case}: max diff {diff:.3g}"
 
 
-_MARK = re.compile(r"DIVERGED (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
+_MARK = re.compile(r"DIVERGED (\S+) (\d+) ([\d.]+) ([\d.]+) (\w+): (.*)")
 
 
 _CASES = [
@@ -106,56 +137,85 @@ _CASES = [
 # CentralStorage: the gradients go to replica 0 only, and the loop calls no strategy.reduce, so
 # only the guard's own collectives can catch the divergence (on shared memory; the skipped step,
 # where the pairing of collectives matters, on gloo too). Its restore case is below.
-@pytest.mark.parametrize(
-    "kind,shm,case,field",
+DIVERGENCE_CASES = (
     [("mirrored", shm, *c) for shm in ("1", "0") for c in _CASES]
     + [("central", "1", *c) for c in _CASES[:3]]
-    + [("central", "0", *_CASES[0])],
+    + [("central", "0", *_CASES[0])]
 )
-def test_divergence_raises_on_every_replica_within_a_step(tmp_path, kind, case, field, shm):
-    res = run_job(
-        [sys.executable, str(SCRIPT), "diverge", case, kind, "2", "reduce" if kind == "mirrored" else "noreduce"],
-        timeout=90,
-        cwd=tmp_path,
-        env={"PHALANX_SHM": shm},
-    )
-    logs = res.logs()
-    assert res.returncode != 0, logs
-    marks = {int(m.group(1)): m for m in _MARK.finditer(logs)}
-    assert set(marks) == {0, 1}, logs[-5000:]
-    # The divergence exists once both replicas reached the step where it starts (they may start
-    # their loops at different times); a replica that detects it alone is timed from its own step.
-    began = max(float(m.group(3)) for m in marks.values())
-    for m in marks.values():
-        assert m.group(4) in ("ReplicaDivergenceError", "UnsynchronizedParameterError")
-        elapsed = float(m.group(2)) - (float(m.group(3)) if case == "outside_scope" else began)
-        print(
-            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(1)} raised {elapsed * 1000:.0f} ms after the divergence: "
-            f"{m.group(5)[:160]}"
-        )
-        assert elapsed < 2.0
-    if field == "parameters":
-        assert "Linear.bias (shape (1,))" in marks[0].group(5)
-    else:
-        assert field in marks[0].group(5)
+CENTRAL_RESTORE = "restore,central,noreduce"
+
+
+def _label(kind: str, case: str) -> str:
+    return f"{case},{kind},{'reduce' if kind == 'mirrored' else 'noreduce'}"
 
 
 @pytest.fixture(scope="module")
-def central_restore_job(tmp_path_factory):
+def divergence_jobs(tmp_path_factory):
+    """{shm: job}: every divergence case of one collective path in ONE two-replica job, one after the
+    other on the same processes, each with a fresh strategy (a case that diverged closes its strategy;
+    the job re-raises the first divergence at its end); the shared-memory job ends with the
+    CentralStorage restore case, which must not diverge. Each job is started on first use."""
+    done = {}
+
+    def run(shm: str):
+        if shm not in done:
+            cwd = tmp_path_factory.mktemp(f"diverge_shm{shm}")
+            labels = [_label(kind, case) for kind, s, case, _ in DIVERGENCE_CASES if s == shm]
+            labels += [CENTRAL_RESTORE] if shm == "1" else []
+            done[shm] = run_job(
+                [sys.executable, str(SCRIPT), "diverge-many", "2", *labels],
+                timeout=240,
+                cwd=cwd,
+                env={"PHALANX_SHM": shm},
+            )
+        return done[shm]
+
+    return run
+
+
+@pytest.mark.parametrize("kind,shm,case,field", DIVERGENCE_CASES)
+def test_divergence_raises_on_every_replica_within_a_step(divergence_jobs, kind, case, field, shm):
+    res = divergence_jobs(shm)
+    label = _label(kind, case)
+    logs = res.logs()
+    assert res.returncode != 0, logs  # the job fails as one that stopped at its first divergence
+    marks = {int(m.group(2)): m for m in _MARK.finditer(logs) if m.group(1) == label}
+    assert set(marks) == {0, 1}, f"case {label}: not caught on every replica\n{logs[-5000:]}"
+    # The divergence exists once both replicas reached the step where it starts (they may start
+    # their loops at different times); a replica that detects it alone is timed from its own step.
+    began = max(float(m.group(4)) for m in marks.values())
+    for m in marks.values():
+        assert m.group(5) in ("ReplicaDivergenceError", "UnsynchronizedParameterError"), label
+        elapsed = float(m.group(3)) - (float(m.group(4)) if case == "outside_scope" else began)
+        print(
+            f"\ntime-to-error {kind} {case} (shm={shm}): replica {m.group(2)} raised {elapsed * 1000:.0f} ms after the divergence: "
+            f"{m.group(6)[:160]}"
+        )
+        assert elapsed < 2.0, label
+    if field == "parameters":
+        assert "Linear.bias (shape (1,))" in marks[0].group(6), label
+    else:
+        assert field in marks[0].group(6), label
+
+
+@pytest.fixture(scope="module")
+def central_restore_job(divergence_jobs):
     """CentralStorage x2, replica 1 "restoring" other values at step 3; then one step counted with
-    the guard on and one with it off."""
-    cwd = tmp_path_factory.mktemp("central_restore")
-    return run_job([sys.executable, str(SCRIPT), "diverge", "restore", "central", "2", "noreduce"], timeout=90, cwd=cwd)
+    the guard on and one with it off: the last case of the shared-memory divergence job."""
+    res = divergence_jobs("1")
+    logs = res.logs()
+    done = set(re.findall(rf"CASE {re.escape(CENTRAL_RESTORE)} done (\d)", logs))
+    # Each replica ended the case normally (no error of any kind: the job would have stopped there).
+    assert done == {"0", "1"}, logs[-5000:]
+    return logs
 
 
 def test_a_restore_on_one_replica_cannot_diverge_under_central_storage(central_restore_job):
     # CentralStorage keeps one shared copy of the trainable variables: what replica 1 writes into
     # them (the restore case's "restore" on replica 1 only) is what replica 0 reads, so the
     # fingerprints after mark_parameters_changed() agree and training ends with equal parameters.
-    res = central_restore_job
-    logs = res.logs()
-    assert res.returncode == 0, logs
-    ends = dict(re.findall(r"NOT DIVERGED (\d) (\S+)", logs))
+    logs = central_restore_job
+    ends = dict(re.findall(rf"NOT DIVERGED {re.escape(CENTRAL_RESTORE)} (\d) (\S+)", logs))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], logs[-3000:]
 
 
@@ -163,9 +223,10 @@ def test_the_guard_adds_no_collective_under_central_storage_on_shared_memory(cen
     # On one host the gradient buckets are all-reduced through shared memory (every replica gets
     # the sum), so the guard rides on the first one as under Mirrored: a step with the guard on
     # runs the same collectives as one with it off: the two barriers and the bucket.
-    logs = central_restore_job.logs()
-    assert central_restore_job.returncode == 0, logs
-    counts = {int(r): json.loads(c) for r, c in re.findall(r"COLLECTIVES (\d) (\{.*\})", logs)}
+    logs = central_restore_job
+    counts = {
+        int(r): json.loads(c) for r, c in re.findall(rf"COLLECTIVES {re.escape(CENTRAL_RESTORE)} (\d) (\{{.*\}})", logs)
+    }
     assert set(counts) == {0, 1}, logs[-3000:]
     for rank, per_step in counts.items():
         assert per_step["on"] == per_step["off"] == {"all_reduce": 3, "reduce": 0}, (rank, per_step)
@@ -180,7 +241,7 @@ def test_different_global_batch_per_worker_is_caught(tmp_path):
     for r in results:
         assert r.returncode != 0
         m = _MARK.search(r.output)
-        assert m is not None and "global batch size is 24" in m.group(5) and "but 48" in m.group(5), r.output[-3000:]
-        took = float(m.group(2)) - float(m.group(3))
-        print(f"\ntime-to-error mwms batch_size: worker {m.group(1)} raised {took * 1000:.0f} ms after its first step")
+        assert m is not None and "global batch size is 24" in m.group(6) and "but 48" in m.group(6), r.output[-3000:]
+        took = float(m.group(3)) - float(m.group(4))
+        print(f"\ntime-to-error mwms batch_size: worker {m.group(2)} raised {took * 1000:.0f} ms after its first step")
         assert took < 2.0

@@ -75,10 +75,15 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device_run(tmp_path_factory):
+    """OneDeviceStrategy needs no replica process: the script's run, here (fork_rng: it seeds the
+    global generator)."""
     out = tmp_path_factory.mktemp("one-device")
-    variants = [f"one_device,{opt}" for opt in OPTS]
-    res = run_job([sys.executable, str(SCRIPT), str(out), "--variants", "1", *variants], timeout=60, cwd=out)
-    assert res.returncode == 0, res.logs()
+    script = _load_script()
+    with torch.random.fork_rng(devices=[]):
+        for opt in OPTS:
+            folder = out / f"one_device,{opt}"
+            folder.mkdir()
+            script.run(str(folder), opt, "one_device", 1).close()
     return out
 
 

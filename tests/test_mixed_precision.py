@@ -18,31 +18,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
 
 
-def test_grad_scaler_overflow_on_one_replica_skips_the_step_everywhere(tmp_path):
-    """float16 autocast + torch.amp.GradScaler under Mirrored: replica 1's gradients overflow at
-    step 2. The all-reduce carries the inf to every replica, so every replica's scaler skips the
-    same step and halves its scale: the scales and the parameters stay identical."""
-    res = run_job(
-        [sys.executable, str(SCRIPTS / "grad_scaler.py"), str(tmp_path), "mirrored"], timeout=120, cwd=tmp_path
-    )
-    assert res.returncode == 0, res.logs()
-    runs = [json.loads((tmp_path / f"scaler_{r}.json").read_text()) for r in range(2)]
-    for run in runs:
-        assert [s["moved"] for s in run["steps"]] == [True, True, False, True, True], run["steps"]
-        assert [s["scale"] for s in run["steps"]] == [1024.0, 1024.0, 512.0, 512.0, 512.0], run["steps"]
-    assert runs[0] == runs[1], "replicas disagree on the loss scale or the parameters"
-
-
-@pytest.fixture(scope="module")
-def keras_reference(tmp_path_factory):
-    """Plain Keras on one device, every variant in one process."""
-    out = tmp_path_factory.mktemp("keras-ref")
-    runs = [f"reference,{v}" for v in ("jit", "mixed_bfloat16", "mixed_float16")]
-    res = run_job([sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *runs], timeout=240, cwd=out, env=ENV)
-    assert res.returncode == 0, res.logs()[-6000:]
-    return {run.split(",")[1]: out / run for run in runs}
-
-
 CASES = [
     ("jit", 1e-5),  # jit_compile=True (torch.compile, inductor) against eager Keras
     ("mixed_float16", 1e-3),  # float16 compute: per-replica partial gradients are rounded to float16
@@ -57,15 +32,30 @@ def _runs() -> list[str]:
     ]
 
 
+GRAD_SCALER_RUN = "grad_scaler,mirrored"
+REFERENCE_RUNS = [f"reference,{v}" for v in ("jit", "mixed_bfloat16", "mixed_float16")]
+
+
 @pytest.fixture(scope="module")
 def strategy_runs(tmp_path_factory):
-    """Every strategy run in ONE job: both strategies, one after the other on the same two processes."""
+    """Every strategy run in ONE job: both strategies, one after the other on the same two processes,
+    then the torch GradScaler run on them; then replica 0 runs the plain-Keras one-device references
+    (every variant) in the same process."""
     out = tmp_path_factory.mktemp("keras-strategies")
     res = run_job(
-        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *_runs()], timeout=540, cwd=out, env=ENV
+        [sys.executable, str(SCRIPTS / "keras_precision.py"), str(out), *_runs(), GRAD_SCALER_RUN, *REFERENCE_RUNS],
+        timeout=560,
+        cwd=out,
+        env=ENV,
     )
     assert res.returncode == 0, res.logs()[-6000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def keras_reference(strategy_runs):
+    """Plain Keras on one device, every variant: {variant: folder}."""
+    return {run.split(",")[1]: strategy_runs / run for run in REFERENCE_RUNS}
 
 
 def _load(out: Path, rank: int) -> tuple[dict, dict]:
@@ -87,3 +77,16 @@ def test_keras_fit_under_strategy_matches_one_device(strategy_runs, keras_refere
     assert max(abs(a - b) for a, b in zip(h0["history"]["loss"], ref_h["history"]["loss"])) < tol * 10
     assert h0["loss_scale"] == ref_h["loss_scale"], "the loss scale must follow the one-device run"
     assert all(np.array_equal(w0[k], w1[k]) for k in w0) and h0 == h1, "replicas diverged"
+
+
+@pytest.mark.timeout(600)  # it shares the Keras job (jit_compile: minutes on 2 loaded cores)
+def test_grad_scaler_overflow_on_one_replica_skips_the_step_everywhere(strategy_runs):
+    """float16 autocast + torch.amp.GradScaler under Mirrored: replica 1's gradients overflow at
+    step 2. The all-reduce carries the inf to every replica, so every replica's scaler skips the
+    same step and halves its scale: the scales and the parameters stay identical."""
+    folder = strategy_runs / GRAD_SCALER_RUN
+    runs = [json.loads((folder / f"scaler_{r}.json").read_text()) for r in range(2)]
+    for run in runs:
+        assert [s["moved"] for s in run["steps"]] == [True, True, False, True, True], run["steps"]
+        assert [s["scale"] for s in run["steps"]] == [1024.0, 1024.0, 512.0, 512.0, 512.0], run["steps"]
+    assert runs[0] == runs[1], "replicas disagree on the loss scale or the parameters"

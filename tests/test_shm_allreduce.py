@@ -249,71 +249,88 @@ def scenario_tagged_mismatch(comm, rank, world, store):
 
 
 def _child_main(args: dict) -> None:
+    """Runs each of ``args["scenarios"]`` in turn, each with its own ShmAllReduce (own prefix and
+    settings) on the same rank processes; writes every finished scenario's result at once, so what
+    a scenario that ends the process (peer death) leaves behind still reaches the test."""
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.get("threads"):
-        torch.set_num_threads(args["threads"])
     from torch.distributed import TCPStore
 
     from phalanx.comm.shm import ShmAllReduce
 
+    default_threads = torch.get_num_threads()
     rank, world = args["rank"], args["world"]
-    result: dict = {}
-    try:
-        store = TCPStore(
-            "127.0.0.1", args["port"], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
-        comm = ShmAllReduce(
-            rank, world, store, prefix=args["prefix"], timeout=args["timeout"], **args.get("kwargs", {})
-        )
-        result = {
-            "ok": True,
-            "result": globals()[f"scenario_{args['scenario']}"](comm, rank, world, store, **args.get("params", {})),
-        }
-        comm.close()
-        comm.close()  # idempotent
-    except BaseException as e:  # noqa: BLE001 - reported to the test, which fails with it
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(args["out"], "w") as f:
-        json.dump(result, f)
+    results: dict = {}
+
+    def save() -> None:
+        with open(args["out"] + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(args["out"] + ".tmp", args["out"])
+
+    store = TCPStore("127.0.0.1", args["port"], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for sc in args["scenarios"]:
+        torch.set_num_threads(sc["threads"] or default_threads)
+        try:
+            comm = ShmAllReduce(rank, world, store, prefix=sc["prefix"], timeout=sc["timeout"], **sc["kwargs"])
+            result = {
+                "ok": True,
+                "result": globals()[f"scenario_{sc['scenario']}"](comm, rank, world, store, **sc["params"]),
+            }
+            comm.close()
+            comm.close()  # idempotent
+        except BaseException as e:  # noqa: BLE001 - reported to the test, which fails with it
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        results[sc["name"]] = result
+        save()
+        if not result["ok"]:
+            break  # the peers meet no further scenario: they time out at its rendezvous and say so
 
 
 # ---------------------------------------------------------------------------- parent side
-def _launch(
-    tmp_path: Path,
-    world: int,
+def _scenario(
+    name: str,
     scenario: str,
     *,
-    deadline: float = 120.0,
     timeout: float = 30.0,
     params: dict | None = None,
     kwargs: dict | None = None,
     threads: int | None = 1,
-    expect_exit: dict | None = None,
-) -> list[dict]:
-    """Runs `scenario` in `world` processes; returns each rank's result dict."""
+) -> dict:
+    """One scenario of a launch: its own ShmAllReduce (``kwargs``, ``timeout``, its own segment prefix)
+    and torch intra-op ``threads`` (None: torch's default)."""
+    prefix = f"phxtest{uuid.uuid4().hex[:10]}"
+    params = dict(params or {}, **({"prefix": prefix} if scenario == "noncontiguous" else {}))
+    return {
+        "name": name,
+        "scenario": scenario,
+        "prefix": prefix,
+        "timeout": timeout,
+        "params": params,
+        "kwargs": kwargs or {},
+        "threads": threads,
+    }
+
+
+def _launch_many(
+    tmp_path: Path, world: int, scenarios: list[dict], *, deadline: float = 120.0, expect_exit: dict | None = None
+) -> tuple[dict[str, list[dict | None]], list[Path]]:
+    """Runs ``scenarios`` in turn on ``world`` rank processes; returns {name: each rank's record} and
+    the ranks' logs.
+
+    A record is ``{"ok": True, "result": ...}``, ``{"ok": False, "error": ...}``, or None where that
+    rank exited (as ``expect_exit`` allows) before reporting it. A rank that exits otherwise than
+    ``expect_exit`` says, a missed deadline or a segment left in /dev/shm fails the launch.
+    """
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    prefix = f"phxtest{uuid.uuid4().hex[:10]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     procs, logs, outs = [], [], []
     try:
         for rank in range(world):
             out, log = tmp_path / f"rank{rank}.json", tmp_path / f"rank{rank}.log"
-            args = {
-                "rank": rank,
-                "world": world,
-                "port": store.port,
-                "prefix": prefix,
-                "scenario": scenario,
-                "timeout": timeout,
-                "out": str(out),
-                "params": dict(params or {}, **({"prefix": prefix} if scenario == "noncontiguous" else {})),
-                "kwargs": kwargs or {},
-                "threads": threads,
-            }
+            args = {"rank": rank, "world": world, "port": store.port, "out": str(out), "scenarios": scenarios}
             logs.append(log)
             outs.append(out)
             with open(log, "w") as f:
@@ -332,7 +349,8 @@ def _launch(
                         q.send_signal(signal.SIGUSR1)
                 time.sleep(1.0)
                 dumps = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()}" for r in range(world))
-                pytest.fail(f"{scenario}: no result within {deadline}s; stacks:\n{dumps}")
+                names = [sc["name"] for sc in scenarios]
+                pytest.fail(f"{names}: no result within {deadline}s; stacks:\n{dumps}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -340,21 +358,42 @@ def _launch(
             p.wait()
         pids = {p.pid for p in procs}
         assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
-        assert not _ours(prefix), "shared segment left in /dev/shm"
+        left = [sc["name"] for sc in scenarios if _ours(sc["prefix"])]
+        assert not left, f"shared segment left in /dev/shm by {left}"
+    failures = [
+        f"rank {rank} exited {p.returncode}:\n{logs[rank].read_text()}"
+        for rank, p in enumerate(procs)
+        if p.returncode != (expect_exit or {}).get(rank, 0)
+    ]
+    assert not failures, "\n".join(failures)
+    found = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    return {sc["name"]: [f.get(sc["name"]) for f in found] for sc in scenarios}, logs
+
+
+def _results(records: list[dict | None], logs: list[Path], name: str, expect_exit: dict | None = None) -> list:
+    """The ranks' results of scenario ``name``; fails naming it if a rank that should report did not."""
     results, failures = [], []
-    for rank, p in enumerate(procs):
-        want = (expect_exit or {}).get(rank, 0)
-        if p.returncode != want:
-            failures.append(f"rank {rank} exited {p.returncode}:\n{logs[rank].read_text()}")
-        elif want == 0:
-            res = json.loads(outs[rank].read_text())
-            if not res["ok"]:
-                failures.append(f"rank {rank}: {res['error']}\n{res['traceback']}\n{logs[rank].read_text()}")
-            results.append(res.get("result"))
-        else:
+    for rank, rec in enumerate(records):
+        if rank in (expect_exit or {}):
             results.append(None)
+        elif rec is None:
+            failures.append(f"rank {rank} did not report {name}:\n{logs[rank].read_text()}")
+        elif not rec["ok"]:
+            failures.append(f"rank {rank}, {name}: {rec['error']}\n{rec['traceback']}\n{logs[rank].read_text()}")
+        else:
+            results.append(rec["result"])
     assert not failures, "\n".join(failures)
     return results
+
+
+def _launch(
+    tmp_path: Path, world: int, scenario: str, *, deadline: float = 120.0, expect_exit: dict | None = None, **kw
+) -> list:
+    """Runs one scenario in ``world`` fresh processes; returns each rank's result (None: exited)."""
+    found, logs = _launch_many(
+        tmp_path, world, [_scenario(scenario, scenario, **kw)], deadline=deadline, expect_exit=expect_exit
+    )
+    return _results(found[scenario], logs, scenario, expect_exit)
 
 
 def _assert_consistent(results: list[dict]) -> None:
@@ -365,72 +404,129 @@ def _assert_consistent(results: list[dict]) -> None:
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:10]}"
 
 
+# ---------------------------------------------------------------------------- shared launches
+# Most scenarios leave their processes able to go on: they run one after the other on ONE set of
+# rank processes per world size (start-up, not the all-reduce, is what a launch costs), each with
+# its own ShmAllReduce. A scenario that ends a rank (peer death) comes last.
+MATRIX_SIZES = [1, 3, 1023, 1024, 65_537, 262_144, 300_001]  # 4 KB, 1 MB fp32; odd; 2 chunks
+PEER_DEATH_CASES = [(2, 1000, False), (2, 4 << 20, False), (2, 16 << 20, True), (3, 1000, False)]
+SHARED_PEER_DEATH = {2: PEER_DEATH_CASES[0], 3: PEER_DEATH_CASES[3]}  # the last scenario of each shared launch
+
+
+def _peer_death(world: int, numel: int, mid_call: bool) -> dict:
+    return _scenario(
+        f"peer_death {world} {numel} {mid_call}",
+        "peer_death",
+        params={"dying": world - 1, "numel": numel, "mid_call": mid_call},
+    )
+
+
+def _shared_scenarios(world: int) -> list[dict]:
+    matrix = _scenario(f"matrix{world}", "matrix", params={"sizes": MATRIX_SIZES, "dtypes": list(DTYPES)})
+    common = [
+        matrix,
+        _scenario(f"noncontiguous{world}", "noncontiguous"),
+        _scenario(f"repeat{world}", "repeat", params={"iterations": 100}),
+    ]
+    if world == 2:
+        own = [
+            _scenario("huge", "huge", params={"numel": 16 << 20, "ops": ["sum", "max"]}),
+            # torch's default intra-op threads: the torch-math dtypes then work in single-thread pieces.
+            _scenario(
+                "default_threads",
+                "matrix",
+                threads=None,
+                params={"sizes": [100_003, 300_001], "dtypes": ["float32", "float16", "bfloat16", "int32"]},
+            ),
+            _scenario("mismatch", "mismatch"),
+        ]
+    else:
+        own = [
+            # 64 KiB of segment: 16 KiB steps, so the small path is capped and big tensors take many steps.
+            _scenario(
+                "small_segment",
+                "matrix",
+                kwargs={"capacity_bytes": 96 << 10},
+                params={"sizes": [5, 4096, 4097, 100_003], "dtypes": ["float32", "bfloat16", "int64"]},
+            ),
+            _scenario("tagged_mismatch", "tagged_mismatch"),
+        ]
+    return [*common, *own, _peer_death(*SHARED_PEER_DEATH[world])]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(world, name)``: the ranks' results of scenario ``name`` of the world size's shared
+    launch, which starts on first use."""
+    done: dict[int, tuple[dict, list[Path]]] = {}
+    failed: dict[int, str] = {}
+
+    def get(world: int, name: str, expect_exit: dict | None = None) -> list:
+        if world in failed:  # once: the tests after the first do not start it again
+            pytest.fail(f"the shared {world}-rank launch failed (see the first test that used it): {failed[world]}")
+        if world not in done:
+            try:
+                done[world] = _launch_many(
+                    tmp_path_factory.mktemp(f"shared{world}"),
+                    world,
+                    _shared_scenarios(world),
+                    deadline=400,
+                    expect_exit={world - 1: 1},  # the peer-death scenario's dying rank
+                )
+            except BaseException as e:
+                failed[world] = str(e)[:2000]
+                raise
+        found, logs = done[world]
+        return _results(found[name], logs, name, expect_exit)
+
+    return get
+
+
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [2, 3])
-def test_ops_dtypes_sizes_match_rank_order_reference(tmp_path, world):
-    sizes = [1, 3, 1023, 1024, 65_537, 262_144, 300_001]  # 4 KB, 1 MB fp32; odd; 2 chunks
-    results = _launch(tmp_path, world, "matrix", params={"sizes": sizes, "dtypes": list(DTYPES)})
+def test_ops_dtypes_sizes_match_rank_order_reference(shared, world):
+    results = shared(world, f"matrix{world}")
     _assert_consistent(results)
-    assert len(results[0]["digests"]) == len(sizes) * len(DTYPES) * len(OPS)
+    assert len(results[0]["digests"]) == len(MATRIX_SIZES) * len(DTYPES) * len(OPS)
 
 
-def test_small_segment_chunks_large_tensors(tmp_path):
-    # 64 KiB of segment: 16 KiB steps, so the small path is capped and big tensors take many steps.
-    results = _launch(
-        tmp_path,
-        3,
-        "matrix",
-        kwargs={"capacity_bytes": 96 << 10},
-        params={"sizes": [5, 4096, 4097, 100_003], "dtypes": ["float32", "bfloat16", "int64"]},
-    )
-    _assert_consistent(results)
+def test_small_segment_chunks_large_tensors(shared):
+    _assert_consistent(shared(3, "small_segment"))
 
 
-def test_64_megabytes(tmp_path):
-    results = _launch(tmp_path, 2, "huge", deadline=240, params={"numel": 16 << 20, "ops": ["sum", "max"]})
-    _assert_consistent(results)
+def test_64_megabytes(shared):
+    _assert_consistent(shared(2, "huge"))
 
 
-def test_default_torch_threads(tmp_path):
-    # torch's default intra-op threads: the torch-math dtypes then work in single-thread pieces.
-    results = _launch(
-        tmp_path,
-        2,
-        "matrix",
-        threads=None,
-        params={"sizes": [100_003, 300_001], "dtypes": ["float32", "float16", "bfloat16", "int32"]},
-    )
-    _assert_consistent(results)
+def test_default_torch_threads(shared):
+    _assert_consistent(shared(2, "default_threads"))
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_noncontiguous_inputs_are_written_back(tmp_path, world):
-    results = _launch(tmp_path, world, "noncontiguous")
+def test_noncontiguous_inputs_are_written_back(shared, world):
+    results = shared(world, f"noncontiguous{world}")
     _assert_consistent(results)
-    if SHM_DIR:  # unlinked once every rank attached; and nothing left after close (in _launch)
+    if SHM_DIR:  # unlinked once every rank attached; and nothing left after close (in _launch_many)
         assert all(r["left_while_open"] == [] for r in results)
 
 
-def test_100_repeated_calls_with_jitter(tmp_path):
-    _assert_consistent(_launch(tmp_path, 2, "repeat", params={"iterations": 100}))
+def test_100_repeated_calls_with_jitter(shared):
+    _assert_consistent(shared(2, "repeat2"))
 
 
-def test_100_repeated_calls_three_ranks(tmp_path):
-    _assert_consistent(_launch(tmp_path, 3, "repeat", params={"iterations": 100}))
+def test_100_repeated_calls_three_ranks(shared):
+    _assert_consistent(shared(3, "repeat3"))
 
 
-@pytest.mark.parametrize(
-    "world,numel,mid_call", [(2, 1000, False), (2, 4 << 20, False), (2, 16 << 20, True), (3, 1000, False)]
-)
-def test_peer_death_raises_peer_unavailable(tmp_path, world, numel, mid_call):
+@pytest.mark.parametrize("world,numel,mid_call", PEER_DEATH_CASES)
+def test_peer_death_raises_peer_unavailable(tmp_path, shared, world, numel, mid_call):
     dying = world - 1
-    results = _launch(
-        tmp_path,
-        world,
-        "peer_death",
-        expect_exit={dying: 1},
-        params={"dying": dying, "numel": numel, "mid_call": mid_call},
-    )
+    if (world, numel, mid_call) == SHARED_PEER_DEATH[world]:
+        results = shared(world, f"peer_death {world} {numel} {mid_call}", expect_exit={dying: 1})
+    else:
+        sc = _peer_death(world, numel, mid_call)
+        found, logs = _launch_many(tmp_path, world, [sc], expect_exit={dying: 1})
+        results = _results(found[sc["name"]], logs, sc["name"], expect_exit={dying: 1})
     for rank, r in enumerate(results):
         if rank == dying:
             continue
@@ -450,14 +546,14 @@ def test_stalled_peer_raises_collective_timeout(tmp_path):
     assert results[1]["peers"] == ["rank 0"]
 
 
-def test_mismatched_tensors_raise_instead_of_corrupting(tmp_path):
-    results = _launch(tmp_path, 2, "mismatch")
+def test_mismatched_tensors_raise_instead_of_corrupting(shared):
+    results = shared(2, "mismatch")
     assert [r["type"] for r in results] == ["DistributedRuntimeError"] * 2, results
 
 
-def test_a_tagged_mismatch_names_every_ranks_call_and_tag(tmp_path):
+def test_a_tagged_mismatch_names_every_ranks_call_and_tag(shared):
     # What the CentralStorage strategy turns into a ReplicaDivergenceError naming both steps.
-    results = _launch(tmp_path, 3, "tagged_mismatch")
+    results = shared(3, "tagged_mismatch")
     for r in results:
         assert r["agreed"] == [3.0] * 4, r
         assert r["type"] == "CollectiveMismatchError", r

@@ -1,18 +1,27 @@
 """Replicas that must not drift apart (issue 13), as a user's custom loop meets them.
 
 Usage:
-    python consistency.py accumulate OUT OPT KIND N MICRO MODE   (MODE: plain | no_sync | thaw; KIND:
-                                                                   reference | mirrored | central | mwms)
+    python consistency.py accumulate OUT N CASE [CASE ...]        (CASE: KIND,OPT,MICRO,MODE; KIND:
+                                                                   mirrored | central | mwms; MODE:
+                                                                   plain | no_sync | thaw)
     python consistency.py diverge CASE KIND N [noreduce]         (CASE: skip | outside_scope | batch_size |
                                                                    restore)
+    python consistency.py diverge-many N CASE,KIND,REDUCE [...]  (REDUCE: reduce | noreduce)
 
 ``accumulate`` saves each replica's parameters after STEPS optimizer steps of MICRO micro-batches
-each (gradients accumulated without zero_grad). In ``thaw`` mode the first layer is created frozen
+each (gradients accumulated without zero_grad), to ``OUT/CASE/params_<rank>.pt``. The cases run one
+after the other on the same N processes (a fresh strategy, model and optimizer each: process
+start-up is most of what a case costs); the one-device references come from :func:`references`,
+which the test calls in its own process. In ``thaw`` mode the first layer is created frozen
 and unfrozen from the second step on, and the last layer frozen for the third step (fine-tuning's
 usual moves), as :func:`trainable`. ``diverge`` prints, on each replica that catches
 it, ``DIVERGED <rank> <wall time of the catch> <wall time the divergence began> <error>`` and
 re-raises. With ``noreduce`` the loop calls no ``strategy.reduce``: only the gradient collectives
-can catch the divergence.
+can catch the divergence. ``diverge-many`` runs several cases one after the other on the same N
+processes (a fresh strategy each; a case that diverged closes its strategy, and the next starts
+anew), labels every line with ``CASE,KIND,REDUCE``, prints ``CASE <label> done <rank>`` after a case
+that ends normally, and at the end re-raises the first divergence: the job fails as one that
+stopped at it would.
 """
 
 import contextlib
@@ -25,7 +34,8 @@ import time
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a replica process; not the test process that imports references()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import phalanx as px
 from phalanx.errors import ReplicaDivergenceError
@@ -65,32 +75,46 @@ def make_strategy(kind, n):
     return px.MirroredStrategy([f"cpu:{i}" for i in range(n)])
 
 
-def accumulate(out, opt_name, kind, n, micro, mode):
-    data = micro_batches(micro)
-    if kind == "reference":  # every (optimizer, micro-batches) pair at once: one process start
-        for name in ("sgd", "adam"):
-            for k in (2, 4):
-                torch.manual_seed(0)
-                model = make_model()
-                opt = make_optimizer(name, model.parameters())
-                for i, (x, y) in enumerate(micro_batches(k)):
-                    (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
-                    if (i + 1) % k == 0:
-                        opt.step()
-                        opt.zero_grad()
-                torch.save(model.state_dict(), os.path.join(out, f"params_{name}_{k}.pt"))
+def references():
+    """Plain PyTorch on one device: {(opt, micro): params} and {(opt, micro, "thaw"): params}."""
+    found = {}
+    for name in ("sgd", "adam"):
+        for k in (2, 4):
+            torch.manual_seed(0)
+            model = make_model()
+            opt = make_optimizer(name, model.parameters())
+            for i, (x, y) in enumerate(micro_batches(k)):
+                (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+                if (i + 1) % k == 0:
+                    opt.step()
+                    opt.zero_grad()
+            found[name, k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+    for name, k in (("sgd", 2),):  # the thaw cases' schedule
         torch.manual_seed(0)
         model = make_model()
         trainable(model, 0)
-        opt = make_optimizer(opt_name, model.parameters())
-        for i, (x, y) in enumerate(micro_batches(micro)):
-            trainable(model, i // micro)
-            (((model(x) - y) ** 2).sum() / (GLOBAL * micro)).backward()
-            if (i + 1) % micro == 0:
+        opt = make_optimizer(name, model.parameters())
+        for i, (x, y) in enumerate(micro_batches(k)):
+            trainable(model, i // k)
+            (((model(x) - y) ** 2).sum() / (GLOBAL * k)).backward()
+            if (i + 1) % k == 0:
                 opt.step()
                 opt.zero_grad()
-        torch.save(model.state_dict(), os.path.join(out, f"params_{opt_name}_{micro}_thaw.pt"))
-        return
+        found[name, k, "thaw"] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+    return found
+
+
+def accumulate_cases(out, n, cases):
+    for case in cases:
+        kind, opt_name, micro, mode = case.split(",")
+        print(f"CASE {case} begins", flush=True)  # a failing case is named in the job's log
+        folder = os.path.join(out, case)
+        os.makedirs(folder, exist_ok=True)
+        accumulate(folder, opt_name, kind, n, int(micro), mode)
+
+
+def accumulate(out, opt_name, kind, n, micro, mode):
+    data = micro_batches(micro)
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(0 if rank == 0 else 99)  # the scope's broadcast must make them equal
@@ -115,9 +139,12 @@ def accumulate(out, opt_name, kind, n, micro, mode):
         with strategy.extended.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
             strategy.run(forward_backward, args=(x, y, last))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"params_{rank}.pt"))
+    strategy.close()
 
 
-def diverge(case, kind, n, use_reduce=True):
+def diverge(case, kind, n, use_reduce=True, label=None, keep_going=False):
+    """One divergence case; returns its ReplicaDivergenceError when ``keep_going``, else raises it."""
+    label = label or case
     strategy = make_strategy(kind, n)
     rank = strategy.extended.process_index
     torch.manual_seed(rank)
@@ -156,22 +183,50 @@ def diverge(case, kind, n, use_reduce=True):
             except ValueError:
                 continue  # the user's loop skips the bad batch (on replica 1 only)
     except ReplicaDivergenceError as e:
-        print(f"DIVERGED {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
+        print(f"DIVERGED {label} {rank} {time.time():.3f} {began:.3f} {type(e).__name__}: {e}", flush=True)
         # Replica 0's error stops the job at once: on a loaded machine that can come before a peer
         # that caught it too has printed its line. Wait (bounded) until every replica has.
-        open(f"caught_{rank}", "w").close()
+        open(f"caught_{label}_{rank}", "w").close()
         deadline = time.monotonic() + 2.0
-        while rank == 0 and time.monotonic() < deadline and not all(os.path.exists(f"caught_{r}") for r in range(n)):
+        while (
+            rank == 0
+            and time.monotonic() < deadline
+            and not all(os.path.exists(f"caught_{label}_{r}") for r in range(n))
+        ):
             time.sleep(0.01)
-        raise
+        if not keep_going:
+            raise
+        strategy.close()
+        return e
     digest = sum(float(p.double().sum()) for p in model.parameters())
-    print(f"NOT DIVERGED {rank} {digest!r}", flush=True)
+    print(f"NOT DIVERGED {label} {rank} {digest!r}", flush=True)
     if kind == "central":
-        count_collectives(strategy, model, opt, data)
+        count_collectives(strategy, model, opt, data, label)
+    strategy.close()
+    print(f"CASE {label} done {rank}", flush=True)
+    return None
 
 
-def count_collectives(strategy, model, opt, data):
-    """Prints ``COLLECTIVES <rank> <json>``: the collectives of one training step, guard on and off."""
+def diverge_many(n, cases):
+    errors = []
+    for label in cases:
+        case, kind, reduce_ = label.split(",")
+        print(f"CASE {label} begins", flush=True)
+        error = diverge(case, kind, n, use_reduce=reduce_ == "reduce", label=label, keep_going=True)
+        if error is not None:
+            errors.append(error)
+    # Replica 0's error stops the others at once: wait (bounded) until every replica has printed
+    # all its lines.
+    open(f"finished_{os.getpid()}", "w").close()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len([f for f in os.listdir(".") if f.startswith("finished_")]) < n:
+        time.sleep(0.01)
+    if errors:
+        raise errors[0]
+
+
+def count_collectives(strategy, model, opt, data, label):
+    """Prints ``COLLECTIVES <label> <rank> <json>``: the collectives of one training step, guard on and off."""
     comm = strategy.extended.communicator
     calls = {"all_reduce": 0, "reduce": 0}
 
@@ -199,13 +254,14 @@ def count_collectives(strategy, model, opt, data):
         before = dict(calls)
         strategy.run(step, args=(x, y))
         per_step["on" if on else "off"] = {k: calls[k] - before[k] for k in calls}
-    print(f"COLLECTIVES {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
+    print(f"COLLECTIVES {label} {strategy.extended.process_index} {json.dumps(per_step)}", flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "accumulate":
-        out, opt_name, kind, n, micro, mode = sys.argv[2:8]
-        accumulate(out, opt_name, kind, int(n), int(micro), mode)
+        accumulate_cases(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    elif sys.argv[1] == "diverge-many":
+        diverge_many(int(sys.argv[2]), sys.argv[3:])
     else:
         case, kind, n = sys.argv[2:5]
         diverge(case, kind, int(n), use_reduce=sys.argv[5:6] != ["noreduce"])

@@ -2,6 +2,7 @@
 
 Usage: python grad_scaler.py OUT_DIR STRATEGY      (STRATEGY: mirrored | central)
 Each replica writes scaler_{rank}.json: the scale after each step and whether the parameters moved.
+keras_precision.py runs :func:`run` on its replica processes too (one job for both tests' runs).
 """
 
 import faulthandler
@@ -12,7 +13,8 @@ import sys
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import phalanx as px  # noqa: E402
 
@@ -20,7 +22,11 @@ OVERFLOW_STEP, STEPS, GLOBAL_BATCH = 2, 5, 16
 
 
 def main():
-    out, kind = sys.argv[1], sys.argv[2]
+    run(sys.argv[1], sys.argv[2])
+
+
+def run(out, kind):
+    """The run of one strategy kind; returns this process's replica rank."""
     devices = ["cpu:0", "cpu:1"]
     strategy = px.MirroredStrategy(devices) if kind == "mirrored" else px.CentralStorageStrategy(devices)
     torch.manual_seed(0)
@@ -57,6 +63,8 @@ def main():
     rank = px.process_index()
     with open(os.path.join(out, f"scaler_{rank}.json"), "w") as f:
         json.dump({"steps": record, "params": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
+    strategy.close()
+    return rank
 
 
 if __name__ == "__main__":

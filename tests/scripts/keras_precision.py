@@ -3,10 +3,12 @@
 Usage: python keras_precision.py OUT_DIR RUN [RUN ...]      (RUN: STRATEGY,VARIANT)
   STRATEGY: reference (plain Keras, one device) | mirrored | central_storage | mwms
   VARIANT: jit (jit_compile=True; the reference runs eagerly) | mixed_bfloat16 | mixed_float16
+  or RUN = grad_scaler,KIND: grad_scaler.py's run of KIND (torch autocast and GradScaler) on the same
+  replica processes, written to OUT_DIR/RUN/scaler_{rank}.json
 Each RUN builds a fresh model under a fresh strategy (the runs of one program share its processes:
-process start-up is most of what a run costs; give one program reference runs only, or strategy
-runs only) and writes OUT_DIR/RUN/weights_{rank}.npz and history_{rank}.json (History, evaluate,
-the loss scale if any).
+process start-up is most of what a run costs) and writes OUT_DIR/RUN/weights_{rank}.npz and
+history_{rank}.json (History, evaluate, the loss scale if any). The reference runs come after the
+strategy runs, on replica 0 only (the other replicas run the same program: they skip them).
 """
 
 import faulthandler
@@ -56,11 +58,22 @@ def build(variant, strategy_name):
 
 
 def main():
-    for run in sys.argv[2:]:
+    runs = sys.argv[2:]
+    rank = 0
+    # Strategy runs first: a replica process started by the first strategy runs this program too,
+    # and knows it is not replica 0 only from there on.
+    for run in sorted(runs, key=lambda r: r.startswith("reference,")):
         name, variant = run.split(",")
+        if name == "reference" and rank != 0:
+            continue
         out = os.path.join(sys.argv[1], run)
         os.makedirs(out, exist_ok=True)
-        train(out, name, variant)
+        if name == "grad_scaler":
+            import grad_scaler  # a sibling script: this script's folder is on sys.path
+
+            rank = grad_scaler.run(out, variant)
+        else:
+            rank = train(out, name, variant)
 
 
 def train(out, name, variant):
@@ -97,6 +110,7 @@ def train(out, name, variant):
         )
     if strategy is not None:
         strategy.close()
+    return rank
 
 
 if __name__ == "__main__":

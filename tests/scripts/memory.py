@@ -1,9 +1,16 @@
-"""Memory of a job with a 64 MB model under a strategy. Usage: python memory.py OUT_DIR central|mirrored N
+"""Memory of a job with a 64 MB model under a strategy.
+
+Usage: python memory.py OUT_DIR KIND[,KIND...] N      (KIND: central | mirrored)
 
 Replica 0 sums the proportional set size (PSS: shared pages split between their users) of every
-replica process before the model exists and after two SGD-with-momentum steps, and writes both.
+replica process before the model exists and after two SGD-with-momentum steps, and writes both to
+OUT_DIR/memory_KIND.json. Several kinds run one after the other on the same N processes, each with
+a fresh strategy; the model, its optimizer state and the strategy of one are released before the
+next one's baseline (the 64 MB tensors are mmap'ed by the allocator: freeing them returns them to
+the system, so no kind can reuse another's pages and look smaller than it is).
 """
 
+import gc
 import json
 import os
 import sys
@@ -12,23 +19,18 @@ import torch
 
 import phalanx as px
 
-out_dir, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-devices = [f"cpu:{i}" for i in range(n)]
-strategy = px.CentralStorageStrategy(devices) if kind == "central" else px.MirroredStrategy(devices)
-rank = strategy.extended.process_index
-
 
 def pss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
 
 
-def job_pss() -> int:
+def job_pss(strategy) -> int:
     pids = strategy.gather(strategy.run(lambda: torch.tensor([os.getpid()])), axis=0).tolist()
     return sum(pss_kib(p) for p in pids) * 1024
 
 
-def warm_up():
+def warm_up(strategy):
     # The first optimizer and the first backward load code and thread pools (tens of MB per
     # process) that have nothing to do with the model; pay for them before the baseline.
     with strategy.scope():
@@ -44,28 +46,37 @@ def warm_up():
         strategy.run(tiny_step, args=(x,))
 
 
-warm_up()
-before = job_pss()
-torch.manual_seed(0)
-with strategy.scope():
-    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def measure(out_dir, kind, n):
+    devices = [f"cpu:{i}" for i in range(n)]
+    strategy = px.CentralStorageStrategy(devices) if kind == "central" else px.MirroredStrategy(devices)
+    rank = strategy.extended.process_index
+    warm_up(strategy)
+    before = job_pss(strategy)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+    def step(x):
+        loss = px.nn.compute_average_loss(model(x).pow(2).sum(1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
 
-def step(x):
-    loss = px.nn.compute_average_loss(model(x).pow(2).sum(1))
+    g = torch.Generator().manual_seed(0)  # the same global batches in every process
+    for x in strategy.experimental_distribute_dataset([torch.randn(6, 4096, generator=g) for _ in range(2)]):
+        strategy.run(step, args=(x,))
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss
+    after = job_pss(strategy)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if rank == 0:
+        with open(os.path.join(out_dir, f"memory_{kind}.json"), "w") as f:
+            json.dump({"before": before, "after": after, "param_bytes": param_bytes, "replicas": n}, f)
+    strategy.close()
 
 
-_g = torch.Generator().manual_seed(0)  # the same global batches in every process
-for x in strategy.experimental_distribute_dataset([torch.randn(6, 4096, generator=_g) for _ in range(2)]):
-    strategy.run(step, args=(x,))
-optimizer.zero_grad(set_to_none=True)
-after = job_pss()
-param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-if rank == 0:
-    with open(os.path.join(out_dir, f"memory_{kind}.json"), "w") as f:
-        json.dump({"before": before, "after": after, "param_bytes": param_bytes, "replicas": n}, f)
+if __name__ == "__main__":
+    for kind in sys.argv[2].split(","):
+        measure(sys.argv[1], kind, int(sys.argv[3]))
+        gc.collect()  # the kind's model, optimizer state and strategy, before the next one's baseline
