@@ -12,6 +12,8 @@
 #      runs this line (the guide checks os.path.exists first, a race between processes).
 #   3. epochs 2 -> 3 in the first fit; the checkpoint name gets ".keras" as in the guide.
 #   4. Added at the end: the checks that it trained correctly.
+#   5. keras.utils.set_random_seed(0) before the model is built: the checks compare the trained model
+#      with one-device Keras trained from the same initial weights on the same batches.
 import os
 
 os.environ["KERAS_BACKEND"] = "torch"
@@ -23,6 +25,8 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import phalanx  # noqa: E402
 import phalanx.keras  # noqa: E402,F401
+
+keras.utils.set_random_seed(0)  # change 5 (for the checks at the end)
 
 
 def get_compiled_model():
@@ -133,7 +137,17 @@ resumed = run_training(epochs=1)
 # ---- checks (not in the tutorial): it trained correctly
 losses = history.history["loss"]
 assert losses[-1] < 0.7 * losses[0], f"the loss did not fall: {losses}"
-assert test_accuracy > 0.85, test_accuracy
+# The same training by one-device Keras (no strategy): the same initial weights (the seed), the same
+# global batches of 32; the replicas' mean gradient differs from it only in the order of float sums.
+# This replaces a fixed bound (test accuracy > 0.85) that sat inside Keras's own spread: one-device
+# Keras over seeds 0-29 reaches 0.864 +- 0.009 here (min 0.8485), identically on torch 2.13 and 2.14.
+keras.utils.set_random_seed(0)
+reference = get_compiled_model()
+reference_history = reference.fit(train_dataset, epochs=3, verbose=0)
+reference_loss, reference_accuracy = reference.evaluate(test_dataset, verbose=0)
+np.testing.assert_allclose(losses, reference_history.history["loss"], rtol=1e-3)
+np.testing.assert_allclose(test_loss, reference_loss, rtol=1e-3)
+assert abs(test_accuracy - reference_accuracy) <= 1.5 / 297, (test_accuracy, reference_accuracy)  # 297 test digits
 checksum = float(sum(np.abs(w).sum() for w in resumed.get_weights()))
 everyone = strategy.gather(strategy.run(lambda: torch.tensor([checksum], dtype=torch.float64)), axis=0)
 assert len(set(everyone.tolist())) == 1, f"replicas differ: {everyone.tolist()}"
