@@ -139,8 +139,9 @@ losses = history.history["loss"]
 assert losses[-1] < 0.7 * losses[0], f"the loss did not fall: {losses}"
 # The same training by one-device Keras (no strategy): the same initial weights (the seed), the same
 # global batches of 32; the replicas' mean gradient differs from it only in the order of float sums.
-# This replaces a fixed bound (test accuracy > 0.85) that sat inside Keras's own spread: one-device
-# Keras over seeds 0-29 reaches 0.864 +- 0.009 here (min 0.8485), identically on torch 2.13 and 2.14.
+# Unseeded, the fixed bound below sat inside Keras's own spread (one-device Keras over seeds 0-29:
+# 0.864 +- 0.009, min 0.8485, identically on torch 2.13 and 2.14); with the seed it is one outcome
+# (0.855 here), and the comparison with one device is what shows that the strategy trained correctly.
 keras.utils.set_random_seed(0)
 reference = get_compiled_model()
 reference_history = reference.fit(train_dataset, epochs=3, verbose=0)
@@ -148,6 +149,7 @@ reference_loss, reference_accuracy = reference.evaluate(test_dataset, verbose=0)
 np.testing.assert_allclose(losses, reference_history.history["loss"], rtol=1e-3)
 np.testing.assert_allclose(test_loss, reference_loss, rtol=1e-3)
 assert abs(test_accuracy - reference_accuracy) <= 1.5 / 297, (test_accuracy, reference_accuracy)  # 297 test digits
+assert test_accuracy > 0.85, test_accuracy
 checksum = float(sum(np.abs(w).sum() for w in resumed.get_weights()))
 everyone = strategy.gather(strategy.run(lambda: torch.tensor([checksum], dtype=torch.float64)), axis=0)
 assert len(set(everyone.tolist())) == 1, f"replicas differ: {everyone.tolist()}"
