@@ -229,11 +229,24 @@ def test_ps_task_still_running_after_the_chief_finished_fails_the_job_with_its_s
     assert took < grace + BOUND + 1.0, res.output  # the grace, the stack dump, the stop
 
 
+# A program started from a terminal has SIGINT at its default action; one that inherits it ignored
+# (a background job of a shell without job control: `pytest ... &` in a script, or under `nohup`)
+# keeps it ignored, as Python and POSIX intend, and then no Ctrl-C can reach it. The jobs that model
+# the terminal's program start through this, which restores the default and execs the command, so
+# the result does not depend on how the suite itself was started (seen: a full run started with
+# `nohup ... &` failed the SIGINT test on every run, with SIGINT ignored in replica 0).
+_DEFAULT_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
 def _start(launcher: str, tmp_path: Path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
     return subprocess.Popen(
-        _cmd(launcher, str(EXITS), str(tmp_path), mode),
+        [*_DEFAULT_SIGINT, *_cmd(launcher, str(EXITS), str(tmp_path), mode)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
