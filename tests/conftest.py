@@ -237,6 +237,26 @@ def python() -> str:
     return sys.executable
 
 
+def jobs_on_first_use(factory, stem: str, command, *, timeout: float):
+    """A function ``run(key) -> folder``: the job ``command(key, folder)`` runs once, on first use.
+
+    For module-scoped fixtures whose jobs share replica processes between cases (one job per world
+    size, say): a test that needs only one key starts only that job. A failed job fails the test
+    that first asked for it, with every process's log.
+    """
+    done: dict = {}
+
+    def run(key) -> Path:
+        if key not in done:
+            out = factory.mktemp(f"{stem}{key}")
+            res = run_job(command(key, out), timeout=timeout, cwd=out)
+            assert res.returncode == 0, res.logs()
+            done[key] = out
+        return done[key]
+
+    return run
+
+
 RUN_PROGRAMS = Path(__file__).parent / "scripts" / "run_programs.py"
 
 

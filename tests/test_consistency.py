@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_ports, run_job, run_jobs, tf_config
+from conftest import free_ports, jobs_on_first_use, run_job, run_jobs, tf_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "consistency.py"
 
@@ -74,18 +74,12 @@ def accumulate_runs(tmp_path_factory):
     """{world: folder}: every case on N local replicas in ONE job, Mirrored and CentralStorage one
     after the other on the same N processes (start-up, not training, is what a case costs); each
     world size's job started on first use. A job that fails names its failing case (CASE lines)."""
-    done: dict[int, Path] = {}
 
-    def run(n: int) -> Path:
-        if n not in done:
-            out = tmp_path_factory.mktemp(f"accumulate_x{n}")
-            cases = [_case(k, o, m, mode) for k, w, o, m, mode in ACCUMULATE_CASES if w == n]
-            res = run_job([sys.executable, str(SCRIPT), "accumulate", str(out), str(n), *cases], timeout=240, cwd=out)
-            assert res.returncode == 0, res.logs()
-            done[n] = out
-        return done[n]
+    def command(n: int, out: Path) -> list[str]:
+        cases = [_case(k, o, m, mode) for k, w, o, m, mode in ACCUMULATE_CASES if w == n]
+        return [sys.executable, str(SCRIPT), "accumulate", str(out), str(n), *cases]
 
-    return run
+    return jobs_on_first_use(tmp_path_factory, "accumulate_x", command, timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_job
+from conftest import jobs_on_first_use
 
 SCRIPT = Path(__file__).parent / "scripts" / "equivalence.py"
 
@@ -59,18 +59,11 @@ def _variants(n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{n: folder of n-replica results}, each world size's job started on first use."""
-    done: dict[int, Path] = {}
 
-    def run(n: int) -> Path:
-        if n not in done:
-            out = tmp_path_factory.mktemp(f"x{n}")
-            cmd = [sys.executable, str(SCRIPT), str(out), "--variants", str(n), *_variants(n)]
-            res = run_job(cmd, timeout=300, cwd=out)
-            assert res.returncode == 0, res.logs()
-            done[n] = out
-        return done[n]
+    def command(n: int, out: Path) -> list[str]:
+        return [sys.executable, str(SCRIPT), str(out), "--variants", str(n), *_variants(n)]
 
-    return run
+    return jobs_on_first_use(tmp_path_factory, "x", command, timeout=300)
 
 
 @pytest.fixture(scope="module")
