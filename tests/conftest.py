@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -20,6 +21,55 @@ collect_ignore = ["scripts"]
 
 # Prepended to every replica script: a stack dump on SIGUSR1, so a hung replica shows where it is.
 PRELUDE = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+
+# ----------------------------------------------------------------------------- starting jobs
+# `python script.py` jobs are forked from per-test-process fork servers that imported torch (and,
+# for scripts that import it, Keras) once: phalanx's own fork start (phalanx.launch.forkserver),
+# which gives the program a fresh __main__, argv, environment, session and the interpreter's
+# normal exit. Interpreter start-up was most of the suite's CPU time. PHALANX_TEST_FRESH=1 (or
+# run_job(..., fresh=True)) starts every job as a fresh interpreter instead.
+_FORK_SERVERS: dict[tuple[str, ...], object] = {}
+
+
+def _fork_server_for(cmd: list[str], env: dict[str, str]):
+    """The fork server to start ``cmd`` from, or None to start it fresh."""
+    if os.environ.get("PHALANX_TEST_FRESH") == "1" or len(cmd) < 2 or not cmd[1].endswith(".py"):
+        return None
+    from phalanx.launch.forkserver import forkable, preload_for
+
+    server = shared_fork_server(preload_for(cmd, env))
+    if forkable(cmd, env, server.env) is not None:
+        return None
+    return server
+
+
+def shared_fork_server(preload: tuple[str, ...]):
+    """This test process's fork server for ``preload`` (started on first use, kept to the end)."""
+    from phalanx.launch.forkserver import ForkServer
+
+    server = _FORK_SERVERS.get(preload)
+    if server is None or not server.alive:  # a test that kills every child of this process
+        server = _FORK_SERVERS[preload] = ForkServer(preload)
+    return server
+
+
+def fork_server_pids() -> set[int]:
+    return {s.pid for s in _FORK_SERVERS.values() if s.pid is not None}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _FORK_SERVERS.values():
+        server.close()
+
+
+def start_process(cmd: list[str], *, cwd: Path, env: dict[str, str], out, fresh: bool = False):
+    """Starts ``cmd`` in its own session, stdout and stderr to the file ``out``."""
+    server = None if fresh else _fork_server_for(cmd, env)
+    if server is not None:
+        return server.spawn(cmd, env=env, cwd=str(cwd), stdout=out.fileno(), stderr=subprocess.STDOUT, new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +96,11 @@ def _hygiene():
     threads_before = {t.ident for t in threading.enumerate()}
     yield
     me = psutil.Process()
+    servers = fork_server_pids()
     deadline = time.monotonic() + 5
-    while me.children(recursive=True) and time.monotonic() < deadline:
+    while [p for p in me.children(recursive=True) if p.pid not in servers] and time.monotonic() < deadline:
         time.sleep(0.05)
-    leaked = me.children(recursive=True)
+    leaked = [p for p in me.children(recursive=True) if p.pid not in servers]
     for p in leaked:
         p.kill()
     assert not leaked, f"test leaked child processes: {[(p.pid, p.cmdline()) for p in leaked]}"
@@ -96,26 +147,33 @@ def _session_processes(pid: int) -> list[psutil.Process]:
 
 
 def run_job(
-    cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None, log_dir: Path | None = None
+    cmd: list[str],
+    *,
+    timeout: float,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    fresh: bool = False,
 ) -> JobResult:
-    """Runs ``cmd`` in its own session; on timeout dumps every process's stack, kills all, fails."""
+    """Runs ``cmd`` in its own session; on timeout dumps every process's stack, kills all, fails.
+
+    ``fresh``: start it as a fresh interpreter even where it could be forked (see ``_start``).
+    """
     log_dir = log_dir or (cwd / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("PYTEST_CURRENT_TEST", None)
     start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-    )
+    out_file = tempfile.TemporaryFile()  # noqa: SIM115 - read once the job has ended, then closed
+    proc = start_process(cmd, cwd=cwd, env=full_env, out=out_file, fresh=fresh)
+
+    def output() -> str:
+        out_file.seek(0)
+        return out_file.read().decode(errors="replace")
+
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        out = output()
     except subprocess.TimeoutExpired:
         procs = _session_processes(proc.pid)
         for p in procs:
@@ -125,8 +183,8 @@ def run_job(
                 pass
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        result = JobResult(-9, out, log_dir, time.monotonic() - start)
+        proc.wait()
+        result = JobResult(-9, output(), log_dir, time.monotonic() - start)
         pytest.fail(f"job timed out after {timeout}s: {cmd}\n{result.logs()[-20000:]}")
     finally:
         for p in _session_processes(proc.pid):
@@ -134,6 +192,7 @@ def run_job(
                 p.kill()
             except psutil.Error:
                 pass
+        out_file.close()
     return JobResult(proc.returncode, out, log_dir, time.monotonic() - start)
 
 
@@ -151,20 +210,7 @@ def run_jobs(
         out = open(cwd / f"job_{i}.out", "w")  # noqa: SIM115
         full_env = {**os.environ, "PHALANX_LOG_ROOT": str(log_root / str(i)), "PYTHONUNBUFFERED": "1", **env}
         full_env.pop("PYTEST_CURRENT_TEST", None)
-        procs.append(
-            (
-                subprocess.Popen(
-                    cmd,
-                    cwd=cwd,
-                    env=full_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                ),
-                out,
-            )
-        )
+        procs.append((start_process(cmd, cwd=cwd, env=full_env, out=out), out))
     ended = {}
     try:
         awaited = set(range(len(procs)) if wait_for is None else wait_for)

@@ -57,6 +57,21 @@ def test_run_exit_handlers_runs_atexit_handlers_once():
     assert out.stdout.count("handler ran") == 1
 
 
+def test_run_module_as_main_runs_the_module_in_main_as_python_m_does(tmp_path):
+    (tmp_path / "mod_probe.py").write_text(
+        "import sys, pickle\nclass C: pass\n"
+        "print(__name__, sys.argv[0].endswith('mod_probe.py'), sys.modules['__main__'].C is C, len(pickle.dumps(C())) > 0)\n"
+    )
+    code = "import sys\nsys.argv = ['-m']\nfrom phalanx._compat.python import run_module_as_main\nrun_module_as_main('mod_probe')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-m", "mod_probe"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert out.stdout == fresh.stdout == "__main__ True True True\n"
+
+
 KERAS = importlib.util.find_spec("keras") is not None
 
 

@@ -44,7 +44,8 @@ def test_first_program_runs_and_prints_a_falling_loss(tmp_path):
     section = text[text.index("## Your first distributed program") :]
     body = _blocks_in(section)[0]
     (tmp_path / "train.py").write_text(body)
-    result = run_job([sys.executable, "train.py"], timeout=180, cwd=tmp_path)
+    # fresh: the README's program as a user starts it (not forked from the suite's fork server)
+    result = run_job([sys.executable, "train.py"], timeout=180, cwd=tmp_path, fresh=True)
     assert result.returncode == 0, result.logs()
     losses = [float(v) for v in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.output)]
     assert len(losses) == 5, result.output  # printed once per epoch, by replica 0 only

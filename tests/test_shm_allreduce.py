@@ -28,7 +28,8 @@ import psutil
 import pytest
 import torch
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from conftest import start_process
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 OPS = ("sum", "mean", "max", "min", "product")
@@ -325,7 +326,7 @@ def _launch_many(
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ)
     procs, logs, outs = [], [], []
     try:
         for rank in range(world):
@@ -333,12 +334,8 @@ def _launch_many(
             args = {"rank": rank, "world": world, "port": store.port, "out": str(out), "scenarios": scenarios}
             logs.append(log)
             outs.append(out)
-            with open(log, "w") as f:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, __file__, json.dumps(args)], stdout=f, stderr=subprocess.STDOUT, env=env
-                    )
-                )
+            with open(log, "w") as f:  # forked from the suite's fork server, as run_job's jobs
+                procs.append(start_process([sys.executable, __file__, json.dumps(args)], cwd=tmp_path, env=env, out=f))
         end = time.monotonic() + deadline
         for p in procs:  # rank 0 first: a dead rank 1 stays an unreaped zombie meanwhile
             try:

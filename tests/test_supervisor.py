@@ -21,7 +21,7 @@ import pytest
 from phalanx.errors import ClusterSpecError
 from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause
 
-from conftest import _session_processes, run_job
+from conftest import _session_processes, fork_server_pids, run_job
 
 EXITS = Path(__file__).parent / "scripts" / "exits.py"
 BOUND = 2.0  # seconds: an error or interrupt anywhere ends the whole job within this
@@ -120,7 +120,8 @@ def test_phalanx_run_output_is_python_train_py_output_and_logs_have_one_layout(t
     """Replica 0's output passes through untouched (Keras bar, no prefix) under both launchers;
     replica 1's log is LOGDIR/<run-id>/replica_1.log under both, and its location printed once."""
     job = script(KERAS_FIT)
-    direct = run_job([sys.executable, str(job)], timeout=180, cwd=tmp_path, log_dir=tmp_path / "direct")
+    # A fresh `python train.py` against `phalanx run`, whose replicas are forked (its default start).
+    direct = run_job([sys.executable, str(job)], timeout=180, cwd=tmp_path, log_dir=tmp_path / "direct", fresh=True)
     launched = run_job(_cmd("run", str(job)), timeout=180, cwd=tmp_path, log_dir=tmp_path / "launched")
     assert direct.returncode == 0 and launched.returncode == 0, direct.logs()[-3000:] + launched.logs()[-3000:]
     assert "[phalanx" not in launched.output and "[replica" not in launched.output, launched.output
@@ -308,8 +309,10 @@ def _hung_job_report(proc: subprocess.Popen, tmp_path: Path, pids: list[int]) ->
 def _cleanup(proc: subprocess.Popen) -> None:
     for p in _session_processes(proc.pid) if proc.poll() is None else []:
         p.kill()
+    servers = fork_server_pids()  # the suite's own fork servers are not the job's
     for p in psutil.Process().children(recursive=True):
-        p.kill()
+        if p.pid not in servers:
+            p.kill()
     proc.wait()
 
 

@@ -75,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         workers=args.workers,
         tee=args.tee,
         tls=args.tls,
+        start_method=args.start_method or "",
     )
     return run_job(spec)
 
@@ -267,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tee",
         action="store_true",
         help="also show every replica's output here, each line prefixed with the replica's name",
+    )
+    run.add_argument(
+        "--start-method",
+        choices=("fork", "spawn"),
+        default=None,
+        help="fork: every replica is forked from a process that imported torch (and Keras) once; spawn: "
+        "each starts a fresh interpreter (default: $PHALANX_START_METHOD, else fork on Linux)",
     )
     run.add_argument(
         "-m", dest="module", default=None, metavar="MODULE", help="run a module (as python -m does) instead of a script"

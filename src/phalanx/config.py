@@ -83,6 +83,9 @@ class Settings:
         tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
         interactive_start: PHALANX_INTERACTIVE_START, how a notebook starts its replicas: ``fork``
             or ``spawn`` (default: fork, spawn once CUDA is initialised); see ``phalanx.interactive``.
+        start_method: PHALANX_START_METHOD, how ``phalanx run`` starts its replicas: ``fork``
+            (from a server that imported torch once; the default on Linux) or ``spawn`` (each a
+            fresh interpreter); see :mod:`phalanx.launch.forkserver`.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -109,6 +112,7 @@ class Settings:
     tls_key: str | None = field(default=None, metadata={"env": "PHALANX_TLS_KEY"})
     tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
     interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
+    start_method: str | None = field(default=None, metadata={"env": "PHALANX_START_METHOD"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import runpy
 
-__all__ = ["run_exit_handlers"]
+__all__ = ["run_exit_handlers", "run_module_as_main"]
 
 
 def run_exit_handlers() -> None:
@@ -15,3 +16,13 @@ def run_exit_handlers() -> None:
     communicators, flushing logs) must still run. The handlers do not run again at exit.
     """
     atexit._run_exitfuncs()
+
+
+def run_module_as_main(name: str) -> None:
+    """Runs module ``name`` as ``python -m name`` does (``runpy._run_module_as_main``, CPython 3.4
+    to 3.13): in the current ``__main__`` module, with ``sys.argv[0]`` set to its file.
+
+    :func:`runpy.run_module` is not the same: it runs the module in a temporary namespace, so
+    ``__main__`` is not the module's own (pickling a class defined there fails).
+    """
+    runpy._run_module_as_main(name, alter_argv=True)

@@ -53,6 +53,8 @@ class JobSpec:
             ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
         tee: show every replica's output on this terminal, each line prefixed with its name.
         tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
+        start_method: ``fork`` or ``spawn`` (:mod:`phalanx.launch.forkserver`); default
+            :func:`phalanx.launch.settings.start_method`.
     """
 
     command: tuple[str, ...]
@@ -67,18 +69,29 @@ class JobSpec:
     workers: int = 0
     tee: bool = False
     tls: bool = False
+    start_method: str = ""
 
 
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
+    start_method = spec.start_method or settings.start_method()
     if spec.ps > 0:
         from phalanx.ps.launcher import ClusterJob, run_cluster
 
         return run_cluster(
-            ClusterJob(spec.command, spec.ps, spec.workers, spec.max_restarts, spec.log_dir, tee=spec.tee, tls=spec.tls)
+            ClusterJob(
+                spec.command,
+                spec.ps,
+                spec.workers,
+                spec.max_restarts,
+                spec.log_dir,
+                tee=spec.tee,
+                tls=spec.tls,
+                start_method=start_method,
+            )
         )
     run = RunDirectory(spec.log_dir or None).create()
-    sup = Supervisor(tee=spec.tee)
+    sup = Supervisor(tee=spec.tee, start_method=start_method)
     here = (
         "every replica writes here, prefixed"
         if spec.tee
@@ -105,6 +118,8 @@ def run_job(spec: JobSpec) -> int:
                 sup.say(f"restarting the job (restart {failures} of {spec.max_restarts})")
         except Interrupted as e:
             return stop_on_signal(sup, e.signum)
+        finally:
+            sup.close()
 
 
 def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:

@@ -8,6 +8,7 @@ is a :class:`~phalanx.errors.ClusterSpecError` naming the variable and the value
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 from phalanx import config
@@ -35,6 +36,19 @@ def exit_timeout() -> float:
 def stop_grace() -> float:
     """Seconds between the polite signal and SIGKILL when a failed or interrupted job is stopped."""
     return config.settings().stop_grace
+
+
+def start_method() -> str:
+    """How launchers start replica processes: ``PHALANX_START_METHOD``, else ``fork`` on Linux
+    (:mod:`phalanx.launch.forkserver`) and ``spawn`` elsewhere."""
+    raw = config.settings().start_method
+    if raw in (None, ""):
+        return "fork" if sys.platform.startswith("linux") else "spawn"
+    if raw not in ("fork", "spawn"):
+        raise ClusterSpecError("PHALANX_START_METHOD", raw, "must be fork or spawn")
+    if raw == "fork" and not sys.platform.startswith("linux"):
+        raise ClusterSpecError("PHALANX_START_METHOD", raw, "the fork start needs Linux; use spawn")
+    return raw
 
 
 def preemption_grace() -> float:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from phalanx.launch import settings
+from phalanx.launch.forkserver import ForkedProcess, ForkServer, forkable, preload_for
 
 __all__ = [
     "Exit",
@@ -195,7 +196,7 @@ class Running:
     """A started task."""
 
     task: Task
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     started: float
     stopped_by_supervisor: bool = False
     failed_at: float | None = None  # when its error file appeared (it is failing, maybe still exiting)
@@ -313,10 +314,17 @@ class Supervisor:
     Args:
         tee: also show every logged task's lines on this process's stdout, prefixed ``[name]``.
         out: where the supervisor's own messages go (default stderr).
+        start_method: ``spawn`` (each task a fresh ``exec``) or ``fork`` (Python tasks forked from
+            a server that imported torch once: :mod:`phalanx.launch.forkserver`; a task that
+            cannot be forked is spawned).
     """
 
-    def __init__(self, *, tee: bool = False, out: IO[str] | None = None) -> None:
+    def __init__(self, *, tee: bool = False, out: IO[str] | None = None, start_method: str = "spawn") -> None:
+        if start_method not in ("spawn", "fork"):
+            raise ValueError(f"start_method must be 'spawn' or 'fork', not {start_method!r}")
         self.tee = tee
+        self.start_method = start_method
+        self._fork_server: ForkServer | None = None
         self._out = out
         self._runs: list[Running] = []
         self._exits: list[Exit] = []
@@ -349,17 +357,29 @@ class Supervisor:
             env["PYTHONUNBUFFERED"] = "1"  # a log read while the job runs (or after a kill) is complete
             log = open(task.log_path, "ab")  # noqa: SIM115 - the child owns it from here
         stdout = subprocess.PIPE if piped else log
+        stderr = subprocess.STDOUT if log is not None else None
         try:
-            popen = subprocess.Popen(
-                list(task.command),
-                env=env,
-                stdout=stdout,
-                stderr=subprocess.STDOUT if log is not None else None,
-                stdin=subprocess.DEVNULL,
-                # Not thread-safe in general (PLW1509); this one calls only
-                # async-signal-safe functions, resolved before the fork.
-                preexec_fn=functools.partial(_child_setup, os.getpid()),
-            )  # noqa: PLW1509
+            server = self._server_for(task, env)
+            popen: subprocess.Popen | ForkedProcess
+            if server is not None:
+                env["PHALANX_PARENT_PID"] = str(server.pid)  # its parent, which it watches
+                popen = server.spawn(
+                    task.command,
+                    env=env,
+                    stdout=subprocess.PIPE if piped else (log.fileno() if log is not None else None),
+                    stderr=stderr,
+                )
+            else:
+                popen = subprocess.Popen(
+                    list(task.command),
+                    env=env,
+                    stdout=stdout,
+                    stderr=stderr,
+                    stdin=subprocess.DEVNULL,
+                    # Not thread-safe in general (PLW1509); this one calls only
+                    # async-signal-safe functions, resolved before the fork.
+                    preexec_fn=functools.partial(_child_setup, os.getpid()),
+                )  # noqa: PLW1509
         except BaseException:
             if log is not None:
                 log.close()
@@ -375,6 +395,25 @@ class Supervisor:
         with self._lock:
             self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
         return run
+
+    def _server_for(self, task: Task, env: Mapping[str, str]) -> ForkServer | None:
+        """The fork server to start ``task`` from, or None to spawn it (see ``start_method``)."""
+        if self.start_method != "fork":
+            return None
+        if self._fork_server is None:
+            self._fork_server = ForkServer(preload_for(task.command), env=os.environ)
+        why = forkable(task.command, env, self._fork_server.env)
+        if why is not None:
+            self.say(f"{task.name} starts a fresh interpreter ({why})")
+            return None
+        self._fork_server.start()
+        return self._fork_server
+
+    def close(self) -> None:
+        """Ends the fork server, if one was started (call once every task has ended)."""
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
 
     def _pump(self, pipe: IO[bytes], log: IO[bytes] | None, name: str) -> None:
         """``--tee``: copies a task's output to its log, and line by line, prefixed, to stdout."""

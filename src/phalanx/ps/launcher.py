@@ -56,6 +56,7 @@ class ClusterJob:
     shutdown_grace: float = 10.0
     tee: bool = False
     tls: bool = False
+    start_method: str = "spawn"  # or "fork" (phalanx.launch.forkserver)
 
 
 def _threads(task_type: str, num_workers: int) -> str:
@@ -151,7 +152,7 @@ def run_cluster(job: ClusterJob) -> int:
             f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
             f"ps={job.num_ps}, workers={job.num_workers}"
         )
-    sup = Supervisor(tee=job.tee)
+    sup = Supervisor(tee=job.tee, start_method=job.start_method)
     cluster = _Cluster(job, sup)
     here = "every task writes here, prefixed; " if job.tee else "the chief writes here; "
     sup.say(
@@ -172,3 +173,5 @@ def run_cluster(job: ClusterJob) -> int:
         except BaseException:
             sup.kill()
             raise
+        finally:
+            sup.close()

@@ -1,0 +1,598 @@
+"""The fork start: import torch (and Keras) once per job, fork every replica from that.
+
+``python train.py`` spends its first seconds importing: about 2.5 CPU-seconds for torch and 7
+for Keras on its torch backend (which pulls in ``torch._dynamo`` and scikit-learn), measured on
+the 2-core CI machine. A job of N replicas on a host paid that N times, all at once, on the
+same cores. With the fork start (``phalanx run --start-method fork``, the default on Linux) the
+supervisor starts one *fork server* per job, which imports those modules once and never runs
+user code; each replica is a fork of it that then runs the program as ``python train.py``
+would: a fresh ``__main__``, its ``sys.argv`` and ``sys.path[0]``, its own environment, process
+group, stdin and stdout, and the interpreter's own exit (non-daemon threads joined, ``atexit``,
+finalisation, the exit status, the traceback of an uncaught exception). A restarted replica is
+forked from the same untouched server. Precedents: multiprocessing's forkserver with
+``set_forkserver_preload``, gunicorn's ``--preload``, Android's zygote.
+
+What can differ from a fresh interpreter, and what is done about it:
+
+* **Environment read at start-up.** A task's variables are set before its program runs; the
+  two that a fresh interpreter reads before any program code are applied by hand
+  (``PYTHONUNBUFFERED``: the standard streams are rebuilt; ``OMP_NUM_THREADS``:
+  ``torch.set_num_threads``). A task whose environment differs from the server's in anything
+  else read at start-up or import (``PYTHON*``, ``LD_*``, ``KERAS_*``, ``TORCH*``, thread-pool
+  sizes) is started fresh instead (:func:`forkable`).
+* **Random state.** Python's ``random`` reseeds itself after a fork; numpy's global generator
+  is reseeded here. torch's default generator is seeded at import with a constant, as in a
+  fresh process. String hashing (``PYTHONHASHSEED``) is the server's in every replica, so set
+  iteration orders agree across replicas (a fresh start gives each its own).
+* **Fork safety.** The server starts no thread of its own and never initialises CUDA: importing
+  torch does not, and Keras (whose import asks torch for CUDA devices) is preloaded only on a
+  CPU-only torch build. numpy's and scipy's OpenBLAS pools are fork-aware (``pthread_atfork``).
+* **Process tree.** Replicas are the server's children, not the supervisor's; the server
+  reports each start and exit over its control socket, dies with the supervisor
+  (``PR_SET_PDEATHSIG``) and takes its replicas with it the same way.
+
+Example::
+
+    >>> import os, sys
+    >>> server = ForkServer(preload=())
+    >>> proc = server.spawn([sys.executable, "-c", "import sys; sys.exit(3)"], env=dict(os.environ))
+    >>> proc.wait(timeout=30)
+    3
+    >>> server.close()
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import gc
+import importlib
+import importlib.util
+import io
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ForkServer", "ForkedProcess", "forkable", "preload_for"]
+
+STDOUT = -2  # as subprocess.STDOUT: a task's stderr goes where its stdout goes
+_MAX_MESSAGE = 1 << 20  # one request (its environment included) fits in a datagram this size
+_READY_TIMEOUT = 300.0  # importing torch and Keras on a loaded 2-core machine took up to 20 s
+_PR_SET_PDEATHSIG = 1
+
+# Variables a fresh interpreter (or a preloaded module) reads before the program runs: a task
+# whose value differs from the server's cannot be forked and is started fresh instead.
+# PYTHONUNBUFFERED and OMP_NUM_THREADS are applied by hand (see the module docstring).
+_STARTUP = re.compile(
+    r"^(PYTHON|LD_|KERAS_|TORCH_|TORCHINDUCTOR_|TORCHDYNAMO_|PYTORCH_|OMP_|MKL_|OPENBLAS_|GOTO_|MALLOC_|TF_CPP_)"
+)
+_APPLIED = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
+_KERAS_IMPORT = re.compile(rb"^\s*(import\s+keras|from\s+keras[\s.])", re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------- what to preload
+def preload_for(command: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The modules worth importing once for ``command`` (``[python, script, ...]``): torch and
+    numpy when installed, and Keras when the script imports it and ``KERAS_BACKEND=torch`` is set
+    (a script that picks its backend itself, or a keras.json, imports Keras on its own)."""
+    env = os.environ if env is None else env
+    names = [m for m in ("numpy", "torch", "torch.distributed") if _installed(m)]
+    script = _script_of(command)
+    if script is not None and _installed("keras") and env.get("KERAS_BACKEND") == "torch":
+        try:
+            with open(script, "rb") as f:
+                if _KERAS_IMPORT.search(f.read()):
+                    names.append("keras")
+        except OSError:
+            pass
+    return tuple(names)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _script_of(command: Sequence[str]) -> str | None:
+    args = list(command[1:])
+    return args[0] if args and not args[0].startswith("-") else None
+
+
+def forkable(command: Sequence[str], env: Mapping[str, str], server_env: Mapping[str, str]) -> str | None:
+    """Why ``command`` with ``env`` cannot be forked from a server started with ``server_env``
+    (None when it can): only ``python script``, ``python -m module`` and ``python -c code``, with
+    no interpreter option, and no difference in a variable read at start-up."""
+    if not command or os.path.realpath(command[0]) != os.path.realpath(sys.executable):
+        return f"not this Python: {command[:1]}"
+    if len(command) < 2 or (command[1].startswith("-") and command[1] not in ("-m", "-c")):
+        return f"interpreter options: {list(command[1:2])}"
+    if command[1] in ("-m", "-c") and len(command) < 3:
+        return f"{command[1]} without its argument"
+    for name in set(env) | set(server_env):
+        if name not in _APPLIED and _STARTUP.match(name) and env.get(name) != server_env.get(name):
+            return f"{name} differs from the fork server's"
+    return None
+
+
+# ----------------------------------------------------------------------------- messages
+def _send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors that came with it; (None, []) when the peer is gone."""
+    fds = array.array("i")
+    data, ancdata, _flags, _addr = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(4 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), list(fds)
+
+
+# ----------------------------------------------------------------------------- the client
+class ForkedProcess:
+    """A task forked by a :class:`ForkServer`: the part of :class:`subprocess.Popen` a supervisor uses.
+
+    Attributes:
+        pid: its process id (its process group id too, unless it shares its server's group).
+        returncode: its exit code once it has ended (``-N`` when killed by signal N), else None.
+        stdout: the read end of its output pipe when it was started with ``stdout=PIPE``, else None.
+    """
+
+    def __init__(self, server: ForkServer, pid: int, stdout: io.BufferedReader | None = None) -> None:
+        self._server, self.pid, self.stdout = server, pid, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server._exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+            self._server._wait_for_news(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never signal a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """A process that has imported ``preload`` and forks programs on request.
+
+    Args:
+        preload: modules to import in the server (an import that fails is reported on stderr
+            and skipped: the replica will import, or fail to import, it itself).
+        env: the server's environment (default ``os.environ``); see :func:`forkable`.
+
+    The server starts on the first :meth:`spawn`; it dies with this process and ends when
+    :meth:`close` is called (replicas still running then are killed with it).
+    """
+
+    def __init__(self, preload: Sequence[str] = ("numpy", "torch"), env: Mapping[str, str] | None = None) -> None:
+        self.preload = tuple(preload)
+        self.env = dict(os.environ if env is None else env)
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._lock = threading.RLock()
+        self._exits: dict[int, int] = {}
+        self._started: dict[int, int] = {}
+        self._next_id = 0
+        self.pid: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Starts the server and waits until it has imported its modules."""
+        with self._lock:
+            if self._proc is not None:
+                return
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            parent = os.getpid()
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "phalanx.launch.forkserver", str(theirs.fileno()), *self.preload],
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(),),
+                    preexec_fn=lambda: _die_with(parent),  # noqa: PLW1509 - async-signal-safe calls only
+                )
+            finally:
+                theirs.close()
+            self._sock = ours
+            ready = self._read_until(lambda m: m.get("op") == "ready", _READY_TIMEOUT)
+            if ready is None:
+                self.close()
+                raise RuntimeError("phalanx: the fork server did not start (see its output above)")
+            self.pid = int(ready["pid"])
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server has not been started yet, or is running."""
+        with self._lock:
+            return self._proc is None or (self._sock is not None and self._proc.poll() is None)
+
+    def close(self) -> None:
+        """Ends the server (and any replica of it still running)."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._proc is not None:
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                self._proc = None
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ starting programs
+    def spawn(
+        self,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        new_session: bool = False,
+        own_group: bool = True,
+    ) -> ForkedProcess:
+        """Forks ``command`` (``[sys.executable, script | -m module | -c code, *args]``).
+
+        Args:
+            env: the program's whole environment (``os.environ`` in it).
+            cwd: its working directory (default: this process's).
+            stdout: a descriptor to write to, ``subprocess.PIPE`` (read it from
+                ``ForkedProcess.stdout``), or None for the server's (this process's).
+            stderr: a descriptor, ``subprocess.STDOUT``, or None for the server's.
+            new_session: ``setsid()`` in the child (as ``start_new_session``).
+            own_group: its own process group (ignored with ``new_session``).
+
+        Raises:
+            ValueError: ``command`` cannot be forked (:func:`forkable` says why).
+        """
+        why = forkable(command, env, self.env)
+        if why is not None:
+            raise ValueError(f"cannot fork {list(command)[:3]}: {why}")
+        self.start()
+        fds, names, pipe_read = [], {}, None
+        if stdout == subprocess.PIPE:
+            pipe_read, pipe_write = os.pipe()
+            fds.append(pipe_write)
+            names["stdout"] = 0
+        elif stdout is not None:
+            fds.append(stdout)
+            names["stdout"] = 0
+        if stderr is not None and stderr not in (subprocess.STDOUT, STDOUT):
+            names["stderr"] = len(fds)
+            fds.append(stderr)
+        request = {
+            "op": "fork",
+            "argv": list(command[1:]),
+            "env": dict(env),
+            "cwd": cwd or os.getcwd(),
+            "fds": names,
+            "stderr_to_stdout": stderr in (subprocess.STDOUT, STDOUT),
+            "new_session": new_session,
+            "own_group": own_group,
+        }
+        with self._lock:
+            if self._sock is None:
+                raise RuntimeError("phalanx: the fork server is closed")
+            self._next_id += 1
+            request["id"] = ident = self._next_id
+            try:
+                _send(self._sock, request, fds)
+            finally:
+                if pipe_read is not None:
+                    os.close(fds[0])  # the child has its own copy now
+            reply = self._read_until(lambda m: m.get("op") == "started" and m.get("id") == ident, 60.0)
+        if reply is None or "pid" not in reply:
+            if pipe_read is not None:
+                os.close(pipe_read)
+            raise RuntimeError(f"phalanx: the fork server did not start {list(command)[:3]}: {reply}")
+        reader = os.fdopen(pipe_read, "rb", buffering=0) if pipe_read is not None else None
+        return ForkedProcess(self, int(reply["pid"]), reader)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ exits
+    def _exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            self._drain()
+            return self._exits.get(pid)
+
+    def _wait_for_news(self, timeout: float) -> None:
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([sock], [], [], timeout)
+        else:
+            time.sleep(timeout)
+
+    def _drain(self) -> None:
+        """Reads every message that has arrived (without waiting)."""
+        while self._sock is not None:
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0)
+            except (OSError, ValueError):
+                ready = []
+            if not ready:
+                return
+            if not self._handle_one():
+                return
+
+    def _handle_one(self) -> dict[str, Any] | None:
+        assert self._sock is not None
+        try:
+            message, fds = _recv(self._sock)
+        except OSError:
+            message, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if message is None:  # the server is gone, and its replicas with it (PR_SET_PDEATHSIG)
+            for pid in self._started:
+                self._exits.setdefault(pid, -signal.SIGKILL)
+            self._sock.close()
+            self._sock = None
+            return None
+        if message.get("op") == "started" and "pid" in message:
+            self._started[int(message["pid"])] = int(message["id"])
+        elif message.get("op") == "exit":
+            self._exits[int(message["pid"])] = int(message["code"])
+        return message
+
+    def _read_until(self, wanted: Any, timeout: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while self._sock is not None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self._sock], [], [], min(1.0, max(0.0, deadline - time.monotonic())))
+            if not ready:
+                if self._proc is not None and self._proc.poll() is not None:
+                    return None  # it died before answering
+                continue
+            message = self._handle_one()
+            if message is not None and wanted(message):
+                return message
+        return None
+
+
+def _die_with(parent: int) -> None:  # in the server, between fork and exec
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+try:  # resolved before any fork: children call the function pointer and nothing else
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+# ----------------------------------------------------------------------------- the server
+_SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # what the server's parent left it (see _become)
+
+
+def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
+    """The server's loop. Returns a fork request in a forked child; None in the server when its
+    client is gone (the server then ends, and its remaining children with it)."""
+    loaded = []
+    for name in preload:
+        if name == "keras" and not _cpu_only_torch():
+            continue  # Keras asks torch for CUDA devices at import: never before a fork
+        try:
+            importlib.import_module(name)
+            loaded.append(name)
+        except Exception as e:  # noqa: BLE001 - the replica imports it itself, and reports
+            print(f"phalanx: fork server: could not preload {name}: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # What the preloaded modules made is never collected: keep the collector of every child off
+    # it, or its first collection writes to (and so copies) nearly every page of that heap.
+    gc.collect()
+    gc.freeze()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards signals to each replica
+    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": loaded})
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        _reap(sock)
+        if sock not in ready:
+            continue
+        request, fds = _recv(sock)
+        if request is None:
+            return None
+        request["_server"] = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            os.close(wake_r)
+            os.close(wake_w)
+            sock.close()
+            request["_fds"] = fds
+            return request
+        for fd in fds:
+            os.close(fd)
+        _send(sock, {"op": "started", "id": request["id"], "pid": pid})
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with contextlib.suppress(OSError):
+            _send(sock, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _cpu_only_torch() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _installed("torch") is False
+    return getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None
+
+
+_KEEP: list[Any] = []  # the server's standard streams: never closed (collected) in a child
+
+
+def _become(request: dict[str, Any]) -> str:
+    """In a forked child: the process of ``request``. Returns how to run it (see :func:`_run`)."""
+    server = request["_server"]  # not getppid(): the server may already be gone
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # As a fresh interpreter: Ctrl-C raises KeyboardInterrupt, unless SIGINT came in ignored.
+    signal.signal(signal.SIGINT, signal.SIG_IGN if _SIGINT_AT_START == signal.SIG_IGN else signal.default_int_handler)
+    if request["new_session"]:
+        os.setsid()
+    elif request["own_group"]:
+        os.setpgid(0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server:
+        os._exit(1)
+    fds, names = request["_fds"], request["fds"]
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if "stdout" in names:
+        os.dup2(fds[names["stdout"]], 1)
+    if "stderr" in names:
+        os.dup2(fds[names["stderr"]], 2)
+    elif request["stderr_to_stdout"]:
+        os.dup2(1, 2)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads != before.get("OMP_NUM_THREADS") and threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    if "numpy.random" in sys.modules:  # a fresh process draws its own entropy
+        sys.modules["numpy.random"].seed()
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]
+        sys.path[0] = os.getcwd()
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    return argv[0]
+
+
+def _standard_streams(unbuffered: bool) -> None:
+    """New sys.stdin/stdout/stderr over descriptors 0-2, as the interpreter builds them at start."""
+    _KEEP.extend([sys.stdin, sys.stdout, sys.stderr])
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    errors = getattr(sys.stdout, "errors", None) or "strict"
+
+    def writer(fd: int, error: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        tty = raw.isatty()
+        buffer = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(
+            buffer,  # type: ignore[arg-type]
+            encoding=encoding,
+            errors="backslashreplace" if error else errors,
+            line_buffering=error or tty,
+            write_through=unbuffered,
+        )
+
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=encoding)
+    sys.stdout = sys.__stdout__ = writer(1, False)
+    sys.stderr = sys.__stderr__ = writer(2, True)
+
+
+def _run(kind: str, request: dict[str, Any]) -> None:
+    """Runs the program of a forked child in a fresh ``__main__`` (as the interpreter would)."""
+    import builtins
+    import types
+
+    from phalanx._compat.python import run_module_as_main
+
+    argv = request["argv"]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    if kind == "-m":
+        run_module_as_main(argv[1])
+        return
+    if kind == "-c":
+        source, filename = argv[1], "<string>"
+    else:
+        filename = os.path.abspath(argv[0])
+        with open(filename, "rb") as f:
+            source = f.read()
+        main.__file__ = filename
+        main.__cached__ = None
+    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
+
+
+def _report_uncaught(error: BaseException) -> None:
+    """Prints an uncaught exception as ``python train.py`` would: without the server's frames."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    sys.excepthook(type(error), error.with_traceback(tb), tb)
+
+
+if __name__ == "__main__":
+    _request = _serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
+    if _request is not None:
+        _kind = _become(_request)
+        del sys.modules[__name__]  # the program's __main__ replaces this module
+        try:
+            _run(_kind, _request)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as _error:  # noqa: BLE001 - an uncaught exception of the program
+            _report_uncaught(_error)
+            sys.exit(1)
