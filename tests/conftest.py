@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,7 +38,11 @@ def _fork_server_for(cmd: list[str], env: dict[str, str]):
         return None
     from phalanx.launch.forkserver import forkable, preload_for
 
-    server = shared_fork_server(preload_for(cmd, env))
+    # run_programs.py imports nothing itself; the programs of its plan may import Keras
+    plan = json.loads(env.get("PHALANX_TEST_PROGRAMS", "[]"))
+    programs = [p[1] if p[0] == "chief-only" else p[0] for p in plan]
+    keras = any("keras" in preload_for([sys.executable, str(program)], env) for program in programs)
+    server = shared_fork_server(preload_for(cmd, env, extra=("keras",) if keras else ()))
     if forkable(cmd, env, server.env) is not None:
         return None
     return server
@@ -257,8 +262,6 @@ def free_ports(n: int) -> list[int]:
 
 
 def tf_config(workers: list[str], index: int, task_type: str = "worker", **extra_jobs: list[str]) -> dict[str, str]:
-    import json
-
     return {
         "TF_CONFIG": json.dumps(
             {"cluster": {"worker": workers, **extra_jobs}, "task": {"type": task_type, "index": index}}
@@ -308,8 +311,6 @@ RUN_PROGRAMS = Path(__file__).parent / "scripts" / "run_programs.py"
 
 def programs_job_env(programs: list[list[str]]) -> dict[str, str]:
     """The environment that makes ``scripts/run_programs.py`` run ``programs`` one after the other."""
-    import json
-
     return {"PHALANX_TEST_PROGRAMS": json.dumps([[str(a) for a in p] for p in programs])}
 
 

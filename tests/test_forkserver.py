@@ -128,6 +128,15 @@ def test_keras_is_preloaded_only_for_a_program_that_imports_it(tmp_path):
     assert "keras" in preload_for([sys.executable, str(with_keras)], {"KERAS_BACKEND": "torch"})
     assert "keras" not in preload_for([sys.executable, str(with_keras)], {"KERAS_BACKEND": "jax"})
     assert "keras" not in preload_for([sys.executable, str(with_keras)], {})  # Keras's default is not torch
+    pinned = tmp_path / "pinned.py"  # the examples' way: the script picks the torch backend itself
+    pinned.write_text('import os\nos.environ.setdefault("KERAS_BACKEND", "torch")\nimport keras\n')
+    assert "keras" in preload_for([sys.executable, str(pinned)], {})
+    assert "keras" not in preload_for([sys.executable, str(pinned)], {"KERAS_BACKEND": "jax"})
+    # --preload: a module the script imports through one of its own
+    assert preload_for([sys.executable, str(plain)], {"KERAS_BACKEND": "torch"}, extra=("keras", "scipy"))[-2:] == (
+        "keras",
+        "scipy",
+    )
 
 
 def test_a_killed_server_takes_its_children_and_reports_them_killed(tmp_path):
@@ -213,3 +222,37 @@ def test_phalanx_run_fork_and_spawn_starts_run_the_same_program(tmp_path):
         outputs[method] = sorted(line for line in res.output.splitlines() if line.startswith("[replica"))
     assert outputs["fork"] == [f"[replica {r}] replica {r}: sum 2.0 preloaded True server" for r in (0, 1)]
     assert outputs["spawn"] == [f"[replica {r}] replica {r}: sum 2.0 preloaded False launcher" for r in (0, 1)]
+
+
+def test_self_launch_forks_from_two_replicas_on(tmp_path):
+    """`python job.py` with 3 replicas: replica 0 starts a fork server for replicas 1 and 2 (one
+    import for two); with 2 replicas, replica 1 is spawned (the server would cost what it saves)."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            preloaded = "torch" in sys.modules
+            import psutil, torch, phalanx
+            n = int(sys.argv[1])
+            strategy = phalanx.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+            total = strategy.reduce("SUM", strategy.run(lambda: torch.ones(1)), axis=None)
+            parent = psutil.Process(os.getppid()).cmdline()
+            with open(f"replica_{n}_{phalanx.process_index()}.txt", "w") as f:
+                f.write(f"{total.item()} {preloaded} {'server' if 'phalanx.launch.forkserver' in parent else 'other'}")
+            """
+        )
+    )
+    for n in (2, 3):
+        res = run_job(
+            [sys.executable, str(job), str(n)], timeout=180, cwd=tmp_path, log_dir=tmp_path / str(n), fresh=True
+        )
+        assert res.returncode == 0, res.logs()
+    seen = {p.stem: p.read_text() for p in tmp_path.glob("replica_*.txt")}
+    assert seen == {
+        "replica_2_0": "2.0 False other",
+        "replica_2_1": "2.0 False other",
+        "replica_3_0": "3.0 False other",
+        "replica_3_1": "3.0 True server",
+        "replica_3_2": "3.0 True server",
+    }

@@ -34,7 +34,8 @@ MULTI_WORKER = ["multi_worker_with_keras.py", "multi_worker_with_ctl.py"]
 def mirrored_job(tmp_path_factory) -> tuple[int, str]:
     """Every MirroredStrategy tutorial under one `phalanx run -n 2`; the chief's output."""
     out = tmp_path_factory.mktemp("tutorials-mirrored")
-    cmd = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", str(RUN_PROGRAMS)]
+    # --preload keras: the tutorials import Keras, the script that runs them does not itself
+    cmd = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--preload", "keras", str(RUN_PROGRAMS)]
     env = {**ENV, **programs_job_env([[TUTORIALS / name] for name in MIRRORED])}
     res = run_job(cmd, timeout=240 * len(MIRRORED), cwd=out, env=env)
     return res.returncode, res.logs() if res.returncode != 0 else res.output

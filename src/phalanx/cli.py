@@ -76,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         tee=args.tee,
         tls=args.tls,
         start_method=args.start_method or "",
+        preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
     )
     return run_job(spec)
 
@@ -275,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fork: every replica is forked from a process that imported torch (and Keras) once; spawn: "
         "each starts a fresh interpreter (default: $PHALANX_START_METHOD, else fork on Linux)",
+    )
+    run.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="with the fork start: modules (comma-separated) to import once besides torch and those the "
+        "script imports itself, e.g. --preload keras for a script that imports Keras through a module of its own",
     )
     run.add_argument(
         "-m", dest="module", default=None, metavar="MODULE", help="run a module (as python -m does) instead of a script"

@@ -78,23 +78,35 @@ _STARTUP = re.compile(
 )
 _APPLIED = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 _KERAS_IMPORT = re.compile(rb"^\s*(import\s+keras|from\s+keras[\s.])", re.MULTILINE)
+# os.environ["KERAS_BACKEND"] = "torch", os.environ.setdefault("KERAS_BACKEND", "torch"), ...
+_PINS_TORCH_BACKEND = re.compile(rb"""["']KERAS_BACKEND["']\s*(\]\s*=|,)\s*["']torch["']""")
 
 
 # ----------------------------------------------------------------------------- what to preload
-def preload_for(command: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def preload_for(
+    command: Sequence[str], env: Mapping[str, str] | None = None, extra: Sequence[str] = ()
+) -> tuple[str, ...]:
     """The modules worth importing once for ``command`` (``[python, script, ...]``): torch and
-    numpy when installed, and Keras when the script imports it and ``KERAS_BACKEND=torch`` is set
-    (a script that picks its backend itself, or a keras.json, imports Keras on its own)."""
+    numpy when installed, ``extra``, and Keras when the script imports it on the torch backend
+    (``KERAS_BACKEND=torch`` in ``env``, or set to ``"torch"`` by the script itself). Keras is
+    never preloaded for any other backend: the script would get the server's."""
     env = os.environ if env is None else env
     names = [m for m in ("numpy", "torch", "torch.distributed") if _installed(m)]
     script = _script_of(command)
-    if script is not None and _installed("keras") and env.get("KERAS_BACKEND") == "torch":
+    source = b""
+    if script is not None:
         try:
             with open(script, "rb") as f:
-                if _KERAS_IMPORT.search(f.read()):
-                    names.append("keras")
+                source = f.read()
         except OSError:
             pass
+    wants_keras = "keras" in extra or bool(_KERAS_IMPORT.search(source))
+    torch_backend = env.get("KERAS_BACKEND") == "torch" or (
+        "KERAS_BACKEND" not in env and bool(_PINS_TORCH_BACKEND.search(source))
+    )
+    if wants_keras and torch_backend and _installed("keras"):
+        names.append("keras")
+    names += [m for m in extra if m != "keras" and m not in names]
     return tuple(names)
 
 
@@ -415,11 +427,17 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
     for name in preload:
         if name == "keras" and not _cpu_only_torch():
             continue  # Keras asks torch for CUDA devices at import: never before a fork
+        pinned = name == "keras" and "KERAS_BACKEND" not in os.environ
+        if pinned:  # the script sets it before importing Keras (preload_for checked): do the same
+            os.environ["KERAS_BACKEND"] = "torch"
         try:
             importlib.import_module(name)
             loaded.append(name)
         except Exception as e:  # noqa: BLE001 - the replica imports it itself, and reports
             print(f"phalanx: fork server: could not preload {name}: {e}", file=sys.stderr)
+        finally:
+            if pinned:  # the server's environment stays the launcher's (see forkable)
+                del os.environ["KERAS_BACKEND"]
     sys.stdout.flush()
     sys.stderr.flush()
     # What the preloaded modules made is never collected: keep the collector of every child off

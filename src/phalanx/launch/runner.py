@@ -55,6 +55,8 @@ class JobSpec:
         tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
         start_method: ``fork`` or ``spawn`` (:mod:`phalanx.launch.forkserver`); default
             :func:`phalanx.launch.settings.start_method`.
+        preload: with ``fork``, modules to import once besides those found in the script (a
+            module the script imports through one of its own, say).
     """
 
     command: tuple[str, ...]
@@ -70,6 +72,7 @@ class JobSpec:
     tee: bool = False
     tls: bool = False
     start_method: str = ""
+    preload: tuple[str, ...] = ()
 
 
 def run_job(spec: JobSpec) -> int:
@@ -88,10 +91,11 @@ def run_job(spec: JobSpec) -> int:
                 tee=spec.tee,
                 tls=spec.tls,
                 start_method=start_method,
+                preload=spec.preload,
             )
         )
     run = RunDirectory(spec.log_dir or None).create()
-    sup = Supervisor(tee=spec.tee, start_method=start_method)
+    sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload)
     here = (
         "every replica writes here, prefixed"
         if spec.tee

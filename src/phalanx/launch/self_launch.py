@@ -29,6 +29,7 @@ import time
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
+from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
@@ -90,7 +91,9 @@ class ReplicaLauncher:
         self.run = RunDirectory().create()
         self.run_id, self.log_dir = self.run.run_id, self.run.path
         self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
-        self.supervisor = Supervisor()
+        # The fork start pays one import of torch (and Keras) for all the replicas it starts: worth
+        # it from two on; one replica pays the same itself, and starts sooner.
+        self.supervisor = Supervisor(start_method=settings.start_method() if world_size > 2 else "spawn")
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._main_exiting = threading.Event()
         self._own_failure = False
@@ -180,7 +183,9 @@ class ReplicaLauncher:
                 gc.freeze()
                 return
             _exit(1)  # another replica failed: never exit 0, whatever replica 0 did after
-        if wait_for_the_rest(self.supervisor) != 0:
+        code = wait_for_the_rest(self.supervisor)
+        self.supervisor.close()
+        if code != 0:
             _exit(1)
 
 

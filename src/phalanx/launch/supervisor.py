@@ -317,13 +317,18 @@ class Supervisor:
         start_method: ``spawn`` (each task a fresh ``exec``) or ``fork`` (Python tasks forked from
             a server that imported torch once: :mod:`phalanx.launch.forkserver`; a task that
             cannot be forked is spawned).
+        preload: with ``fork``, modules for the server to import besides those
+            :func:`~phalanx.launch.forkserver.preload_for` finds in the script.
     """
 
-    def __init__(self, *, tee: bool = False, out: IO[str] | None = None, start_method: str = "spawn") -> None:
+    def __init__(
+        self, *, tee: bool = False, out: IO[str] | None = None, start_method: str = "spawn", preload: Sequence[str] = ()
+    ) -> None:
         if start_method not in ("spawn", "fork"):
             raise ValueError(f"start_method must be 'spawn' or 'fork', not {start_method!r}")
         self.tee = tee
         self.start_method = start_method
+        self.preload = tuple(preload)
         self._fork_server: ForkServer | None = None
         self._out = out
         self._runs: list[Running] = []
@@ -401,7 +406,7 @@ class Supervisor:
         if self.start_method != "fork":
             return None
         if self._fork_server is None:
-            self._fork_server = ForkServer(preload_for(task.command), env=os.environ)
+            self._fork_server = ForkServer(preload_for(task.command, extra=self.preload), env=os.environ)
         why = forkable(task.command, env, self._fork_server.env)
         if why is not None:
             self.say(f"{task.name} starts a fresh interpreter ({why})")

@@ -57,6 +57,7 @@ class ClusterJob:
     tee: bool = False
     tls: bool = False
     start_method: str = "spawn"  # or "fork" (phalanx.launch.forkserver)
+    preload: tuple[str, ...] = ()  # with fork: modules to import once besides the script's
 
 
 def _threads(task_type: str, num_workers: int) -> str:
@@ -152,7 +153,7 @@ def run_cluster(job: ClusterJob) -> int:
             f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
             f"ps={job.num_ps}, workers={job.num_workers}"
         )
-    sup = Supervisor(tee=job.tee, start_method=job.start_method)
+    sup = Supervisor(tee=job.tee, start_method=job.start_method, preload=job.preload)
     cluster = _Cluster(job, sup)
     here = "every task writes here, prefixed; " if job.tee else "the chief writes here; "
     sup.say(
