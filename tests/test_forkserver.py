@@ -256,3 +256,19 @@ def test_self_launch_forks_from_two_replicas_on(tmp_path):
         "replica_3_1": "3.0 True server",
         "replica_3_2": "3.0 True server",
     }
+
+
+def test_a_fork_server_that_cannot_start_leaves_the_job_to_fresh_interpreters(tmp_path, monkeypatch, capsys):
+    """A preloaded module that ends the server: the supervisor says so and spawns the task."""
+    (tmp_path / "dies_at_import.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    sup = Supervisor(start_method="fork", preload=("dies_at_import",))
+    try:
+        run = sup.start(
+            Task(name="t", command=(sys.executable, "-c", "print('ran')"), log_path=str(tmp_path / "t.log"))
+        )
+        assert sup.wait(run, 60) == 0
+        assert (tmp_path / "t.log").read_text() == "ran\n"
+        assert "The fork server did not start" in capsys.readouterr().err and sup.start_method == "spawn"
+    finally:
+        sup.close()

@@ -104,3 +104,38 @@ def test_a_timeout_with_thousands_missing_names_the_first_few_and_the_count():
     assert time.monotonic() - start < 1.0 + 5.0
     assert "worker:1 (rank 1)" in text and "and 2991 more (2999 tasks missing)" in text and len(text) < 600
     assert len(info.value.missing) == 2999
+
+
+def test_a_peer_that_published_first_gets_the_mismatch_too_though_rank_0_ends_at_once():
+    """Worker 1 (told of a 3-worker job) publishes before rank 0 (told of 2). Rank 0 finds the
+    mismatch and its process ends, taking the store along: worker 1 must still fail with the typed
+    mismatch, not a lost connection (rank 0 keeps the store up until worker 1 has seen it)."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from phalanx.comm import rendezvous
+    from phalanx.errors import ClusterSpecMismatchError
+
+    (port,) = free_ports(1)
+    delta = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", port, 2, True, delta, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, delta, wait_for_workers=False)
+    client.set("rdzv/1", json.dumps({"fingerprint": {"world_size": 3}, "host": "h", "pid": 1}))  # worker 1 was first
+    outcome: dict[str, BaseException] = {}
+
+    def worker_1() -> None:
+        time.sleep(0.2)  # rank 0 publishes, compares and raises meanwhile
+        try:
+            rendezvous.exchange(client, rank=1, world_size=3, fingerprint={"world_size": 3}, timeout=10, name=str)
+        except BaseException as e:  # noqa: BLE001 - what it raised is the result
+            outcome["worker 1"] = e
+
+    thread = threading.Thread(target=worker_1)
+    thread.start()
+    with pytest.raises(ClusterSpecMismatchError):
+        rendezvous.exchange(server, rank=0, world_size=2, fingerprint={"world_size": 2}, timeout=10, name=str)
+    del server  # rank 0's process ends: its store with it
+    thread.join(20)
+    assert isinstance(outcome.get("worker 1"), ClusterSpecMismatchError), outcome

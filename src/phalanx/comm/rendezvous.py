@@ -170,6 +170,28 @@ def connect_store(
     raise RendezvousTimeoutError([where], timeout, cause=cause) from error
 
 
+MISMATCH_LINGER_S = 3.0  # rank 0 keeps the store up this long at most for peers to see the mismatch
+
+
+def _linger_for_peers(store: Any, rank: int, world_size: int) -> None:
+    """A mismatch was found. Rank 0 hosts the store: before it raises (and the store goes with its
+    process), the peers that published get up to :data:`MISMATCH_LINGER_S` to read its fingerprint
+    and fail with the same typed error, rather than with a lost connection."""
+    try:
+        store.set(f"rdzv/failed/{rank}", "1")
+        if rank != 0:
+            return
+        end = time.monotonic() + MISMATCH_LINGER_S
+        # every rank that published (including one beyond our world) has seen the mismatch, or time is up
+        while time.monotonic() < end:
+            published = [r for r in range(1, world_size + 1) if store.check([f"rdzv/{r}"])]
+            if all(store.check([f"rdzv/failed/{r}"]) for r in published):
+                return
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the mismatch is the error to report, not the store
+        return
+
+
 def _accepts(host: str, port: int) -> bool:
     """Whether something accepts TCP connections at ``host:port`` (a quick probe, 1 s at most)."""
     try:
@@ -199,15 +221,19 @@ def exchange(
     while True:
         missing = [r for r in range(world_size) if r not in peers]
         arrived = [r for r in missing if store.check([f"rdzv/{r}"])]
-        for r in arrived:
-            peers[r] = json.loads(store.get(f"rdzv/{r}"))
-            compare_fingerprints(fingerprint, peers[r]["fingerprint"], name(r))
-        # A peer that believes in a larger world publishes a rank we do not expect.
-        if store.check([f"rdzv/{world_size}"]):
-            extra = json.loads(store.get(f"rdzv/{world_size}"))
-            raise ClusterSpecMismatchError(
-                "world_size", world_size, extra["fingerprint"].get("world_size"), f"rank {world_size}"
-            )
+        try:
+            for r in arrived:
+                peers[r] = json.loads(store.get(f"rdzv/{r}"))
+                compare_fingerprints(fingerprint, peers[r]["fingerprint"], name(r))
+            # A peer that believes in a larger world publishes a rank we do not expect.
+            if store.check([f"rdzv/{world_size}"]):
+                extra = json.loads(store.get(f"rdzv/{world_size}"))
+                raise ClusterSpecMismatchError(
+                    "world_size", world_size, extra["fingerprint"].get("world_size"), f"rank {world_size}"
+                )
+        except ClusterSpecMismatchError:
+            _linger_for_peers(store, rank, world_size)
+            raise
         if len(peers) == world_size:
             return peers
         if time.monotonic() > deadline:

@@ -63,6 +63,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from phalanx.errors import LaunchError
+
 __all__ = ["ForkServer", "ForkedProcess", "forkable", "preload_for"]
 
 STDOUT = -2  # as subprocess.STDOUT: a task's stderr goes where its stdout goes
@@ -245,7 +247,10 @@ class ForkServer:
             ready = self._read_until(lambda m: m.get("op") == "ready", _READY_TIMEOUT)
             if ready is None:
                 self.close()
-                raise RuntimeError("phalanx: the fork server did not start (see its output above)")
+                raise LaunchError(
+                    "The fork server did not start (its output, above, says why).",
+                    hint="start replicas fresh with --start-method spawn (PHALANX_START_METHOD=spawn)",
+                )
             self.pid = int(ready["pid"])
 
     @property
@@ -327,11 +332,15 @@ class ForkServer:
         }
         with self._lock:
             if self._sock is None:
-                raise RuntimeError("phalanx: the fork server is closed")
+                raise LaunchError(f"The fork server (pid {self.pid}) is gone; cannot start {list(command)[:3]}.")
             self._next_id += 1
             request["id"] = ident = self._next_id
             try:
                 _send(self._sock, request, fds)
+            except OSError as e:
+                raise LaunchError(
+                    f"The fork server (pid {self.pid}) is gone ({e}); cannot start {list(command)[:3]}."
+                ) from e
             finally:
                 if pipe_read is not None:
                     os.close(fds[0])  # the child has its own copy now
@@ -339,7 +348,7 @@ class ForkServer:
         if reply is None or "pid" not in reply:
             if pipe_read is not None:
                 os.close(pipe_read)
-            raise RuntimeError(f"phalanx: the fork server did not start {list(command)[:3]}: {reply}")
+            raise LaunchError(f"The fork server (pid {self.pid}) did not start {list(command)[:3]}: {reply}.")
         reader = os.fdopen(pipe_read, "rb", buffering=0) if pipe_read is not None else None
         return ForkedProcess(self, int(reply["pid"]), reader)  # type: ignore[arg-type]
 

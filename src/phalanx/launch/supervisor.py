@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from phalanx.errors import LaunchError
 from phalanx.launch import settings
 from phalanx.launch.forkserver import ForkedProcess, ForkServer, forkable, preload_for
 
@@ -405,13 +406,18 @@ class Supervisor:
         """The fork server to start ``task`` from, or None to spawn it (see ``start_method``)."""
         if self.start_method != "fork":
             return None
-        if self._fork_server is None:
+        if self._fork_server is None or not self._fork_server.alive:  # first, or killed by someone
             self._fork_server = ForkServer(preload_for(task.command, extra=self.preload), env=os.environ)
         why = forkable(task.command, env, self._fork_server.env)
         if why is not None:
             self.say(f"{task.name} starts a fresh interpreter ({why})")
             return None
-        self._fork_server.start()
+        try:
+            self._fork_server.start()
+        except LaunchError as e:  # a job never fails for want of its fork server: start fresh
+            self.say(f"{e}; replicas start fresh from here on")
+            self.start_method = "spawn"
+            return None
         return self._fork_server
 
     def close(self) -> None:
