@@ -107,19 +107,28 @@ class _Replica:
     def __init__(self, rank: int, pid: int, channel: Channel, process: subprocess.Popen | None = None) -> None:
         self.rank, self.pid, self.channel, self.process = rank, pid, channel, process
         self.exit: str | None = None  # how it ended, once it has
+        self._status: int | None = None
+        # The watcher thread and the main thread (at the program's end) both poll: reaping and
+        # recording the status is one step, or the second to ask saw "no such child" and no
+        # status, and a program whose replica had failed exited 0.
+        self._reap_lock = threading.Lock()
 
     def poll(self) -> int | None:
         """Its exit status if it ended (reaped), else None."""
         if self.process is not None:
             return self.process.poll()
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            return -1
-        if pid == 0:
-            return None
-        self._status = os.waitstatus_to_exitcode(status)
-        return self._status
+        with self._reap_lock:
+            if self._status is not None:
+                return self._status
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (_stop_replicas): its status is lost
+                self._status = -1
+                return self._status
+            if pid == 0:
+                return None
+            self._status = os.waitstatus_to_exitcode(status)
+            return self._status
 
     def kill(self) -> None:
         try:
