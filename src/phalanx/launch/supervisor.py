@@ -11,7 +11,9 @@ as torchrun and horovodrun are configurations of their single cores. What they s
   ``tee=True`` also shows every task's lines on the terminal, prefixed with its name.
 * **Die with the parent.** Every child gets ``PR_SET_PDEATHSIG`` (SIGKILL) from the kernel when
   the thread that started it ends, and a parent watch (:mod:`phalanx.launch.replica_hooks`) once
-  it runs phalanx: ``kill -9`` of a launcher leaves no replica behind.
+  it runs phalanx: ``kill -9`` of a launcher leaves no replica behind. A task forked from a fork
+  server (``start_method="fork"``, :mod:`phalanx.launch.forkserver`) dies with the server, which
+  dies with the supervisor.
 * **Signals.** Children run in their own process group, so a Ctrl-C at the terminal reaches the
   supervisor alone, which forwards it once to every task (:meth:`Supervisor.stop`: the signal,
   a grace period, then SIGKILL).
