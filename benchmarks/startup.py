@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     env.pop("PHALANX_START_METHOD", None)
+    phalanx_run = [sys.executable, "-m", "phalanx.cli", "run", "-n", str(args.n)]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for flavour, keras_line in (("torch", ""), ("keras", "import keras\n")):
@@ -80,28 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.n),
                     str(ddp),
                 ],
-                "phalanx_spawn": [
-                    sys.executable,
-                    "-m",
-                    "phalanx.cli",
-                    "run",
-                    "-n",
-                    str(args.n),
-                    "--start-method",
-                    "spawn",
-                    str(px),
-                ],
-                "phalanx_fork": [
-                    sys.executable,
-                    "-m",
-                    "phalanx.cli",
-                    "run",
-                    "-n",
-                    str(args.n),
-                    "--start-method",
-                    "fork",
-                    str(px),
-                ],
+                **{
+                    f"phalanx_{method}": [*phalanx_run, "--start-method", method, str(px)]
+                    for method in ("spawn", "fork")
+                },
             }
             samples: dict[str, list[tuple[float, float]]] = {name: [] for name in launchers}
             for _ in range(args.rounds):

@@ -67,7 +67,6 @@ from phalanx.errors import LaunchError
 
 __all__ = ["ForkServer", "ForkedProcess", "forkable", "preload_for"]
 
-STDOUT = -2  # as subprocess.STDOUT: a task's stderr goes where its stdout goes
 _MAX_MESSAGE = 1 << 20  # one request (its environment included) fits in a datagram this size
 _READY_TIMEOUT = 300.0  # importing torch and Keras on a loaded 2-core machine took up to 20 s
 _PR_SET_PDEATHSIG = 1
@@ -317,7 +316,7 @@ class ForkServer:
         elif stdout is not None:
             fds.append(stdout)
             names["stdout"] = 0
-        if stderr is not None and stderr not in (subprocess.STDOUT, STDOUT):
+        if stderr is not None and stderr != subprocess.STDOUT:
             names["stderr"] = len(fds)
             fds.append(stderr)
         request = {
@@ -326,7 +325,7 @@ class ForkServer:
             "env": dict(env),
             "cwd": cwd or os.getcwd(),
             "fds": names,
-            "stderr_to_stdout": stderr in (subprocess.STDOUT, STDOUT),
+            "stderr_to_stdout": stderr == subprocess.STDOUT,
             "new_session": new_session,
             "own_group": own_group,
         }
