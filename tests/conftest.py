@@ -33,15 +33,30 @@ _FORK_SERVERS: dict[tuple[str, ...], object] = {}
 
 
 def _fork_server_for(cmd: list[str], env: dict[str, str]):
-    """The fork server to start ``cmd`` from, or None to start it fresh."""
-    if os.environ.get("PHALANX_TEST_FRESH") == "1" or len(cmd) < 2 or not cmd[1].endswith(".py"):
+    """The fork server to start ``cmd`` from, or None to start it fresh.
+
+    ``python script.py`` and ``python -m phalanx.cli ...``: the launchers in both fork their
+    replicas from the server they came from (forkserver.inherited_server), so a server that
+    preloaded Keras is picked when a program of the job imports it.
+    """
+    if os.environ.get("PHALANX_TEST_FRESH") == "1" or len(cmd) < 2:
         return None
     from phalanx.launch.forkserver import forkable, preload_for
 
-    # run_programs.py imports nothing itself; the programs of its plan may import Keras
-    plan = json.loads(env.get("PHALANX_TEST_PROGRAMS", "[]"))
-    programs = [p[1] if p[0] == "chief-only" else p[0] for p in plan]
-    keras = any("keras" in preload_for([sys.executable, str(program)], env) for program in programs)
+    if cmd[1].endswith(".py"):
+        # run_programs.py imports nothing itself; the programs of its plan may import Keras
+        plan = json.loads(env.get("PHALANX_TEST_PROGRAMS", "[]"))
+        programs = [p[1] if p[0] == "chief-only" else p[0] for p in plan]
+    elif cmd[1:3] == ["-m", "phalanx.cli"]:
+        args = [str(a) for a in cmd[3:]]
+        programs = [a for a in args if a.endswith(".py")]
+        asked = [m.strip() for i, a in enumerate(args[:-1]) if a == "--preload" for m in args[i + 1].split(",")]
+        programs += [m for m in asked if m == "keras"]
+    else:
+        return None
+    keras = "keras" in programs or any(
+        "keras" in preload_for([sys.executable, str(program)], env) for program in programs
+    )
     server = shared_fork_server(preload_for(cmd, env, extra=("keras",) if keras else ()))
     if forkable(cmd, env, server.env) is not None:
         return None
@@ -151,6 +166,19 @@ def _session_processes(pid: int) -> list[psutil.Process]:
     return found
 
 
+def _hung_processes(pid: int) -> list[psutil.Process]:
+    """The processes of the job started as ``pid``, to dump the stacks of: its session, and the
+    children of this test process's fork servers (the tasks a forked program forked from them)."""
+    found = _session_processes(pid)
+    servers = fork_server_pids()
+    for server in servers:
+        try:
+            found += [p for p in psutil.Process(server).children(recursive=True) if p.pid not in servers]
+        except psutil.Error:
+            continue
+    return list({p.pid: p for p in found}.values())
+
+
 def run_job(
     cmd: list[str],
     *,
@@ -180,7 +208,7 @@ def run_job(
         proc.wait(timeout=timeout)
         out = output()
     except subprocess.TimeoutExpired:
-        procs = _session_processes(proc.pid)
+        procs = _hung_processes(proc.pid)
         for p in procs:
             try:
                 p.send_signal(signal.SIGUSR1)
@@ -225,7 +253,7 @@ def run_jobs(
                     ended[i] = time.monotonic() - start
             if time.monotonic() - start > timeout:
                 for p, _ in procs:
-                    for q in _session_processes(p.pid):
+                    for q in _hung_processes(p.pid):
                         try:
                             q.send_signal(signal.SIGUSR1)
                         except psutil.Error:

@@ -217,6 +217,7 @@ def test_phalanx_run_fork_and_spawn_starts_run_the_same_program(tmp_path):
             timeout=180,
             cwd=tmp_path,
             log_dir=tmp_path / method,
+            fresh=True,  # the launcher as a shell starts it: a forked one would fork from the suite's server
         )
         assert res.returncode == 0, res.logs()
         outputs[method] = sorted(line for line in res.output.splitlines() if line.startswith("[replica"))
@@ -224,9 +225,77 @@ def test_phalanx_run_fork_and_spawn_starts_run_the_same_program(tmp_path):
     assert outputs["spawn"] == [f"[replica {r}] replica {r}: sum 2.0 preloaded False launcher" for r in (0, 1)]
 
 
+_NESTED = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    from phalanx.launch.forkserver import has_inherited_server, inherited_server
+    # A process this one starts (exec'd, or forked by the program itself) inherits the variable,
+    # not the connection: it finds no server.
+    probe = "from phalanx.launch.forkserver import inherited_server as i; print(i() is None)"
+    fresh_none = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if inherited_server() is None else 1)
+    fork_none = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    available = has_inherited_server()
+    server = inherited_server()
+    second = inherited_server()  # once per process
+    r, w = os.pipe()
+    code = "import os, sys, time; print(os.getppid(), 'torch' in sys.modules, flush=True); time.sleep(float(sys.argv[1])); sys.exit(5)"
+    task = server.spawn([sys.executable, "-c", code, sys.argv[1]], env=dict(os.environ), stdout=w)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        line = pipe.readline().split()  # (one os.read may return part of the line)
+    print(json.dumps({"fresh_none": fresh_none, "fork_none": fork_none, "available": available,
+                      "second_none": second is None, "server": server.pid, "task": task.pid,
+                      "parent": int(line[0]), "preloaded": line[1]}), flush=True)
+    print(task.wait(timeout=60), flush=True)
+    server.close()
+    """
+)
+
+
+def test_a_forked_program_forks_its_tasks_from_the_server_it_came_from(server, tmp_path):
+    """A supervisor in a forked program (a self-launching script, a forked `phalanx run`) forks its
+    tasks from the same server: each task is the server's child with torch imported, and its exit
+    is reported to the program. Only the program the server forked can use its connection."""
+    code, out, err = _forked(server, [sys.executable, "-c", _NESTED, "0"], tmp_path, dict(os.environ), tmp_path)
+    assert code == 0, err
+    lines = out.splitlines()
+    seen = json.loads(lines[0])
+    assert seen["fresh_none"] == "True" and seen["fork_none"] is True, seen
+    assert seen["available"] is True and seen["second_none"] is True, seen
+    assert seen["server"] == seen["parent"] == server.pid and seen["preloaded"] == "True", seen
+    assert lines[1] == "5", out  # the task's exit code, as the server reported it to the program
+
+
+def test_the_tasks_of_a_killed_program_die_with_it(server, tmp_path):
+    """kill -9 of a forked program: the server kills the tasks it forked for it (as the death of
+    their parent would, with PR_SET_PDEATHSIG), within a bounded time."""
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as o:
+        program = server.spawn([sys.executable, "-c", _NESTED, "120"], env=dict(os.environ), stdout=o.fileno())
+    try:
+        deadline = time.monotonic() + 60
+        while not out.read_text().strip():
+            assert program.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.02)
+        task = json.loads(out.read_text().splitlines()[0])["task"]
+        assert psutil.Process(task).ppid() == server.pid
+        program.kill()
+        killed = time.monotonic()
+        while psutil.pid_exists(task) and psutil.Process(task).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() - killed < 5, "the task outlived the program that started it"
+            time.sleep(0.02)
+    finally:
+        program.kill()
+        program.wait(timeout=30)
+
+
 def test_self_launch_forks_from_two_replicas_on(tmp_path):
     """`python job.py` with 3 replicas: replica 0 starts a fork server for replicas 1 and 2 (one
-    import for two); with 2 replicas, replica 1 is spawned (the server would cost what it saves)."""
+    import for two); with 2 replicas, replica 1 is spawned (the server would cost what it saves),
+    unless replica 0 was itself forked from a server: replica 1 is then forked from that one."""
     job = tmp_path / "job.py"
     job.write_text(
         textwrap.dedent(
@@ -234,28 +303,34 @@ def test_self_launch_forks_from_two_replicas_on(tmp_path):
             import os, sys
             preloaded = "torch" in sys.modules
             import psutil, torch, phalanx
-            n = int(sys.argv[1])
+            n, tag = int(sys.argv[1]), sys.argv[2]
             strategy = phalanx.MirroredStrategy([f"cpu:{i}" for i in range(n)])
             total = strategy.reduce("SUM", strategy.run(lambda: torch.ones(1)), axis=None)
-            parent = psutil.Process(os.getppid()).cmdline()
-            with open(f"replica_{n}_{phalanx.process_index()}.txt", "w") as f:
-                f.write(f"{total.item()} {preloaded} {'server' if 'phalanx.launch.forkserver' in parent else 'other'}")
+            parent = psutil.Process(os.getppid())
+            server = "server" if "phalanx.launch.forkserver" in parent.cmdline() else "other"
+            with open(f"replica_{tag}_{phalanx.process_index()}.txt", "w") as f:
+                f.write(f"{total.item()} {preloaded} {server} {parent.pid}")
             """
         )
     )
-    for n in (2, 3):
+    for n, fresh in ((2, True), (3, True), (2, False)):
+        tag = f"{n}{'' if fresh else 'forked'}"
         res = run_job(
-            [sys.executable, str(job), str(n)], timeout=180, cwd=tmp_path, log_dir=tmp_path / str(n), fresh=True
+            [sys.executable, str(job), str(n), tag], timeout=180, cwd=tmp_path, log_dir=tmp_path / tag, fresh=fresh
         )
         assert res.returncode == 0, res.logs()
-    seen = {p.stem: p.read_text() for p in tmp_path.glob("replica_*.txt")}
-    assert seen == {
+    seen = {p.stem: p.read_text().rsplit(" ", 1) for p in tmp_path.glob("replica_*.txt")}
+    assert {name: what for name, (what, _) in seen.items()} == {
         "replica_2_0": "2.0 False other",
         "replica_2_1": "2.0 False other",
         "replica_3_0": "3.0 False other",
         "replica_3_1": "3.0 True server",
         "replica_3_2": "3.0 True server",
+        "replica_2forked_0": "2.0 True server",
+        "replica_2forked_1": "2.0 True server",
     }
+    assert seen["replica_3_1"][1] == seen["replica_3_2"][1] != seen["replica_2forked_0"][1]  # replica 0's own server
+    assert seen["replica_2forked_0"][1] == seen["replica_2forked_1"][1]  # the one replica 0 came from
 
 
 def test_a_fork_server_that_cannot_start_leaves_the_job_to_fresh_interpreters(tmp_path, monkeypatch, capsys):

@@ -30,6 +30,12 @@ What can differ from a fresh interpreter, and what is done about it:
 * **Process tree.** Replicas are the server's children, not the supervisor's; the server
   reports each start and exit over its control socket, dies with the supervisor
   (``PR_SET_PDEATHSIG``) and takes its replicas with it the same way.
+* **Nested launches.** Each forked program gets a connection of its own to the server (a
+  descriptor named in ``PHALANX_FORK_SERVER``, valid in that process only, as systemd's
+  ``LISTEN_FDS``/``LISTEN_PID``): a supervisor in it (``python train.py`` that self-launches its
+  other replicas, ``phalanx run`` itself forked) forks its tasks from the same server rather than
+  importing torch again (:func:`inherited_server`). The server kills the tasks of a connection
+  that closes, as a parent's death would (``PR_SET_PDEATHSIG``).
 
 Example::
 
@@ -65,7 +71,7 @@ from typing import Any
 
 from phalanx.errors import LaunchError
 
-__all__ = ["ForkServer", "ForkedProcess", "forkable", "preload_for"]
+__all__ = ["ForkServer", "ForkedProcess", "forkable", "has_inherited_server", "inherited_server", "preload_for"]
 
 _MAX_MESSAGE = 1 << 20  # one request (its environment included) fits in a datagram this size
 _READY_TIMEOUT = 300.0  # importing torch and Keras on a loaded 2-core machine took up to 20 s
@@ -78,6 +84,11 @@ _STARTUP = re.compile(
     r"^(PYTHON|LD_|KERAS_|TORCH_|TORCHINDUCTOR_|TORCHDYNAMO_|PYTORCH_|OMP_|MKL_|OPENBLAS_|GOTO_|MALLOC_|TF_CPP_)"
 )
 _APPLIED = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
+# Read by torch at each use, not at import (torch/_inductor/runtime/cache_dir_utils.py); torch sets
+# it in os.environ at a process's first optimizer step, so a launcher's later tasks carry it.
+_READ_LATE = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+# FD:SERVER_PID:OWNER_PID - this process's connection to the server it was forked from
+INHERIT_VARIABLE = "PHALANX_FORK_SERVER"
 _KERAS_IMPORT = re.compile(rb"^\s*(import\s+keras|from\s+keras[\s.])", re.MULTILINE)
 # os.environ["KERAS_BACKEND"] = "torch", os.environ.setdefault("KERAS_BACKEND", "torch"), ...
 _PINS_TORCH_BACKEND = re.compile(rb"""["']KERAS_BACKEND["']\s*(\]\s*=|,)\s*["']torch["']""")
@@ -134,7 +145,9 @@ def forkable(command: Sequence[str], env: Mapping[str, str], server_env: Mapping
     if command[1] in ("-m", "-c") and len(command) < 3:
         return f"{command[1]} without its argument"
     for name in set(env) | set(server_env):
-        if name not in _APPLIED and _STARTUP.match(name) and env.get(name) != server_env.get(name):
+        if name in _APPLIED or name in _READ_LATE:
+            continue
+        if _STARTUP.match(name) and env.get(name) != server_env.get(name):
             return f"{name} differs from the fork server's"
     return None
 
@@ -163,6 +176,65 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 # ----------------------------------------------------------------------------- the client
+_inherited_lock = threading.Lock()
+_inherited_taken = False
+
+
+def _inherited_connection() -> tuple[int, int] | None:
+    """(descriptor, server pid) of this process's connection to the server it was forked from."""
+    try:
+        fd, server, owner = (int(part) for part in os.environ.get(INHERIT_VARIABLE, "").split(":"))
+    except ValueError:
+        return None
+    # A process started from this one (exec'd, or forked by the program) inherits the variable,
+    # not the connection: only the process the server forked may use it.
+    return (fd, server) if owner == os.getpid() and fd > 2 else None
+
+
+def has_inherited_server() -> bool:
+    """Whether this process was forked by a fork server whose connection it has not used yet."""
+    with _inherited_lock:
+        return not _inherited_taken and _inherited_connection() is not None
+
+
+def inherited_server(timeout: float = 30.0) -> ForkServer | None:
+    """The fork server this process was forked from, to fork tasks of its own (once per process).
+
+    A supervisor in a forked program (a script that self-launches its replicas; ``phalanx run``
+    started by a fork server) forks its tasks from the server it came from: they start without
+    importing torch again. They are the server's children, reported to this process, and killed
+    by the server when this process's connection closes (:meth:`ForkServer.close`, or its death).
+    Returns None when this process was not forked by a server, or its connection is taken.
+    """
+    global _inherited_taken
+    with _inherited_lock:
+        found = _inherited_connection()
+        if _inherited_taken or found is None:
+            return None
+        _inherited_taken = True
+    fd, server_pid = found
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        sock.detach()  # not ours after all: leave the descriptor to whoever owns it
+        return None
+    server = ForkServer(preload=(), env={})
+    server._sock, server._inherited = sock, True
+    try:
+        _send(sock, {"op": "hello"})
+    except OSError:
+        server.close()
+        return None
+    hello = server._read_until(lambda m: m.get("op") == "hello", timeout)
+    if hello is None or int(hello["pid"]) != server_pid:
+        server.close()
+        return None
+    server.pid, server.preload, server.env = server_pid, tuple(hello["preloaded"]), dict(hello["env"])
+    return server
+
+
 class ForkedProcess:
     """A task forked by a :class:`ForkServer`: the part of :class:`subprocess.Popen` a supervisor uses.
 
@@ -222,13 +294,14 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self._started: dict[int, int] = {}
         self._next_id = 0
+        self._inherited = False  # a connection to the server this process was forked from
         self.pid: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Starts the server and waits until it has imported its modules."""
         with self._lock:
-            if self._proc is not None:
+            if self._proc is not None or self._inherited:
                 return
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             parent = os.getpid()
@@ -256,10 +329,13 @@ class ForkServer:
     def alive(self) -> bool:
         """Whether the server has not been started yet, or is running."""
         with self._lock:
+            if self._inherited:
+                return self._sock is not None
             return self._proc is None or (self._sock is not None and self._proc.poll() is None)
 
     def close(self) -> None:
-        """Ends the server (and any replica of it still running)."""
+        """Ends the server (and any replica of it still running); of an inherited server, this
+        process's connection to it (and the replicas started through it)."""
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
@@ -296,8 +372,8 @@ class ForkServer:
             env: the program's whole environment (``os.environ`` in it).
             cwd: its working directory (default: this process's).
             stdout: a descriptor to write to, ``subprocess.PIPE`` (read it from
-                ``ForkedProcess.stdout``), or None for the server's (this process's).
-            stderr: a descriptor, ``subprocess.STDOUT``, or None for the server's.
+                ``ForkedProcess.stdout``), or None for this process's.
+            stderr: a descriptor, ``subprocess.STDOUT``, or None for this process's.
             new_session: ``setsid()`` in the child (as ``start_new_session``).
             own_group: its own process group (ignored with ``new_session``).
 
@@ -308,17 +384,17 @@ class ForkServer:
         if why is not None:
             raise ValueError(f"cannot fork {list(command)[:3]}: {why}")
         self.start()
-        fds, names, pipe_read = [], {}, None
+        # Always this process's descriptors, never the server's: a server this process inherited
+        # (inherited_server) writes where its own launcher does.
+        fds, names, pipe_read = [], {"stdout": 0}, None
         if stdout == subprocess.PIPE:
             pipe_read, pipe_write = os.pipe()
             fds.append(pipe_write)
-            names["stdout"] = 0
-        elif stdout is not None:
-            fds.append(stdout)
-            names["stdout"] = 0
-        if stderr is not None and stderr != subprocess.STDOUT:
+        else:
+            fds.append(1 if stdout is None else stdout)
+        if stderr != subprocess.STDOUT:
             names["stderr"] = len(fds)
-            fds.append(stderr)
+            fds.append(2 if stderr is None else stderr)
         request = {
             "op": "fork",
             "argv": list(command[1:]),
@@ -430,7 +506,12 @@ _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # what the server's parent l
 
 def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
     """The server's loop. Returns a fork request in a forked child; None in the server when its
-    client is gone (the server then ends, and its remaining children with it)."""
+    launcher is gone (the server then ends, and its remaining children with it).
+
+    ``sock`` is the launcher's connection; every forked child gets one more (see
+    :func:`inherited_server`). A child's exit is reported on the connection that asked for it; the
+    children of a connection that closes are killed.
+    """
     loaded = []
     for name in preload:
         if name == "keras" and not _cpu_only_torch():
@@ -457,33 +538,66 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards signals to each replica
-    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": loaded})
+    hello = {
+        "pid": os.getpid(),
+        "preloaded": loaded,
+        "env": {k: v for k, v in os.environ.items() if _STARTUP.match(k)},  # what forkable() compares
+    }
+    _send(sock, {"op": "ready", **hello})
+    clients = [sock]
+    owners: dict[int, socket.socket] = {}  # a running child -> the connection that asked for it
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
+        ready, _, _ = select.select([*clients, wake_r], [], [])
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 4096)
-        _reap(sock)
-        if sock not in ready:
-            continue
-        request, fds = _recv(sock)
-        if request is None:
-            return None
-        request["_server"] = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            os.close(wake_r)
-            os.close(wake_w)
-            sock.close()
-            request["_fds"] = fds
-            return request
-        for fd in fds:
-            os.close(fd)
-        _send(sock, {"op": "started", "id": request["id"], "pid": pid})
+        _reap(owners)
+        for client in [c for c in clients if c in ready]:
+            try:
+                request, fds = _recv(client)
+            except OSError:
+                request, fds = None, []
+            if request is None:
+                if client is sock:
+                    return None
+                _disconnect(client, clients, owners)
+                continue
+            if request.get("op") == "hello":
+                with contextlib.suppress(OSError):  # a connection already closed: seen at the next select
+                    _send(client, {"op": "hello", **hello})
+                continue
+            request["_server"] = os.getpid()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                os.close(wake_r)
+                os.close(wake_w)
+                for other in clients:
+                    other.close()
+                ours.close()
+                request["_fds"], request["_connection"] = fds, theirs
+                return request
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
+            clients.append(ours)
+            owners[pid] = client
+            with contextlib.suppress(OSError):
+                _send(client, {"op": "started", "id": request["id"], "pid": pid})
 
 
-def _reap(sock: socket.socket) -> None:
+def _disconnect(client: socket.socket, clients: list[socket.socket], owners: dict[int, socket.socket]) -> None:
+    """A child's connection closed (it ended, or was killed): its own children die with it."""
+    clients.remove(client)
+    client.close()
+    for pid, owner in list(owners.items()):
+        if owner is client:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _reap(owners: dict[int, socket.socket]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -491,8 +605,10 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        with contextlib.suppress(OSError):
-            _send(sock, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+        owner = owners.pop(pid, None)
+        if owner is not None and owner.fileno() != -1:
+            with contextlib.suppress(OSError):
+                _send(owner, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _cpu_only_torch() -> bool:
@@ -535,6 +651,9 @@ def _become(request: dict[str, Any]) -> str:
     before = dict(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
+    connection = request["_connection"]
+    _KEEP.append(connection)  # open for the program's life (close-on-exec: a program it execs has none)
+    os.environ[INHERIT_VARIABLE] = f"{connection.fileno()}:{server}:{os.getpid()}"
     _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads != before.get("OMP_NUM_THREADS") and threads and threads.isdigit() and "torch" in sys.modules:

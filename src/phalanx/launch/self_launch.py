@@ -29,7 +29,7 @@ import time
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
-from phalanx.launch import settings
+from phalanx.launch import forkserver, settings
 from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
 
@@ -92,8 +92,10 @@ class ReplicaLauncher:
         self.run_id, self.log_dir = self.run.run_id, self.run.path
         self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
         # The fork start pays one import of torch (and Keras) for all the replicas it starts: worth
-        # it from two on; one replica pays the same itself, and starts sooner.
-        self.supervisor = Supervisor(start_method=settings.start_method() if world_size > 2 else "spawn")
+        # it from two on; one replica pays the same itself, and starts sooner. A program that was
+        # itself forked from a fork server (phalanx run's, a test suite's) forks from that one.
+        forking = world_size > 2 or forkserver.has_inherited_server()
+        self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn")
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._main_exiting = threading.Event()
         self._own_failure = False

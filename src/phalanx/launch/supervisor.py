@@ -52,7 +52,14 @@ from typing import IO
 
 from phalanx.errors import LaunchError
 from phalanx.launch import settings
-from phalanx.launch.forkserver import ForkedProcess, ForkServer, forkable, preload_for
+from phalanx.launch.forkserver import (
+    INHERIT_VARIABLE,
+    ForkedProcess,
+    ForkServer,
+    forkable,
+    inherited_server,
+    preload_for,
+)
 
 __all__ = [
     "Exit",
@@ -351,6 +358,7 @@ class Supervisor:
     def start(self, task: Task) -> Running:
         """Starts ``task`` (again, for a restart) and returns its handle."""
         env = {**os.environ, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}  # see env.SUPERVISOR_VARIABLES
+        env.pop(INHERIT_VARIABLE, None)  # this process's connection, not the task's
         if task.error_path:
             with contextlib.suppress(OSError):
                 os.unlink(task.error_path)
@@ -409,7 +417,13 @@ class Supervisor:
         if self.start_method != "fork":
             return None
         if self._fork_server is None or not self._fork_server.alive:  # first, or killed by someone
-            self._fork_server = ForkServer(preload_for(task.command, extra=self.preload), env=os.environ)
+            preload = preload_for(task.command, extra=self.preload)
+            self._fork_server = inherited_server()
+            if self._fork_server is not None and not set(preload) <= set(self._fork_server.preload):
+                self._fork_server.close()  # it lacks what these tasks import: one server that has it
+                self._fork_server = None
+            if self._fork_server is None:
+                self._fork_server = ForkServer(preload, env=os.environ)
         why = forkable(task.command, env, self._fork_server.env)
         if why is not None:
             self.say(f"{task.name} starts a fresh interpreter ({why})")
