@@ -250,6 +250,9 @@ _NESTED = textwrap.dedent(
                       "second_none": second is None, "server": server.pid, "task": task.pid,
                       "parent": int(line[0]), "preloaded": line[1]}), flush=True)
     print(task.wait(timeout=60), flush=True)
+    # A task started with the default stdout writes to this program's, not to the server's.
+    quiet = server.spawn([sys.executable, "-c", "print('the task wrote here')"], env=dict(os.environ))
+    print(quiet.wait(timeout=60), flush=True)
     server.close()
     """
 )
@@ -257,8 +260,9 @@ _NESTED = textwrap.dedent(
 
 def test_a_forked_program_forks_its_tasks_from_the_server_it_came_from(server, tmp_path):
     """A supervisor in a forked program (a self-launching script, a forked `phalanx run`) forks its
-    tasks from the same server: each task is the server's child with torch imported, and its exit
-    is reported to the program. Only the program the server forked can use its connection."""
+    tasks from the same server: each task is the server's child with torch imported, its exit is
+    reported to the program, and its output goes where the program's does. Only the program the
+    server forked can use its connection."""
     code, out, err = _forked(server, [sys.executable, "-c", _NESTED, "0"], tmp_path, dict(os.environ), tmp_path)
     assert code == 0, err
     lines = out.splitlines()
@@ -267,6 +271,25 @@ def test_a_forked_program_forks_its_tasks_from_the_server_it_came_from(server, t
     assert seen["available"] is True and seen["second_none"] is True, seen
     assert seen["server"] == seen["parent"] == server.pid and seen["preloaded"] == "True", seen
     assert lines[1] == "5", out  # the task's exit code, as the server reported it to the program
+    assert lines[2:] == ["the task wrote here", "0"], out
+
+
+def test_a_launcher_without_stdout_still_starts_tasks(tmp_path):
+    """A launcher whose stdout is closed (a daemon's) starts its task with /dev/null there: a
+    closed descriptor cannot be sent to the server."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from phalanx.launch.forkserver import ForkServer
+        with ForkServer(preload=()) as server:
+            server.start()
+            os.close(1)
+            task = server.spawn([sys.executable, "-c", "print('into the void')"], env=dict(os.environ))
+            sys.exit(task.wait(timeout=60))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_the_tasks_of_a_killed_program_die_with_it(server, tmp_path):

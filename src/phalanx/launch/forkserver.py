@@ -176,6 +176,17 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 # ----------------------------------------------------------------------------- the client
+def _this_process(fd: int, made: list[int]) -> int:
+    """This process's standard descriptor ``fd`` for a task; /dev/null when it is closed (a
+    daemon's), which a descriptor cannot be sent as."""
+    try:
+        os.fstat(fd)
+        return fd
+    except OSError:
+        made.append(os.open(os.devnull, os.O_WRONLY))
+        return made[-1]
+
+
 _inherited_lock = threading.Lock()
 _inherited_taken = False
 
@@ -386,15 +397,16 @@ class ForkServer:
         self.start()
         # Always this process's descriptors, never the server's: a server this process inherited
         # (inherited_server) writes where its own launcher does.
-        fds, names, pipe_read = [], {"stdout": 0}, None
+        fds, names, pipe_read, made = [], {"stdout": 0}, None, []
         if stdout == subprocess.PIPE:
             pipe_read, pipe_write = os.pipe()
             fds.append(pipe_write)
+            made.append(pipe_write)
         else:
-            fds.append(1 if stdout is None else stdout)
+            fds.append(_this_process(1, made) if stdout is None else stdout)
         if stderr != subprocess.STDOUT:
             names["stderr"] = len(fds)
-            fds.append(2 if stderr is None else stderr)
+            fds.append(_this_process(2, made) if stderr is None else stderr)
         request = {
             "op": "fork",
             "argv": list(command[1:]),
@@ -417,8 +429,8 @@ class ForkServer:
                     f"The fork server (pid {self.pid}) is gone ({e}); cannot start {list(command)[:3]}."
                 ) from e
             finally:
-                if pipe_read is not None:
-                    os.close(fds[0])  # the child has its own copy now
+                for fd in made:
+                    os.close(fd)  # the child has its own copy now
             reply = self._read_until(lambda m: m.get("op") == "started" and m.get("id") == ident, 60.0)
         if reply is None or "pid" not in reply:
             if pipe_read is not None:
