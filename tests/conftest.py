@@ -77,6 +77,26 @@ def fork_server_pids() -> set[int]:
     return {s.pid for s in _FORK_SERVERS.values() if s.pid is not None}
 
 
+def pytest_configure(config):
+    """Writes phalanx's bytecode once, before any job starts (in the controlling process only).
+
+    Every job imports phalanx afresh, in about 350 processes per run. Under
+    ``PYTHONDONTWRITEBYTECODE=1`` (this machine's setting) an editable install has no ``.pyc``,
+    so each process compiled the modules it imports again: importing phalanx, a strategy and
+    phalanx.keras in a forked process took 0.11 CPU-second without and 0.045 with. A regular
+    install compiles at install time; ``compileall`` does the same here (it writes even under
+    that setting; Python still reads what it finds).
+    """
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("phalanx")
+    for folder in spec.submodule_search_locations if spec is not None else []:
+        compileall.compile_dir(folder, quiet=2)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for server in _FORK_SERVERS.values():
         server.close()
