@@ -305,12 +305,17 @@ def default_out_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"phalanx-bench-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "python -m benchmarks"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The suite's options; ``prog`` is the command the user typed (``phalanx bench`` runs it too),
+    which the usage line and the examples name."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description="The side-by-side benchmark suite (also run by 'phalanx bench'): "
+        prog=prog,
+        description="The side-by-side benchmark suite ('python -m benchmarks' or 'phalanx bench'): "
         "every configuration is a real job, compared in interleaved rounds.",
-        epilog=__doc__[__doc__.index("Examples::") :].replace("::", ":"),
+        epilog=__doc__[__doc__.index("Examples::") :].replace("::", ":").replace(PROG, prog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -365,8 +370,8 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 2.0)

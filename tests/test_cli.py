@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,30 @@ def test_bench_forwards_its_options():
         [sys.executable, "-m", "phalanx.cli", "bench", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert help_.returncode == 0 and "--quick" in help_.stdout and "--out" in help_.stdout, help_.stdout
+
+
+def _phalanx_command() -> list[str]:
+    """The installed ``phalanx`` console script (the one next to this interpreter first)."""
+    script = shutil.which("phalanx", path=str(Path(sys.executable).parent)) or shutil.which("phalanx")
+    return [script] if script else [sys.executable, "-m", "phalanx.cli"]
+
+
+@pytest.mark.parametrize(
+    "command,usage",
+    [
+        ([*_phalanx_command(), "bench", "--help"], "usage: phalanx bench "),
+        ([sys.executable, "-m", "benchmarks", "--help"], "usage: python -m benchmarks "),
+    ],
+    ids=["phalanx-bench", "python-m-benchmarks"],
+)
+def test_bench_help_names_the_command_that_was_typed(command, usage):
+    """`phalanx bench --help` printed `usage: python -m benchmarks ...`: each name shows its own."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(usage), proc.stdout
+    other = "python -m benchmarks" if usage.startswith("usage: phalanx") else "phalanx bench"
+    examples = proc.stdout[proc.stdout.index("Examples:") :]
+    assert usage.split()[1] in examples and other not in examples, examples
 
 
 def test_bench_default_output_is_outside_the_repository():

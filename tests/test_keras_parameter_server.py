@@ -20,13 +20,17 @@ pytest.importorskip("cloudpickle")
 os.environ.setdefault("KERAS_BACKEND", "torch")
 keras = pytest.importorskip("keras")
 
+# Before the per-test environment check: set_random_seed imports TensorFlow when it is installed
+# (which sets TF's variables), torch's first Adam step sets TORCHINDUCTOR_CACHE_DIR, and importing
+# scikit-learn sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK (the full suite's doctests of
+# phalanx.demo import it earlier; this file run on its own must not depend on that).
+import sklearn.datasets  # noqa: E402,F401
+
 import phalanx.keras  # noqa: E402,F401
 from phalanx.errors import PhalanxError  # noqa: E402
 from phalanx.keras.parameter_server import UnsupportedOptimizerError, torch_optimizer_config  # noqa: E402
 from phalanx.ps.testing import InProcessCluster  # noqa: E402
 
-# Before the per-test environment check: set_random_seed imports TensorFlow when it is installed
-# (which sets TF's variables), and torch's first Adam step sets TORCHINDUCTOR_CACHE_DIR.
 keras.utils.set_random_seed(0)
 _p = torch.nn.Parameter(torch.zeros(1))
 _p.grad = torch.zeros(1)

@@ -22,6 +22,10 @@ import psutil
 import pytest
 
 jupyter_client = pytest.importorskip("jupyter_client")
+# jupyter_client imports ipykernel.kernelspec when it starts its first kernel; ipykernel 6 imports
+# debugpy there, which sets PYDEVD_USE_FRAME_EVAL in this (the test) process. Imported before any
+# test, so the hygiene fixture does not take that for a variable the test leaked.
+pytest.importorskip("ipykernel.kernelspec")
 
 TOL = 1e-5
 SETUP = """
@@ -67,7 +71,7 @@ print("WORST", worst)
 class Kernel:
     """A real ipykernel with helpers to run a cell and collect what the notebook would show."""
 
-    def __init__(self, tmp: Path, **env: str) -> None:
+    def __init__(self, tmp: Path, stderr=None, **env: str) -> None:
         self.km = jupyter_client.KernelManager(kernel_name="python3")
         full_env = {
             **os.environ,
@@ -77,20 +81,27 @@ class Kernel:
             **env,
         }
         full_env.pop("PYTEST_CURRENT_TEST", None)
-        self.km.start_kernel(env=full_env)
+        self.km.start_kernel(env=full_env, **({"stderr": stderr} if stderr is not None else {}))
         self.kc = self.km.blocking_client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
     def run(self, code: str, timeout: float = 120, on_output=None) -> dict:
         """Runs one cell; returns its status, stdout, stderr, error and how long it took."""
-        msg_id = self.kc.execute(textwrap.dedent(code))
+        # stop_on_error=False: every cell's status is checked here. With the default, ipykernel 6
+        # aborts a request that arrives within moments of a failed cell (a person is never that fast).
+        msg_id = self.kc.execute(textwrap.dedent(code), stop_on_error=False)
         out = {"stdout": "", "stderr": "", "error": None, "results": [], "start": time.monotonic()}
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+                # In slices of a second: a kernel that died fails the test now, not at the timeout.
+                msg = self.kc.get_iopub_msg(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
+                if not self.km.is_alive():
+                    raise AssertionError(f"the kernel died running: {code[:200]}\n{out}") from None
+                if time.monotonic() < deadline:
+                    continue
                 raise AssertionError(f"cell did not finish in {timeout} s: {code[:200]}\n{out}") from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -259,5 +270,102 @@ def test_notebook_spawn_session_matches_one_device(tmp_path):
             "tensor([2.])"
             in kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")["results"][0]
         )
+    finally:
+        kernel.shutdown()
+
+
+def test_notebook_replica_that_dies_at_start_fails_the_cell_at_once(tmp_path):
+    """A forked replica that cannot become a replica: the strategy's cell fails with its traceback.
+
+    On IPython 9 the colour setting of the replica's shell used to raise in the fork: the child
+    went back into the kernel's request handler, wrote to the kernel's ZMQ sockets ("attempted to
+    send message from fork"), and replica 0 waited out the 120 s rendezvous timeout with a hint
+    about networking. Now the child dies into its log, and replica 0 stops waiting at once.
+    """
+    kernel_log = tmp_path / "kernel.log"
+    with open(kernel_log, "wb") as log:
+        kernel = Kernel(tmp_path, stderr=log, PHALANX_RENDEZVOUS_TIMEOUT="100")
+    try:
+        kernel.ok("import torch, phalanx, phalanx.interactive.replica as replica_module")
+        kernel.ok(
+            "quiet_shell = replica_module.quiet_shell\n"
+            "def broken(shell):\n"
+            "    raise RuntimeError('replica set-up broke here')\n"
+            "replica_module.quiet_shell = broken"
+        )
+        failed = kernel.run(STRATEGY, timeout=60)
+        took = failed["end"] - failed["start"]
+        assert failed["status"] == "error" and failed["error"][0] == "ReplicaCellError", failed
+        assert took < 20, f"the dead replica was waited for {took:.1f} s"
+        assert "replica set-up broke here" in failed["error"][1], failed["error"]
+        assert "while the strategy was being created" in failed["error"][1], failed["error"]
+        # Shown once: in the cell's traceback (whose last line is the message), not on stderr too.
+        shown = failed["stderr"] + failed["error"][2]
+        assert shown.count("RuntimeError: replica set-up broke here") == 1, shown
+        assert "RendezvousTimeoutError" not in failed["stderr"] + failed["error"][1]
+        # The notebook goes on: a new strategy starts new replicas and works.
+        kernel.ok("replica_module.quiet_shell = quiet_shell")
+        kernel.ok(STRATEGY)
+        result = kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")
+        assert "tensor([2.])" in result["results"][0]
+        kernel.ok("strategy.close()")
+    finally:
+        kernel.shutdown()
+    text = kernel_log.read_text(errors="replace")
+    assert "send message from fork" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+RACE_IN_A_LOOP = """
+delay_0, delay_1 = {delay_0}, {delay_1}
+for step in range(6):
+    def fn():
+        if phalanx.interactive.replica_id() == 1 and step == 3:
+            time.sleep(delay_1)
+            raise ValueError('bad record in shard 1 at step 3')
+        return torch.ones(1)
+    time.sleep(delay_0 if step == 3 else 0)
+    strategy.reduce('sum', strategy.run(fn), axis=None)
+"""
+RACE_WITHOUT_COLLECTIVE = """
+if phalanx.interactive.replica_id() == 1:
+    time.sleep({delay_1})
+    raise ValueError('bad record in shard 1 at step 3')
+time.sleep({delay_0})
+"""
+
+
+def test_notebook_root_cause_is_shown_once_whatever_the_order(tmp_path):
+    """An error on replica 1 fails the cell with that error, once, 50 times out of 50.
+
+    Half the runs raise inside a training loop, where replica 0 waits for replica 1 in a collective
+    it will never join (before, it waited there until the collective timeout, 300 s); half raise in
+    a cell without collectives, with replica 0 finishing first or last (random delays on both).
+    """
+    import random
+
+    rng = random.Random(0)
+    kernel = Kernel(tmp_path)
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    try:
+        kernel.ok("import time, torch, phalanx")
+        need_strategy, outcomes = True, []
+        for run in range(50):
+            if need_strategy:
+                kernel.ok(STRATEGY)
+            in_loop = run % 2 == 0
+            cell = RACE_IN_A_LOOP if in_loop else RACE_WITHOUT_COLLECTIVE
+            cell = cell.format(delay_0=round(rng.uniform(0, 0.3), 3), delay_1=round(rng.uniform(0, 0.3), 3))
+            failed = kernel.run(cell, timeout=60)
+            took = failed["end"] - failed["start"]
+            shown = ansi.sub("", failed["stderr"] + (failed["error"][2] if failed["error"] else ""))
+            outcomes.append((run, failed["status"], failed["error"] and failed["error"][0], round(took, 2)))
+            assert failed["status"] == "error" and failed["error"][0] == "ReplicaCellError", (run, failed)
+            assert shown.count("ValueError: bad record in shard 1 at step 3") == 1, (run, shown)
+            assert took < 10, (run, took)
+            # A replica interrupted in a collective leaves the replicas out of step: the session ends
+            # (and says so at the next cell); without a collective it goes on.
+            need_strategy = in_loop
+        assert len(outcomes) == 50
     finally:
         kernel.shutdown()

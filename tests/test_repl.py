@@ -94,7 +94,7 @@ def test_terminal_repl(tmp_path, shell):
                 "IPython",
                 "--simple-prompt",
                 "--no-banner",
-                "--colors=NoColor",
+                "--colors=nocolor",  # lowercase: IPython 9's theme name, and IPython 8 ignores case
                 "--HistoryManager.enabled=False",
                 "--TerminalInteractiveShell.confirm_exit=False",
             ],
@@ -125,3 +125,27 @@ def test_terminal_repl(tmp_path, shell):
     finally:
         child.close(force=True)
     _children_gone(pid)
+
+
+def test_a_replica_shell_shows_plain_uncoloured_tracebacks(tmp_path):
+    """quiet_shell on the installed IPython (8 in CI's oldest job, 9 in its newest): a replica's log
+    gets plain tracebacks without colour codes, through IPython's public magics, with no deprecated
+    call from phalanx (IPython 9 deprecated ``set_colors`` and renamed "NoColor" to "nocolor")."""
+    pytest.importorskip("IPython")
+    program = (
+        "import warnings\n"
+        "warnings.filterwarnings('error', category=DeprecationWarning, module='phalanx')\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "from phalanx.interactive.replica import quiet_shell\n"
+        "shell = InteractiveShell.instance(colors='linux')\n"
+        "quiet_shell(shell)\n"
+        "shell.run_cell('def f():\\n    raise ValueError(\"in a replica\")\\nf()')\n"
+        "print('MODE', shell.InteractiveTB.mode)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=_env(tmp_path), timeout=60, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    assert "MODE Plain" in res.stdout, res.stdout
+    assert "ValueError: in a replica" in res.stderr, res.stderr
+    assert "\x1b[" not in res.stderr, repr(res.stderr)

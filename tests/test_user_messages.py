@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.errors import DeviceNotFoundError, InvalidDeviceError
+from phalanx.errors import DeviceNotFoundError, DuplicateDeviceError, InvalidDeviceError
 
 from conftest import run_job
 
@@ -53,6 +53,24 @@ def test_malformed_device_is_still_unknown():
     with pytest.raises(InvalidDeviceError, match="Unknown device 'tpu:0'") as e:
         px.OneDeviceStrategy("tpu:0")
     assert not isinstance(e.value, DeviceNotFoundError)
+
+
+@pytest.mark.parametrize(
+    "make,devices,duplicate,what",
+    [
+        (px.MirroredStrategy, ["cpu:0", "cpu:0"], "'cpu:0'", "devices"),
+        (px.MirroredStrategy, ["cpu:0", "cpu:1", "/cpu:1"], "'/cpu:1' (the same as 'cpu:1')", "devices"),
+        (lambda d: px.CentralStorageStrategy(compute_devices=d), ["cpu:1", "cpu:1"], "'cpu:1'", "compute_devices"),
+    ],
+)
+def test_duplicate_device_is_called_a_duplicate(make, devices, duplicate, what):
+    """The device is known, it is repeated: the message said "Unknown device ['cpu:0', 'cpu:0']"."""
+    with pytest.raises(DuplicateDeviceError) as e:
+        make(devices)
+    assert isinstance(e.value, InvalidDeviceError)  # existing handlers keep working
+    assert str(e.value) == (
+        f"Duplicate device {duplicate} in {what} {devices!r}. HINT: each device may appear once in {what}"
+    )
 
 
 def test_per_replica_repr_in_one_process():

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Sequence
 
+from phalanx.launch.cores import cpu_oversubscription_warning
+
 
 def _master(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
@@ -108,14 +110,8 @@ def _oversubscription_warning(nproc: int) -> str | None:
                 f"GPU {gpus - 1} have no GPU of their own. Use -n {gpus} or fewer for one replica per GPU."
             )
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if nproc > cores:
-        return (
-            f"phalanx run: warning: -n {nproc} starts {nproc} CPU replicas on {cores} core(s); they share "
-            f"cores and each step waits for the slowest, so training is slower than with -n {cores}. "
-            "Fine for testing; for speed use at most one replica per core."
-        )
-    return None
+    # A self-launching strategy warns in the same words (phalanx.launch.cores).
+    return cpu_oversubscription_warning(nproc, who="phalanx run", what=f"-n {nproc}", fewer="-n {cores}")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -134,7 +130,11 @@ def _bench(args: argparse.Namespace) -> int:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (root / "benchmarks" / "__main__.py").exists():
             env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            return subprocess.call([sys.executable, "-m", "benchmarks", *forwarded], cwd=root, env=env)
+            # `python -m benchmarks` with the command the user typed as its name (usage, examples).
+            run_suite = (
+                "import sys; from benchmarks.__main__ import main; sys.exit(main(sys.argv[1:], prog='phalanx bench'))"
+            )
+            return subprocess.call([sys.executable, "-c", run_suite, *forwarded], cwd=root, env=env)
     print("phalanx bench: run it from a source checkout of phalanx (benchmarks/ not found)", file=sys.stderr)
     return 2
 

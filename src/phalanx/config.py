@@ -29,6 +29,7 @@ from phalanx.errors import ClusterSpecError
 # Timeout defaults, in seconds: the one place they are written.
 COLLECTIVE_TIMEOUT = 300.0  # one collective; CommunicationOptions(timeout_seconds=...) overrides
 RENDEZVOUS_TIMEOUT = 120.0  # every process of the job (or every parameter server) to show up
+RENDEZVOUS_NOTICE = 5.0  # a task still waiting at rendezvous then says for whom, once
 RPC_TIMEOUT = 30.0  # one call to a parameter server or worker
 ORPHAN_TIMEOUT = 300.0  # a ps/worker task with no word from its coordinator exits
 WORKER_RECOVERY_TIMEOUT = 600.0  # the coordinator waits this long for any worker to come back
@@ -64,6 +65,8 @@ class Settings:
     Attributes:
         collective_timeout: PHALANX_COLLECTIVE_TIMEOUT, seconds for one collective.
         rendezvous_timeout: PHALANX_RENDEZVOUS_TIMEOUT, seconds for the job to assemble.
+        rendezvous_notice: PHALANX_RENDEZVOUS_NOTICE, seconds a task waits at rendezvous before it
+            says, once on stderr, which tasks it is still waiting for (silence looks like a hang).
         rpc_timeout: PHALANX_RPC_TIMEOUT, seconds for one parameter-server call.
         orphan_timeout: PHALANX_ORPHAN_TIMEOUT, seconds a server waits for its coordinator.
         worker_recovery_timeout: PHALANX_WORKER_RECOVERY_TIMEOUT, seconds without any worker.
@@ -90,6 +93,7 @@ class Settings:
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
     rendezvous_timeout: float = field(default=RENDEZVOUS_TIMEOUT, metadata={"env": "PHALANX_RENDEZVOUS_TIMEOUT"})
+    rendezvous_notice: float = field(default=RENDEZVOUS_NOTICE, metadata={"env": "PHALANX_RENDEZVOUS_NOTICE"})
     rpc_timeout: float = field(default=RPC_TIMEOUT, metadata={"env": "PHALANX_RPC_TIMEOUT"})
     orphan_timeout: float = field(default=ORPHAN_TIMEOUT, metadata={"env": "PHALANX_ORPHAN_TIMEOUT"})
     worker_recovery_timeout: float = field(

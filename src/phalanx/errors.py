@@ -45,6 +45,25 @@ class DeviceNotFoundError(InvalidDeviceError):
         self.device = device
 
 
+class DuplicateDeviceError(InvalidDeviceError):
+    """A device named twice in a strategy's device list (``['cpu:0', 'cpu:0']``): known, but repeated.
+
+    Attributes:
+        device: the repeated device, as written at its second appearance.
+        devices: the whole list, as given.
+    """
+
+    def __init__(self, device: Any, devices: list[Any], *, first: Any = None, what: str = "devices") -> None:
+        self.devices = devices
+        same = f" (the same as {first!r})" if first is not None and first != device else ""
+        PhalanxError.__init__(
+            self,
+            f"Duplicate device {device!r}{same} in {what} {devices!r}.",
+            hint=f"each device may appear once in {what}",
+        )
+        self.device = device
+
+
 class BatchSizeError(PhalanxError, ValueError):
     """A global batch that cannot be split across the replicas."""
 

@@ -402,7 +402,7 @@ class StrategyExtended:
             )
         pairs = list(value_destination_pairs)
         tensors = [torch.as_tensor(local_results(v)[0]) for v, _ in pairs]
-        reduced = self._all_reduce_tensors(tensors, op)
+        reduced = [t.detach() for t in self._all_reduce_tensors(tensors, op)]  # a value: see Strategy.reduce
         out = []
         for (_, dest), t in zip(pairs, reduced):
             dest_t = getattr(dest, "value", dest)
@@ -611,6 +611,12 @@ class StrategyExtended:
         self._comm.close()
 
 
+def _detached(value: Any) -> Any:
+    """``value`` cut from the autograd graph if it was computed in it (a loss, an output); a leaf
+    tensor (a variable, an input) is returned itself."""
+    return value.detach() if isinstance(value, torch.Tensor) and value.grad_fn is not None else value
+
+
 def by_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
     """Groups ``tensors`` by (dtype, device), keeping their order within each group."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -804,7 +810,9 @@ class Strategy:
         leaves, spec = nest.flatten_with_spec(value)
         if not leaves:
             return (value,)
-        per_leaf = [self._extended._worker_local_results(v) for v in leaves]
+        # Results of a replica's computation are values, as on several replicas of a host (gathered
+        # copies there), not the replica's autograd graph; variables stay themselves.
+        per_leaf = [tuple(map(_detached, self._extended._worker_local_results(v))) for v in leaves]
         count = max(len(p) for p in per_leaf)
         per_leaf = [p if len(p) == count else p * count for p in per_leaf]
         return tuple(nest.unflatten([p[i] for p in per_leaf], spec) for i in range(count))
@@ -817,6 +825,11 @@ class Strategy:
             value: per-replica values (e.g. returned by :meth:`run`), possibly nested.
             axis: also reduce along this axis of each replica's value; with MEAN the result is
                 the mean over all elements of all replicas (correct for uneven batches).
+
+        Returns:
+            The reduced value, the same on every process: tensors detached from the autograd graph
+            (with one replica as with several; TF's result is outside the gradient tape too), so
+            ``float(strategy.reduce(...))`` needs no ``.detach()``.
 
         Raises:
             ReduceOpError: unknown ``reduce_op``.
@@ -852,16 +865,22 @@ class Strategy:
             results = self._extended._all_reduce_tensors(tensors, op)
         else:
             results = tensors
-        return nest.unflatten(results, spec)
+        # Several replicas' results come out of a collective, detached; one replica's must not be
+        # the loss it was given, still attached to its graph.
+        return nest.unflatten([t.detach() for t in results], spec)
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenates every replica's value along ``axis`` (a collective); same on every process."""
+        """Concatenates every replica's value along ``axis`` (a collective); same on every process.
+
+        The result is detached from the autograd graph, with one replica as with several (see
+        :meth:`reduce`); ``ReplicaContext.all_gather`` is the one inside ``run``.
+        """
         if context.get_replica_context() is not None and context.has_strategy():
             raise ContextError(
                 "strategy.gather is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_gather(value, axis)",
             )
-        return nest.map_structure(lambda v: self._extended._all_gather(v, axis), value)
+        return nest.map_structure(lambda v: self._extended._all_gather(v, axis).detach(), value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """Calls ``value_fn(ValueContext)`` for this process's replica and wraps the result."""

@@ -32,7 +32,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -152,14 +152,26 @@ class GroupSpec:
     names: tuple[str, ...] = ()  # human names per rank, e.g. ("chief:0", "worker:0")
     timeout: float = 60.0  # every collective
     rendezvous_timeout: float = 60.0
+    # A task still waiting at rendezvous this many seconds says once, on stderr, for whom (None: never).
+    rendezvous_notice: float | None = None
+    addresses: tuple[str, ...] = ()  # "host:port" per rank, where a cluster spec gives it (the notice names it)
     fingerprint: tuple[tuple[str, Any], ...] = ()  # extra fields that must agree (cluster spec)
     # Keys of this communicator in the job's store. A program's second strategy runs on the same
     # processes, store and port as its first: the prefix keeps their rendezvous apart.
     store_prefix: str = ""
+    # Offered by the launcher that started this process's local peers (an interactive session):
+    # raises, with the peer's own error, once one of them is known to have died. The rendezvous
+    # calls it while it waits, so a replica that died before arriving ends the wait at once
+    # rather than at the rendezvous timeout. Not part of what processes must agree on.
+    peer_check: Callable[[], None] | None = field(default=None, compare=False)
 
     def name(self, rank: int) -> str:
         label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"
         return label if label.endswith(f"rank {rank})") else f"{label} (rank {rank})"
+
+    def address(self, rank: int) -> str:
+        """The ``host:port`` of the task that runs ``rank``, or "" when no cluster spec says."""
+        return self.addresses[rank] if rank < len(self.addresses) else ""
 
 
 class LocalCommunicator:
@@ -234,6 +246,7 @@ class ProcessGroupCommunicator:
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me)
+        notice = rendezvous.WaitNotice(spec.rendezvous_notice)  # once for the store and the peers
         # One store (one listening port) per job and process, shared by the program's strategies;
         # each strategy's keys live under its own prefix (a program may create several).
         key = (spec.master_addr, spec.master_port, spec.rank == 0)
@@ -249,6 +262,7 @@ class ProcessGroupCommunicator:
                 timeout=spec.rendezvous_timeout,
                 master_task=spec.name(0),
                 task=me,
+                notice=notice,
             )
         self._store = _JOB_STORES[key]
         if spec.store_prefix:
@@ -265,6 +279,9 @@ class ProcessGroupCommunicator:
             fingerprint=fingerprint,
             timeout=spec.rendezvous_timeout,
             name=spec.name,
+            check=spec.peer_check,
+            notice=notice,
+            address=spec.address,
         )
         self._subgroups: list[Any] = []
         self._host_ranks: list[int] = []  # the global ranks of this host, in shared-memory rank order

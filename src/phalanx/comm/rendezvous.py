@@ -13,6 +13,10 @@ released, and ends with the process).
 
 Address problems are :class:`~phalanx.errors.ClusterSpecError` naming the task, the address and
 the cause: does not resolve, not an address of this host, port taken by another program.
+
+A task still waiting some seconds into the rendezvous (``PHALANX_RENDEZVOUS_NOTICE``, 5 s) says
+once, on stderr, whom it waits for and how long it will: a peer that never comes would otherwise
+mean minutes of silence before the timeout's error (:class:`WaitNotice`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import errno
 import json
 import os
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -39,6 +45,51 @@ def host_id() -> str:
     ``PHALANX_HOST_ID`` overrides it, so tests can make processes of one machine act as hosts.
     """
     return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
+
+
+class WaitNotice:
+    """Says once, on stderr, which tasks a rendezvous is still waiting for, ``after`` seconds in.
+
+    One notice serves every phase of a process's rendezvous (the store, then the peers), so the
+    line comes once however many phases wait. ``after=None`` keeps it quiet.
+
+    Example:
+        >>> quiet, due = WaitNotice(after=None), WaitNotice(after=0.0)
+        >>> for notice in (quiet, due):  # the due one prints its line on stderr
+        ...     notice.poll(lambda: ["worker:1 (rank 1) at 10.0.0.2:2222"], deadline=time.monotonic() + 60)
+        >>> quiet.given, due.given, due.due_in()
+        (False, True, None)
+    """
+
+    def __init__(self, after: float | None) -> None:
+        self.after = after
+        self.start = time.monotonic()
+        self.given = False
+
+    def due_in(self) -> float | None:
+        """Seconds until the notice is due (0 when it is), or None when it will not come."""
+        if self.after is None or self.given:
+            return None
+        return max(0.0, self.start + self.after - time.monotonic())
+
+    def poll(self, missing: Callable[[], list[str]], deadline: float) -> None:
+        """Prints the notice if it is due: ``missing()`` names the tasks not yet arrived (with their
+        addresses where known), ``deadline`` is when this wait ends (``time.monotonic()``)."""
+        if self.due_in() != 0.0:
+            return
+        self.given = True
+        names = missing()
+        if not names:
+            return
+        named = ", ".join(names[: RendezvousTimeoutError.NAMED])
+        if len(names) > RendezvousTimeoutError.NAMED:
+            named += f" and {len(names) - RendezvousTimeoutError.NAMED} more ({len(names)} tasks)"
+        left = max(0.0, deadline - time.monotonic())
+        print(
+            f"phalanx: waiting for {named}; {left:.0f} s left before RendezvousTimeoutError",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _address_error(task: str, host: str, port: int, err: OSError) -> ClusterSpecError:
@@ -122,8 +173,11 @@ def connect_store(
     timeout: float,
     master_task: str,
     task: str,
+    notice: WaitNotice | None = None,
 ) -> dist.TCPStore:
     """Rank 0 serves the store on the master address; the others connect, within ``timeout``.
+
+    ``notice`` names the master task (with its address) once the connection has taken that long.
 
     Raises:
         ClusterSpecError: rank 0 cannot listen on the master address (see :func:`listen_socket`).
@@ -154,10 +208,16 @@ def connect_store(
     helper = threading.Thread(target=connect, name="phalanx-store-connect", daemon=True)
     with helper_threads_ignore_stop_signals():  # and so the client's native threads it starts
         helper.start()
-    helper.join(timeout)
+    deadline = time.monotonic() + timeout
+    where = f"{master_task} at {master_addr}:{master_port}"
+    due = notice.due_in() if notice is not None else None
+    if due is not None and due < timeout:
+        helper.join(due)
+        if helper.is_alive():
+            notice.poll(lambda: [where], deadline)
+    helper.join(max(0.0, deadline - time.monotonic()))
     if "store" in box:
         return box["store"]
-    where = f"{master_task} at {master_addr}:{master_port}"
     error = box.get("error")
     if error is None and _accepts(master_addr, master_port):
         cause = (
@@ -201,10 +261,30 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+def _located(label: str, rank: int, address: Callable[[int], str] | None) -> str:
+    where = address(rank) if address is not None else ""
+    return f"{label} at {where}" if where else label
+
+
 def exchange(
-    store: Any, *, rank: int, world_size: int, fingerprint: dict[str, Any], timeout: float, name: Any
+    store: Any,
+    *,
+    rank: int,
+    world_size: int,
+    fingerprint: dict[str, Any],
+    timeout: float,
+    name: Any,
+    check: Callable[[], None] | None = None,
+    notice: WaitNotice | None = None,
+    address: Callable[[int], str] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Publishes this rank's fingerprint, waits for everyone's and compares them.
+
+    ``check``, if given, is called while waiting; it raises when the launcher knows a peer that
+    has not arrived is dead (its error then ends the wait, not the timeout).
+
+    ``notice`` names the ranks not yet arrived once the wait has taken that long, each followed by
+    ``" at " + address(rank)`` where ``address`` knows it (a cluster spec's task address).
 
     Returns:
         rank -> ``{"fingerprint", "host", "pid"}`` for every rank.
@@ -236,6 +316,10 @@ def exchange(
             raise
         if len(peers) == world_size:
             return peers
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             raise RendezvousTimeoutError([name(r) for r in range(world_size) if r not in peers], timeout)
+        if notice is not None:
+            notice.poll(lambda late=missing: [_located(name(r), r, address) for r in late if r not in peers], deadline)
         time.sleep(0.01)

@@ -14,8 +14,10 @@ and printed output go to its log file; ``input()`` raises ``EOFError``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import gc
+import io
 import os
 import signal
 import socket
@@ -165,6 +167,7 @@ def quiet_shell(shell: Any) -> None:
     from IPython.core.displaypub import DisplayPublisher
     from IPython.utils.text import SList
 
+    run_line_magic = shell.run_line_magic  # before the replica's own cell magic wrapper below
     shell.system = lambda cmd: print(f"[replica: skipped shell command] {cmd}")
     shell.getoutput = lambda *a, **k: SList()
     shell.display_pub = DisplayPublisher(shell=shell)  # prints text/plain to stdout: the log
@@ -178,8 +181,13 @@ def quiet_shell(shell: Any) -> None:
         return run_cell_magic(name, line, cell)
 
     shell.run_cell_magic = cell_magic
-    shell.InteractiveTB.set_mode(mode="Plain")  # the rich mode takes seconds on a Keras stack
-    shell.InteractiveTB.set_colors("NoColor")  # a log file
+    # Through IPython's own magics, the public API of every version: IPython 9 renamed the colour
+    # schemes ("NoColor" became the theme "nocolor") and deprecated ``set_colors``; lowercase names
+    # were accepted by IPython 8 too. The rich traceback mode takes seconds on a Keras stack, and
+    # colours would be escape codes in a log file.
+    with contextlib.redirect_stdout(io.StringIO()):  # "Exception reporting mode: Plain"
+        run_line_magic("xmode", "plain")
+        run_line_magic("colors", "nocolor")
     shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
 
 
@@ -241,6 +249,11 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
     ``rank``; it is taken over once that unit ends (IPython: ``post_run_cell``; REPL: the next
     prompt). In ``python -c``/stdin mode it simply runs the rest of the program.
     """
+    # Until this child ends with os._exit, nothing may return into the parent's kernel machinery:
+    # an exception here would end the cell in the child, and ipykernel would then answer the
+    # request on the kernel's ZMQ sockets, which are the parent's ("attempted to send message
+    # from fork"). So every step of becoming a replica fails into the log and os._exit(1); the
+    # parent sees the replica die and fails the strategy's cell with this traceback.
     try:
         _keep_inherited_communicators()
         os.setpgid(0, 0)  # Ctrl-C in a terminal reaches replica 0 only; it decides how to stop the rest
@@ -250,25 +263,41 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         redirect_output(log_path)
-    except BaseException:  # never fall back into the parent's kernel machinery (its sockets are the parent's)
-        traceback.print_exc()
-        os._exit(1)
-    hooks.session = session
-    if session.mode == "ipython":
-        quiet_shell(session.shell)
+        hooks.session = session
+        if session.mode == "ipython":
+            quiet_shell(session.shell)
+            # Replica 0 registers its own callbacks after the fork: this copy of the shell has none of them.
+            session.shell.events.register("post_run_cell", lambda result: _take_over(session, result))
+        elif session.mode == "repl":
+            sys.ps1 = _ReplicaPrompt(session)
+    except BaseException:
+        _die(1)
 
-        def take_over(result: Any) -> None:
-            error = (result.error_before_exec or result.error_in_exec) if result is not None else None
-            session.report(0, error)
-            session.serve()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
 
-        # Replica 0 registers its own callbacks after the fork: this copy of the shell has none of them.
-        session.shell.events.register("post_run_cell", take_over)
-    elif session.mode == "repl":
-        sys.ps1 = _ReplicaPrompt(session)
+def _take_over(session: ReplicaSession, result: Any) -> None:
+    """IPython's ``post_run_cell`` in a forked replica: report the cell that forked it, then serve.
+
+    Never returns: IPython would catch an exception from an event callback and go back into the
+    kernel, whose sockets belong to the parent.
+    """
+    try:
+        error = (result.error_before_exec or result.error_in_exec) if result is not None else None
+        session.report(0, error)
+        session.serve()
+    except BaseException:
+        _die(1)
+    _die(0)
+
+
+def _die(code: int) -> None:
+    """Ends a forked replica here: its traceback (if any) to its log, then ``os._exit``."""
+    if code:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code)
 
 
 def main() -> None:

@@ -176,6 +176,9 @@ class Session:
         self._prev_sigint: Any = None
         self._stop_requested = False
         self._stopped = False
+        # (cell, rank): a replica failed the cell that replica 0 was still running after
+        # FAILURE_GRACE_S; replica 0 is interrupted with that replica's error (see _peer_failed).
+        self._peer_failure: tuple[int, int] | None = None
         self._watcher: threading.Thread | None = None
         self._exit_code = 0
 
@@ -349,6 +352,26 @@ class Session:
         except OSError:
             pass
 
+    def check_peers(self) -> None:
+        """Raises the first dead replica's failure; called while a strategy's rendezvous waits.
+
+        A replica that died while the strategy was being created (a fork that failed to become a
+        replica, a spawned one whose replay failed) never arrives: waiting for it until the
+        rendezvous timeout would only end in a hint about networking. Its exit is known here
+        (the watcher recorded it), and so is the end of its log, which holds its traceback.
+
+        Raises:
+            ReplicaCellError: a replica of this session has exited.
+        """
+        dead = [r for r in self.replicas.values() if r.exit is not None]
+        if dead:
+            first = min(dead, key=lambda r: r.rank)
+            raise ReplicaCellError(
+                first.rank,
+                f"(pid {first.pid}) {first.exit} while the strategy was being created",
+                f"last lines of {self.log_path(first.rank)}:\n{self._tail(first.rank)}",
+            )
+
     # ------------------------------------------------------------------ steps and interrupts
     def before_step(self) -> None:
         self.steps += 1
@@ -359,6 +382,14 @@ class Session:
             raise hooks.InterruptedAtStep(self.steps)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        peer_error = self._peer_error()
+        if peer_error is not None:
+            # Raised only into the cell's own code (the user's, torch's, phalanx's collectives):
+            # a cell already ending (IPython's or this module's frames) fails with the replica's
+            # report in after_cell anyway.
+            if self.running and not _in_cell_machinery(frame):
+                raise peer_error
+            return
         if (
             self._stop_requested
             or not self.running
@@ -374,6 +405,39 @@ class Session:
         # every replica room to finish the step it is in, and none can start the stop step first.
         self.control.stop = max(self.control.steps()) + 2
         threading.Thread(target=self._escalate_later, daemon=True).start()
+
+    def _peer_failed(self, cell: int, rank: int) -> None:
+        """Replica ``rank`` failed ``cell``, which replica 0 is still running: end it there too.
+
+        Replica 0 may be waiting for that replica in a collective it will never join (a loop
+        whose step raised on replica 1 only), which would last until the collective timeout,
+        minutes, and then name a timeout rather than the replica's error. It gets
+        FAILURE_GRACE_S to end the cell by itself (its own error, or a cell that needed no
+        collective); then it is interrupted, and the cell fails with the replica's error.
+        """
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while time.monotonic() < deadline:
+            if not self.running or self.cell != cell or self.closed:
+                return
+            time.sleep(0.02)
+        with self._cond:
+            if not self.running or self.cell != cell or self.closed or self._peer_failure is not None:
+                return
+            self._peer_failure = (cell, rank)
+        os.kill(os.getpid(), signal.SIGINT)  # _on_sigint raises the replica's error in the main thread
+
+    def _peer_error(self) -> ReplicaCellError | None:
+        """The error replica 0 is interrupted with after another replica failed this cell."""
+        if self._peer_failure is None or self._peer_failure[0] != self.cell:
+            return None
+        rank = self._peer_failure[1]
+        report = self._done.get(rank, {})
+        return ReplicaCellError(
+            rank,
+            f"(pid {self.replicas[rank].pid}) failed in this cell, as shown in {self.log_path(rank)}; "
+            "replica 0 was still running the cell (waiting for it in a collective?) and was stopped",
+            report.get("error", ""),
+        )
 
     def _escalate_later(self) -> None:
         # Steps still starting means the stop step will come (a loaded host makes steps slow); no
@@ -472,9 +536,14 @@ class Session:
                 break
         result = self._cell_failure(error)
         dead = [r for r in self.replicas.values() if r.exit is not None]
-        if dead and not killed:
+        if self._peer_error() is not None:
+            # Replica 0 was stopped somewhere in the cell (in a collective, maybe half done) after
+            # the others had left it: they are out of step, and a next collective could mix steps.
+            self._peer_failure = None
+            self._break(f"replica 0 was stopped in cell {self.cell} after another replica failed it")
+        elif dead and not killed:
             self._break(f"replica {dead[0].rank} {dead[0].exit}")
-        if killed:
+        elif killed:
             waiting = ", ".join(str(r.rank) for r in pending)
             self._break(
                 f"replica(s) {waiting} could not finish cell {self.cell} (blocked in a collective "
@@ -487,6 +556,8 @@ class Session:
     def _cell_failure(self, error: BaseException | None) -> ReplicaCellError | None:
         for replica in sorted(self.replicas.values(), key=lambda r: r.rank):
             report = self._done.get(replica.rank)
+            if isinstance(error, ReplicaCellError) and error.rank == replica.rank:
+                return None  # the cell failed with this replica's error already (check_peers, _peer_failed)
             if report is not None and not report["ok"]:
                 if (
                     error is not None
@@ -529,7 +600,13 @@ class Session:
         failure = self.after_cell(error)
         if failure is None or result is None:
             return
-        self.shell.showtraceback((type(failure), failure, None))
+        # Shown as the cell's own error: its message carries the replica's traceback. Raised
+        # here so that it has a traceback object (IPython 8.0's formatter requires one); the
+        # offset hides this frame.
+        try:
+            raise failure
+        except ReplicaCellError:
+            self.shell.showtraceback(tb_offset=1)
         result.error_in_exec = failure
 
     # ------------------------------------------------------------------ watching
@@ -556,6 +633,10 @@ class Session:
                     with self._cond:
                         if int(message["id"]) == self.cell:
                             self._done[replica.rank] = message
+                            if not message.get("ok", True) and self.running:
+                                threading.Thread(
+                                    target=self._peer_failed, args=(self.cell, replica.rank), daemon=True
+                                ).start()
                         self._cond.notify_all()
                 elif message.get("op") == "port":
                     threading.Thread(target=self._answer_port, args=(replica, message), daemon=True).start()
@@ -573,14 +654,26 @@ class Session:
             self._cond.notify_all()
         if self.closed or (self.mode == "program" and code in (0, None)):
             return  # a replica at the end of the program; _finish_program reads its status
+        if self.broken is not None and self.mode != "program":
+            return  # stopped by this session (_break), which said why
         if code not in (0, None) and self._exit_code == 0:
             self._exit_code = 1
-        print(
-            f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}. Last lines of "
-            f"{self.log_path(replica.rank)}:\n{self._tail(replica.rank)}\n",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.running and self.mode in ("ipython", "repl"):
+            # The cell in progress fails with this replica's traceback (after_cell, or check_peers
+            # in a rendezvous): say it now, show the traceback once, there.
+            print(
+                f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}; this cell "
+                "fails with its error.",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(
+                f"\nphalanx: replica {replica.rank} (pid {replica.pid}) {replica.exit}. Last lines of "
+                f"{self.log_path(replica.rank)}:\n{self._tail(replica.rank)}\n",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.mode == "program":
             threading.Thread(target=self._end_program_later, daemon=True).start()
             return
@@ -669,6 +762,12 @@ class Session:
             os._exit(1)
 
 
+def _in_cell_machinery(frame: Any) -> bool:
+    """Whether ``frame`` is IPython's, ipykernel's or this module's: around the cell, not in it."""
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name == __name__ or name.split(".", 1)[0] in ("IPython", "ipykernel", "code")
+
+
 def _new_group_dying_with_parent() -> None:
     os.setpgid(0, 0)
     die_with_parent()
@@ -724,10 +823,16 @@ class _LeaderPrompt:
 
     def __init__(self, session: Session, prompt: Any) -> None:
         self.session, self.prompt = session, prompt
+        self.last_error = getattr(sys, "last_value", None)
 
     def __str__(self) -> str:
         sys.ps1 = self.prompt if not isinstance(self.prompt, _LeaderPrompt) else ">>> "
-        self.session.after_cell(None)  # the statement that created the strategy
+        # The statement that created the strategy: the C REPL has shown its own error, if any
+        # (it leaves it in sys.last_value); a replica's failure it did not show is shown here.
+        error = getattr(sys, "last_value", None)
+        failure = self.session.after_cell(error if error is not self.last_error else None)
+        if failure is not None:
+            print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
         _Console(self.session, sys.modules["__main__"].__dict__).interact(banner="", exitmsg="")
         self.session.close()
         _end_input()

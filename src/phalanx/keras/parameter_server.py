@@ -184,7 +184,11 @@ def reference(model: Any, extended: Any) -> tuple | None:
         specs.append(spec_json)
     cached = _MODEL_CONFIG.get(model)
     if cached is None:
-        cached = (json.dumps(keras.saving.serialize_keras_object(model)), json.dumps(model.get_compile_config()))
+        # An uncompiled model (a custom loop with its own optimizer) travels uncompiled: Keras 3.6
+        # describes it as None, which compile_from_config refuses, and later Keras as {}, which
+        # compile_from_config would turn into a default compile (an RMSprop of the worker's own).
+        compiled = model.get_compile_config() if getattr(model, "compiled", False) else None
+        cached = (json.dumps(keras.saving.serialize_keras_object(model)), json.dumps(compiled))
         _MODEL_CONFIG[model] = cached
     return (str(id(model)), cached[0], cached[1], specs)
 
@@ -196,7 +200,8 @@ def resolve(service: Any, payload: tuple, run: Any) -> Any:
     entry = models.get(key)
     if entry is None or entry[0] != (config, compile_config):
         model = keras.saving.deserialize_keras_object(json.loads(config))
-        model.compile_from_config(json.loads(compile_config))
+        if json.loads(compile_config) is not None:
+            model.compile_from_config(json.loads(compile_config))
         if len(model.variables) != len(specs):
             raise PhalanxError(
                 f"the model rebuilt on {service.task} has {len(model.variables)} variables; the "
@@ -206,7 +211,8 @@ def resolve(service: Any, payload: tuple, run: Any) -> Any:
         for v, spec_json in zip(model.variables, specs):
             if spec_json is not None:
                 service.adopt(spec_json, v.value)  # the Keras variable's own tensor is the worker's copy
-        _send_updates_to_servers(model.optimizer)
+        if getattr(model, "optimizer", None) is not None:  # Keras 3.6 has none before compile
+            _send_updates_to_servers(model.optimizer)
         entry = models[key] = ((config, compile_config), model)
     model = entry[1]
     for spec_json in specs:

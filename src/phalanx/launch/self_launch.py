@@ -11,7 +11,12 @@ Exit rules, the same as ``phalanx run``'s:
 
 * a replica that fails ends the job: the others are stopped, the root cause is printed once, and
   replica 0 exits 1 (at its next collective, or a moment later);
-* an uncaught exception or a Ctrl-C on replica 0 stops the others at once;
+* an uncaught exception on replica 0 stops the others at once. When it only says that a peer is
+  gone (``PeerUnavailableError``), the peer's own failure is awaited briefly (its exit, its error
+  file) and named as the root cause; replica 0 never exits before the root cause is printed,
+  whichever process ended first;
+* a Ctrl-C is the user's, not a failure: replica 0 says it was interrupted, passes SIGINT to the
+  others (SIGKILL after ``PHALANX_STOP_GRACE`` seconds) and exits as Python does (status 130);
 * when replica 0 finishes normally it waits for the others, saying so after a second; one still
   running after ``PHALANX_EXIT_TIMEOUT`` seconds is named with its stack, and replica 0 exits 1.
 """
@@ -25,17 +30,22 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
 from phalanx.launch import forkserver, settings
 from phalanx.launch.env import ReplicaEnv
-from phalanx.launch.supervisor import Exit, RunDirectory, Supervisor, Task, wait_for_the_rest
+from phalanx.launch.supervisor import CAUSE_WAIT_S, RunDirectory, Supervisor, Task, wait_for_the_rest
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
 _job: ReplicaLauncher | None = None
 _job_lock = threading.Lock()
+
+
+def _report_bound() -> float:
+    """How long replica 0 waits, before it exits, for the report of a failure that another thread
+    handles: the wait for the cause, the stop (its grace, then SIGKILL and reaping), the grace above."""
+    return CAUSE_WAIT_S + settings.stop_grace() + _MAIN_GRACE_S + 5.0
 
 
 def _script_command() -> list[str]:
@@ -97,6 +107,7 @@ class ReplicaLauncher:
         forking = world_size > 2 or forkserver.has_inherited_server()
         self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn")
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
+        self._reported = threading.Event()  # ... and its failure reported (root cause, or interrupt)
         self._main_exiting = threading.Event()
         self._own_failure = False
         self._lock = threading.Lock()
@@ -124,48 +135,86 @@ class ReplicaLauncher:
         return self.run.log_path(f"replica_{rank}")
 
     # ------------------------------------------------------------------ failures
-    def _myself(self, code: int, message: str) -> Exit:
-        task = Task(name="replica 0", command=tuple(self.command), log_path=None, info="local rank 0")
-        return Exit(task, os.getpid(), code, len(self.supervisor.exits), False, message, int(time.time()))
-
     def _install_excepthook(self) -> None:
         previous = sys.excepthook
 
         def hook(kind, value, tb):
             try:
-                previous(kind, value, tb)
+                previous(kind, value, tb)  # the traceback first: a report follows it
             finally:
-                code = -signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1
-                self._abort(self._myself(code, f"{kind.__name__}: {value}"))
+                if issubclass(kind, KeyboardInterrupt):
+                    self._interrupted()
+                else:
+                    self._abort(f"{kind.__name__}: {value}")
 
         sys.excepthook = hook
 
-    def _abort(self, mine: Exit) -> None:
-        """Replica 0 ends with an error: stop the others now and name the first failure."""
-        self._main_exiting.set()
+    def _claim(self) -> bool:
+        """Whether this thread decides the job's outcome (no other did before)."""
         with self._lock:
             if self._ended.is_set():
-                return
+                return False
             self._ended.set()
-            self._own_failure = True  # Python's own exit status (1, or 130 for Ctrl-C) stands
-        self.supervisor.stop_after_failure()
-        self.supervisor.report_root_cause([*self.supervisor.exits, mine])
+            return True
+
+    def _abort(self, message: str) -> None:
+        """Replica 0 ends with an error: stop the others now and name the first failure."""
+        task = Task(name="replica 0", command=tuple(self.command), log_path=None, info="local rank 0")
+        self.supervisor.record(task, os.getpid(), 1, message)  # before the watcher can report
+        self._main_exiting.set()
+        if not self._claim():
+            # The watcher is handling a failure of another replica (often the one this error only
+            # follows): this process must not exit before its report is out.
+            self._reported.wait(_report_bound())
+            return
+        self._own_failure = True  # Python's own exit status (1) stands
+        try:
+            # When replica 0's error only says that a peer is gone, this waits (briefly) for that
+            # peer's own failure, which is then the root cause.
+            self.supervisor.stop_after_failure()
+            self.supervisor.report_root_cause()
+        finally:
+            self._reported.set()
+
+    def _interrupted(self) -> None:
+        """A Ctrl-C (KeyboardInterrupt) on replica 0: the user's, not a failure. The others get it too."""
+        self._main_exiting.set()
+        if not self._claim():
+            self._reported.wait(_report_bound())
+            return
+        self._own_failure = True  # Python's own exit status for a Ctrl-C (130) stands
+        try:
+            others = self.supervisor.alive()
+            if others:
+                n = len(others)
+                self.supervisor.say(f"interrupted (SIGINT); stopping {n} other replica{'s' if n > 1 else ''}")
+                # Passed on as it came, so that the others end as an interrupted program does (their
+                # finally blocks run); a replica only tearing down after that is not waited for.
+                self.supervisor.stop(signal.SIGINT, end_teardown=True)
+                self.supervisor.poll()
+            else:
+                self.supervisor.say("interrupted (SIGINT)")
+        finally:
+            self._reported.set()
 
     def _watch(self) -> None:
         while not self._ended.wait(0.05):
             ended = self.supervisor.poll()
             if not any(e.failed for e in ended) and not self.supervisor.failing():
                 continue
-            with self._lock:
-                if self._ended.is_set():
-                    return
-                self._ended.set()
-            self.supervisor.stop_after_failure()
-            self.supervisor.report_root_cause()
-            # Replica 0 may fail on its own at its next collective (its traceback then follows);
-            # if it is busy elsewhere or blocked where it cannot notice, end it now: the job
-            # never outlives its error.
-            if not self._main_exiting.wait(_MAIN_GRACE_S):
+            if not self._claim():
+                return
+            try:
+                self.supervisor.stop_after_failure()
+                # Replica 0 may fail on its own at its next collective: its traceback first (its
+                # excepthook prints it, then records its error), the root cause last.
+                main_exiting = self._main_exiting.wait(_MAIN_GRACE_S)
+                self.supervisor.report_root_cause()
+            finally:
+                self._reported.set()
+            # If replica 0 is busy elsewhere or blocked where it cannot notice, end it now: the
+            # job never outlives its error.
+            if not main_exiting:
                 self.supervisor.say("replica 0 stops because another replica failed")
                 _exit(1)
             return
@@ -178,6 +227,9 @@ class ReplicaLauncher:
             failed_before = self._ended.is_set()
             self._ended.set()
         if failed_before:
+            # The watcher may still be stopping the others and naming the cause: its report comes
+            # out before this process ends (bounded: it never waits more than the report takes).
+            self._reported.wait(_report_bound())
             if self._own_failure:
                 # The job has failed and every replica is stopped: leave the objects of this process
                 # to the OS rather than to a final collection over torch's and Keras' (which took

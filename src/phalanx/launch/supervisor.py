@@ -20,7 +20,9 @@ as torchrun and horovodrun are configurations of their single cores. What they s
 * **One root-cause format** (:func:`root_cause`), after torch elastic's ``ChildFailedError``: the
   first failure across tasks, with the error its process recorded in torch elastic's error-file
   format (``TORCHELASTIC_ERROR_FILE``) and the tail of its log. A task that only lost a peer, or
-  that the supervisor itself stopped, is never the cause when another failure is there.
+  that the supervisor itself stopped, is never the cause when another failure is there; when the
+  first failure seen is such a consequence, the supervisor waits (briefly, :data:`CAUSE_WAIT_S`)
+  for the failure it followed before it stops anything or reports (:meth:`Supervisor.await_cause`).
 
 Example::
 
@@ -77,10 +79,21 @@ __all__ = [
 
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 _MARKER = ".supervisor"  # in a run directory: the pid of the supervisor that writes there
-# Errors a replica raises when it only saw a peer disappear: a consequence, never a root cause.
-_CONSEQUENCES = ("PeerUnavailableError", "CollectiveTimeoutError")
+# Errors a task raises when it only saw a peer disappear: a consequence, never a root cause. (The
+# PS client's errors are named here as text: the supervisor imports neither torch nor phalanx.ps.)
+_CONSEQUENCES = (
+    "PeerUnavailableError",
+    "CollectiveTimeoutError",
+    "ParameterServerUnavailableError",
+    "TaskUnavailableError",
+    "WorkerUnavailableError",
+)
 
 FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish exiting by itself
+# A failure that is only a consequence waits at most this long for the one it followed to show: the
+# peer that failed first is often still exiting (its teardown can take seconds), or its end not yet
+# reported (a fork server reports an exit a moment after the process ended).
+CAUSE_WAIT_S = 2.0
 _PR_SET_PDEATHSIG = 1
 try:  # resolved before any fork: the child calls the function pointer and nothing else
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -249,7 +262,12 @@ class Exit:
         """Whether this failure only followed another's (stopped by us, or lost a peer)."""
         # Stopped by us means killed by our signal: one that was already exiting with its own code
         # (a replica whose threads were still dying when a peer noticed) is not a consequence.
-        return (self.stopped_by_supervisor and self.code < 0) or any(name in self.message for name in _CONSEQUENCES)
+        return (self.stopped_by_supervisor and self.code < 0) or _is_consequence(self.message)
+
+
+def _is_consequence(message: str) -> bool:
+    """Whether a recorded error (``"PeerUnavailableError: ..."``) only says that a peer is gone."""
+    return any(name in message for name in _CONSEQUENCES)
 
 
 def describe_exit_code(code: int) -> str:
@@ -299,7 +317,11 @@ def format_failure(exit: Exit, *, lines: int = 15) -> str:
     # The whole last traceback when there is one (it says where the replica was), else the tail.
     log = log[start:] if start >= 0 else "\n".join(log.splitlines()[-lines:])
     error = exit.message.strip().splitlines()[0] if exit.message.strip() else ""
-    if error and error not in log:  # the log's traceback already ends with it: say it once
+    if error and exit.task.log_path is None:
+        # It wrote to this terminal: its traceback is above, ending with the error. Name its type
+        # only, so that the error itself is printed once.
+        text += f"error: {error.split(':', 1)[0]} (its traceback is above)\n"
+    elif error and error not in log:  # the log's traceback already ends with it: say it once
         text += f"error: {error}\n"
     if log:
         text += f"last lines of {exit.task.log_path}:\n{log}\n"
@@ -493,8 +515,7 @@ class Supervisor:
             if code is None:
                 # A replica records its uncaught exception before it tears down (which can take
                 # seconds): that is when it fails, for the purpose of stopping the job.
-                if run.failed_at is None and run.task.error_path and os.path.exists(run.task.error_path):
-                    run.failed_at = time.monotonic()
+                _note_recorded_error(run)
                 continue
             if run._pump is not None:
                 run._pump.join(timeout=2)
@@ -518,6 +539,49 @@ class Supervisor:
                 self._exits.append(exit)
             ended.append(exit)
         return ended
+
+    def record(self, task: Task, pid: int, code: int, message: str) -> Exit:
+        """Counts the end of a process that this supervisor does not run among the job's exits.
+
+        Self-launch's replica 0 is the launching process itself: its own failure takes part in
+        :meth:`await_cause` and in the root cause like any task's.
+        """
+        with self._lock:
+            exit = Exit(task, pid, code, len(self._exits), False, message, int(time.time()))
+            self._exits.append(exit)
+        return exit
+
+    def cause_known(self) -> bool:
+        """Whether a failure that is not a consequence has been seen, or can no longer come.
+
+        That is: an exit that is not a consequence; a task still exiting that recorded an error
+        that is not one; or no task left running.
+        """
+        if any(e.failed and not e.consequence for e in self.exits):
+            return True
+        alive = self.alive()
+        return not alive or any(
+            r.failed_at is not None and not _is_consequence(_read_error(r.task.error_path)[0]) for r in alive
+        )
+
+    def await_cause(self, timeout: float = CAUSE_WAIT_S) -> list[Exit]:
+        """After a failure: waits, at most ``timeout`` seconds, until :meth:`cause_known`.
+
+        A task that only lost a peer fails at once, while the peer whose error it follows may still
+        be exiting; stopping the job then would kill that peer before it records its error (and
+        count it as stopped by us), and a report would name the consequence. Returns at once when
+        the cause is known; never waits more than ``timeout``.
+
+        Returns:
+            The exits seen meanwhile.
+        """
+        deadline = time.monotonic() + timeout
+        seen: list[Exit] = []
+        while True:
+            seen += self.poll()
+            if self.cause_known() or time.monotonic() >= deadline:
+                return seen
+            time.sleep(0.02)
 
     def forget_exits(self) -> None:
         """Starts a new attempt: earlier ends no longer count for the root cause."""
@@ -550,32 +614,54 @@ class Supervisor:
     def signal_all(self, sig: int, runs: Sequence[Running] | None = None) -> None:
         """Sends ``sig`` to every running task (each in its own process group)."""
         for run in runs if runs is not None else self.alive():
-            # One that failed by itself stays a failure, not a consequence of being stopped.
-            run.stopped_by_supervisor = run.failed_at is None
+            _note_stopped(run)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(run.pid, sig)
 
     def stop(
-        self, sig: int = signal.SIGTERM, grace: float | None = None, *, runs: Sequence[Running] | None = None
+        self,
+        sig: int = signal.SIGTERM,
+        grace: float | None = None,
+        *,
+        runs: Sequence[Running] | None = None,
+        end_teardown: bool = False,
     ) -> None:
-        """Signal forwarding: ``sig`` to every task, ``grace`` seconds, then SIGKILL to what is left."""
+        """Signal forwarding: ``sig`` to every task, ``grace`` seconds, then SIGKILL to what is left.
+
+        Args:
+            end_teardown: SIGKILL a task as soon as its program has finished (:attr:`Running.done`)
+                rather than wait for its interpreter's teardown (a final collection over torch's
+                objects: about a second, more under load). Only where the tasks' exit codes
+                decide nothing (an interrupt); never for a preemption, whose exit 42 asks for a
+                restart.
+        """
         runs = [r for r in (runs if runs is not None else self.alive()) if r.popen.poll() is None]
         if not runs:
             return
         grace = settings.stop_grace() if grace is None else grace
         self.signal_all(sig, runs)
+        deadline = time.monotonic() + grace
         try:
-            done = self.wait_any(runs, grace)
+            while True:
+                left = [r for r in runs if r.popen.poll() is None]
+                if not left or time.monotonic() >= deadline:
+                    break
+                finished = [r for r in left if r.done] if end_teardown else []
+                if finished:
+                    self.kill(finished)
+                time.sleep(0.02)
         except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
-            done = False
-        if not done:
-            self.kill(runs)
+            pass
+        self.kill([r for r in runs if r.popen.poll() is None])
 
     def stop_after_failure(self, grace: float | None = None) -> list[Exit]:
         """A task failed: SIGTERM to the others at once, SIGKILL to what is left after ``grace``
         seconds. A failing task (its error recorded, its traceback in its log) gets
-        :data:`FAILING_GRACE_S` to end its own teardown. Returns the exits seen meanwhile."""
+        :data:`FAILING_GRACE_S` to end its own teardown. When every failure seen is only a
+        consequence (a lost peer), the one it followed first gets up to :data:`CAUSE_WAIT_S` to
+        show (:meth:`await_cause`). Returns the exits seen meanwhile."""
         grace = settings.stop_grace() if grace is None else grace
+        seen = self.await_cause()
         failing = self.failing()
         others = [r for r in self.alive() if r not in failing]
         self.signal_all(signal.SIGTERM, others)
@@ -585,11 +671,20 @@ class Supervisor:
             self.wait_any(self.alive(), max(0.0, grace - FAILING_GRACE_S))
         finally:
             self.kill()
+        return seen + self.poll()
+
+    def end_failing(self) -> list[Exit]:
+        """Tasks that recorded an error and are still exiting get :data:`FAILING_GRACE_S` to end,
+        then are killed (they count as failed by themselves). Returns the exits seen meanwhile."""
+        failing = self.failing()
+        if failing:
+            self.wait_any(failing, FAILING_GRACE_S)
+            self.kill(failing)
         return self.poll()
 
     def kill(self, runs: Sequence[Running] | None = None) -> None:
         for run in runs if runs is not None else self.alive():
-            run.stopped_by_supervisor = run.failed_at is None
+            _note_stopped(run)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 run.popen.kill()
         for run in runs if runs is not None else self.runs:
@@ -748,6 +843,24 @@ def wait_for_the_rest(
             sup.poll()
             return 1
         time.sleep(0.05)
+
+
+def _note_recorded_error(run: Running) -> bool:
+    """Whether ``run`` has recorded an uncaught exception (its error file exists); notes when first seen."""
+    if run.failed_at is None and run.task.error_path and os.path.exists(run.task.error_path):
+        run.failed_at = time.monotonic()
+    return run.failed_at is not None
+
+
+def _note_stopped(run: Running) -> None:
+    """Notes, before the supervisor first signals ``run``, whether that stops it or it had failed by itself.
+
+    One that had recorded its own error by then stays a failure, not a consequence of being
+    stopped (its error file is looked for now, not at the last poll); an error it records after
+    the signal (a KeyboardInterrupt, say) is the signal's.
+    """
+    if not run.stopped_by_supervisor:
+        run.stopped_by_supervisor = not _note_recorded_error(run)
 
 
 def _catches(pid: int, sig: int) -> bool:

@@ -14,8 +14,9 @@ checkpoint). The job ends with the chief: the servers exit when its coordinator 
 cluster down. After a chief that finished normally, a task still running its program
 ``shutdown_grace`` seconds later fails the job, as a replica still running after replica 0
 finished fails a synchronous one: it is named with its stack as the root cause, the rest are
-stopped, and the status is 1. After a failed chief the rest are stopped after ``shutdown_grace``
-seconds, and the root cause (the first failure across tasks) is printed once.
+stopped, and the status is 1. After a failed chief the root cause (the first failure across
+tasks; when the chief only lost a task, that task's failure, awaited briefly) is printed once, and
+the rest are stopped after ``shutdown_grace`` seconds.
 """
 
 from __future__ import annotations
@@ -166,6 +167,11 @@ def run_cluster(job: ClusterJob) -> int:
             code = cluster.supervise()
             if code == 0:  # the others must end too, and soon: one still running is a failure
                 return wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace)
+            # The chief often fails only because a task it needed is gone (ParameterServerUnavailableError):
+            # that task's own failure is the root cause, and it may still be exiting (its error
+            # recorded, its teardown under way) or its end not yet seen. Wait for it, briefly.
+            sup.await_cause()
+            sup.end_failing()
             sup.report_root_cause()
             cluster.stop(job.shutdown_grace)
             return exit_status(code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -20,8 +21,9 @@ from phalanx import config
 from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import GroupSpec, LocalCommunicator, ProcessGroupCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
-from phalanx.errors import ClusterSpecError, InvalidDeviceError
+from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
+from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv
 from phalanx.strategy import StrategyExtended
 
@@ -62,12 +64,23 @@ def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -
         return [LogicalDevice(kind, i) for i in range(env.local_world_size)]
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
-    parsed = [canonicalize(d) for d in devices]
+    given = list(devices)
+    parsed = [canonicalize(d) for d in given]
     if not parsed:
         raise InvalidDeviceError(devices, hint=f"give at least one device in `{what}`, e.g. ['cpu:0', 'cpu:1']")
-    if len(set(parsed)) != len(parsed):
-        raise InvalidDeviceError(list(devices), hint=f"each device may appear once in `{what}`")
+    for i, device in enumerate(parsed):
+        if device in parsed[:i]:
+            first = given[parsed.index(device)]
+            raise DuplicateDeviceError(given[i], given, first=first, what=what)
     return parsed
+
+
+def _warn_if_cpu_oversubscribed(strategy: str, devices: list[LogicalDevice]) -> None:
+    """Says on stderr, as ``phalanx run -n N`` does, when ``devices`` are more CPU replicas than cores."""
+    cpus = sum(1 for d in devices if d.type == "cpu")
+    warning = cpu_oversubscription_warning(cpus, who="phalanx", what=strategy, fewer="{cores} replica(s)")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
 _generations: dict[tuple[str, int], int] = {}  # (master address, port) -> communicators created
@@ -105,6 +118,8 @@ class SyncExtended(StrategyExtended):
         in_session = interactive.hooks.session is not None
         env = None if in_session else job_env()
         if env is None and len(devices) > 1:
+            if not in_session:  # this process starts the replicas now (once per program, or per session)
+                _warn_if_cpu_oversubscribed(type(self).__name__.removesuffix("Extended") + "Strategy", devices)
             if in_session or interactive.interactive_main():  # a notebook, the REPL, -c, stdin: no script to rerun
                 from phalanx.interactive.session import start
 
@@ -130,17 +145,21 @@ class SyncExtended(StrategyExtended):
         if device.type == "cuda":
             torch.cuda.set_device(device.index)
 
-    @staticmethod
     def _build_communicator(
+        self,
         env: ReplicaEnv | None,
         *,
         timeout: float | None = None,
         bind_addr: str | None = None,
         names: tuple[str, ...] = (),
+        addresses: tuple[str, ...] = (),
         fingerprint: tuple[tuple[str, Any], ...] = (),
         backend: str = "gloo",
     ) -> Any:
         """The communicator of this process: local for one replica, gloo/NCCL otherwise.
+
+        ``names`` and ``addresses`` (``host:port``, from a cluster spec) per rank are how messages
+        name the other tasks: errors, and the rendezvous notice for peers that are late.
 
         The program's k-th multi-replica communicator of a job uses the job's store under its own
         key prefix, so that strategies created one after another (or alive together) run on the
@@ -164,8 +183,13 @@ class SyncExtended(StrategyExtended):
             names=names,
             timeout=timeout or settings.collective_timeout,
             rendezvous_timeout=settings.rendezvous_timeout,
+            rendezvous_notice=settings.rendezvous_notice,
+            addresses=addresses,
             fingerprint=fingerprint,
             store_prefix=f"strategy{generation}/" if generation else "",
+            # A launcher that can tell a dead local replica (an interactive session) ends the
+            # rendezvous with that replica's error as soon as it knows.
+            peer_check=getattr(self._launcher, "check_peers", None),
         )
         return ProcessGroupCommunicator(spec, backend=backend)
 

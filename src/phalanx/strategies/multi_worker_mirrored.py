@@ -26,6 +26,7 @@ import torch
 
 from phalanx.cluster import ClusterResolver, SimpleClusterResolver, TaskPlacement, resolve_from_environment
 from phalanx.cluster.placement import own_address_for
+from phalanx.cluster.spec import ClusterSpec
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.cross_device_ops import NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
@@ -92,6 +93,20 @@ def _placement(resolver: ClusterResolver | None, env: ReplicaEnv | None) -> Task
     return TaskPlacement("worker", 0, 0, 1, 0, 1, 0, 1, "127.0.0.1", 0, "127.0.0.1")
 
 
+def _rank_addresses(spec: ClusterSpec, placement: TaskPlacement) -> tuple[str, ...]:
+    """The cluster spec's ``host:port`` of the task that runs each global rank, as the user wrote it."""
+    names = placement.sync_task_names  # empty (a Slurm or launcher placement): worker:<node>, as describe_rank says
+    addresses = []
+    for node in range(placement.num_nodes):
+        job, index = (names[node] if node < len(names) else f"worker:{node}").split(":")
+        try:
+            address = spec.task_address(job, int(index))
+        except ClusterSpecError:  # an address only decorates the notice: never fail over it
+            address = ""
+        addresses += [address] * placement.local_world_size
+    return tuple(addresses)
+
+
 class MultiWorkerMirroredExtended(SyncExtended):
     """The machinery of :class:`MultiWorkerMirroredStrategy`: every device of every worker.
 
@@ -153,6 +168,7 @@ class MultiWorkerMirroredExtended(SyncExtended):
             timeout=options.timeout_seconds,
             bind_addr=placement.bind_addr,
             names=tuple(placement.describe_rank(r) for r in range(placement.world_size)),
+            addresses=_rank_addresses(spec, placement) if spec and resolver.lists_every_task else (),
             fingerprint=fingerprint,
             backend=backend,
         )

@@ -59,6 +59,7 @@ from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
+from phalanx.comm.rendezvous import WaitNotice
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
 from phalanx.launch import replica_hooks
@@ -203,8 +204,11 @@ class ParameterServerExtended(StrategyExtended):
         return self._persistent_id(obj)
 
     # ---------------------------------------------------------------- connecting
-    def _wait_for_parameter_servers(self, timeout: float) -> None:
+    def _wait_for_parameter_servers(self, timeout: float, notice_after: float | None = None) -> None:
+        """Pings every parameter server until each answered, within ``timeout``; names the ones still
+        silent on stderr after ``notice_after`` seconds, once (rather than two minutes of silence)."""
         deadline = time.monotonic() + timeout
+        notice = WaitNotice(notice_after)
         pending = dict(enumerate(self._ps_tasks))
         while pending:
             for i, task in list(pending.items()):
@@ -217,6 +221,7 @@ class ParameterServerExtended(StrategyExtended):
             if pending:
                 if time.monotonic() > deadline:
                     raise RendezvousTimeoutError([t.name for t in pending.values()], timeout)
+                notice.poll(lambda: [f"{t.name} at {t.address}" for t in pending.values()], deadline)
                 time.sleep(0.1)
 
     def _connect_workers(self) -> list[RemoteTask]:
@@ -594,7 +599,8 @@ class ParameterServerStrategy(Strategy):
             if serve_and_exit:
                 _exit_server(self.serve())
             return
-        extended._wait_for_parameter_servers(config.settings().rendezvous_timeout)
+        settings = config.settings()
+        extended._wait_for_parameter_servers(settings.rendezvous_timeout, settings.rendezvous_notice)
         extended._start_keepalive()
         close_at_exit(self)
 
