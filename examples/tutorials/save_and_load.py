@@ -105,33 +105,38 @@ with another_strategy.scope():
     restored_keras_model_ds.fit(train_dataset, epochs=2)
 
 # ---- The low-level APIs (tf.saved_model -> torch.export through Keras' export)
-model = get_model()  # get a fresh model
-fresh_predictions = model.predict(x_check, verbose=0)
-saved_model_path = "tf_save.pt2"
-model.export(saved_model_path, format="torch", dynamic_shapes={0: torch.export.Dim("batch")})
+# (added) Keras' export(format="torch") came with Keras 3.15; phalanx allows Keras from 3.6, where
+# this section has no counterpart and is left out (the tutorial says so).
+if tuple(int(p) for p in keras.__version__.split(".")[:2]) >= (3, 15):
+    model = get_model()  # get a fresh model
+    fresh_predictions = model.predict(x_check, verbose=0)
+    saved_model_path = "tf_save.pt2"
+    model.export(saved_model_path, format="torch", dynamic_shapes={0: torch.export.Dim("batch")})
 
-loaded = torch.export.load(saved_model_path)
-inference_func = loaded.module()
-
-predict_dataset = [image for image, label in eval_dataset]
-for batch in predict_dataset[:1]:
-    print(inference_func(batch).shape)
-    same_predictions(inference_func(batch).detach(), fresh_predictions, "torch.export.load, no strategy")
-
-another_strategy = phalanx.MirroredStrategy()
-with another_strategy.scope():
     loaded = torch.export.load(saved_model_path)
     inference_func = loaded.module()
 
-    dist_predict_dataset = another_strategy.experimental_distribute_dataset(predict_dataset)
+    predict_dataset = [image for image, label in eval_dataset]
+    for batch in predict_dataset[:1]:
+        print(inference_func(batch).shape)
+        same_predictions(inference_func(batch).detach(), fresh_predictions, "torch.export.load, no strategy")
 
-    # Calling the function in a distributed manner
-    results = []
-    for batch in dist_predict_dataset:
-        results.append(another_strategy.run(inference_func, args=(batch,)))
-# (added) the replicas' rows of the first batch, gathered, are the whole batch's predictions
-first = another_strategy.gather(results[0], axis=0)
-same_predictions(first.detach(), fresh_predictions, "torch.export.load, distributed inference")
+    another_strategy = phalanx.MirroredStrategy()
+    with another_strategy.scope():
+        loaded = torch.export.load(saved_model_path)
+        inference_func = loaded.module()
+
+        dist_predict_dataset = another_strategy.experimental_distribute_dataset(predict_dataset)
+
+        # Calling the function in a distributed manner
+        results = []
+        for batch in dist_predict_dataset:
+            results.append(another_strategy.run(inference_func, args=(batch,)))
+    # (added) the replicas' rows of the first batch, gathered, are the whole batch's predictions
+    first = another_strategy.gather(results[0], axis=0)
+    same_predictions(first.detach(), fresh_predictions, "torch.export.load, distributed inference")
+else:
+    print(f"Keras {keras.__version__} has no model.export(format='torch') (3.15 added it): low-level section left out")
 
 
 # The section that wraps the loaded object in hub.KerasLayer(loaded, trainable=True) to train it

@@ -218,12 +218,13 @@ class _ReplicaPrompt:
         self.last_error = getattr(sys, "last_value", None)
 
     def __str__(self) -> str:
-        error = getattr(sys, "last_value", None)  # where the C REPL leaves a statement's exception
-        self.session.report(0, error if error is not self.last_error else None)
-        self.session.serve()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        try:
+            error = getattr(sys, "last_value", None)  # where the C REPL leaves a statement's exception
+            self.session.report(0, error if error is not self.last_error else None)
+            self.session.serve()
+        except BaseException:
+            _die(1)
+        _die(0)
 
 
 _INHERITED: list[Any] = []  # the parent's communicators, kept alive in a forked child (see below)
