@@ -39,8 +39,6 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402  (instead of the MNIST download)
 from strategy_flag import strategy_from_flags  # noqa: E402
 
-import phalanx.keras  # noqa: E402,F401  (Keras models built in strategy.scope() train distributed)
-
 
 def load_data():
     """The bundled digits as MNIST's ``load_data()`` returns them: 28x28 uint8 images, int labels."""

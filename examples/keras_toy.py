@@ -38,8 +38,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402  (tf.data, tf.dtypes)
 from strategy_flag import strategy_from_flags  # noqa: E402
 
-import phalanx.keras  # noqa: E402,F401  (Keras models built in strategy.scope() train distributed)
-
 N_TRAIN_EXAMPLES = 1024 * 1024
 N_FEATURES = 10
 SIZE_BATCHES = 256

@@ -22,7 +22,6 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import phalanx  # noqa: E402
 import phalanx.checkpoint  # noqa: E402
-import phalanx.keras  # noqa: E402,F401
 
 digits = load_digits()
 images = (digits.images[..., None] / np.float32(16)).astype(np.float32)

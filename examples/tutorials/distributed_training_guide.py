@@ -30,7 +30,6 @@ import torch  # noqa: E402
 
 import phalanx  # noqa: E402
 import phalanx.errors  # noqa: E402
-import phalanx.keras  # noqa: E402,F401
 
 # ---- Types of strategies: MirroredStrategy
 mirrored_strategy = phalanx.MirroredStrategy()

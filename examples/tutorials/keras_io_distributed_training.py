@@ -24,7 +24,6 @@ import torch  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import phalanx  # noqa: E402
-import phalanx.keras  # noqa: E402,F401
 
 keras.utils.set_random_seed(0)  # change 5 (for the checks at the end)
 

@@ -24,7 +24,6 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import phalanx  # noqa: E402
 import phalanx.checkpoint  # noqa: E402
-import phalanx.keras  # noqa: E402,F401
 
 
 # ---- mnist_setup.py

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import compiled, context, global_batch, hooks, nest, variables
+from phalanx import _integrations, compiled, context, global_batch, hooks, nest, variables
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
@@ -721,6 +721,7 @@ class Strategy:
         Raises:
             StrategyScopeError: another strategy's scope is already open.
         """
+        _integrations.activate_loaded()  # tf.keras needs no extra import; neither does Keras here
         for hook in _SCOPE_ENTER_HOOKS:
             hook(self)
         with context.enter_scope(self):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from phalanx import context, hooks
+from phalanx import _integrations, context, hooks
 from phalanx.errors import KerasIntegrationError
 
 
@@ -60,8 +60,10 @@ def _is_compiler_module(module: torch.nn.Module) -> bool:
 
 def _check_keras_integration(module: torch.nn.Module) -> None:
     # The core never imports Keras; a Keras layer built in scope without phalanx.keras would train
-    # undistributed and wrong, silently. Keras registers its variables from its own code (through
-    # a ParameterDict on the layer), so look for a Keras frame among the callers.
+    # undistributed and wrong, silently. Scope entry activates the integration when Keras is
+    # loaded (phalanx._integrations); Keras imported inside the scope is caught here. Keras
+    # registers its variables from its own code (through a ParameterDict on the layer), so look
+    # for a Keras frame among the callers.
     if "keras" not in sys.modules or "phalanx.keras" in sys.modules:
         return
     frame = sys._getframe(2)
@@ -69,7 +71,11 @@ def _check_keras_integration(module: torch.nn.Module) -> None:
         if frame is None:
             return
         if frame.f_globals.get("__name__", "").startswith("keras."):
-            raise KerasIntegrationError(frame.f_locals.get("self", module))
+            # Joins the current scope on import; an unsupported Keras raises its typed error.
+            _integrations.activate_loaded(force=True)
+            if "phalanx.keras" not in sys.modules:  # pragma: no cover - the import above either works or raises
+                raise KerasIntegrationError(frame.f_locals.get("self", module))
+            return
         frame = frame.f_back
 
 

@@ -1,6 +1,8 @@
 """Keras 3 (torch backend) under every phalanx strategy: build and compile in ``scope()``, then ``fit``.
 
-``import phalanx.keras`` once; from then on a Keras model created inside ``strategy.scope()``
+No import is needed: ``strategy.scope()`` imports this package when Keras is loaded (see
+:mod:`phalanx._integrations`), as ``tf.keras`` is strategy-aware by itself; ``import
+phalanx.keras`` does the same explicitly. A Keras model created inside ``strategy.scope()``
 trains, evaluates and predicts distributed, with tf.keras' semantics: ``batch_size`` is the global
 batch, split across the replicas; the update equals one-device training on that batch; the
 losses and metrics in the progress bar, in ``History`` and from ``evaluate`` are aggregated over
@@ -15,7 +17,6 @@ Example (``train.py``; ``python train.py`` starts the second replica itself)::
     import keras
     import numpy as np
     import phalanx as px
-    import phalanx.keras  # noqa: F401
 
     strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
@@ -27,7 +28,8 @@ Importing this module sets ``KERAS_BACKEND=torch`` when Keras is not imported ye
 the Keras is a supported one (``>=3.6,<3.16``) on the torch backend, and joins the core's
 scope-enter hooks: from the first ``strategy.scope()`` on, one torch module-registration hook
 (:mod:`phalanx.hooks`) finds the Keras models created in a strategy's scope. ``import phalanx``
-and ``strategy.scope()`` never import Keras or this package: import it yourself.
+and ``strategy.scope()`` never import Keras itself: a program that does not import Keras never
+loads it.
 """
 
 from __future__ import annotations

@@ -167,8 +167,11 @@ def _on_scope_enter(strategy: "Strategy") -> None:
     hooks.install("phalanx.keras.model.discovery", "module_module_registration", _on_module_registered)
 
 
-# The core calls this at every scope entry; it never imports this package itself.
+# The core calls this at every scope entry; it imports this package only by name, when Keras is
+# loaded (phalanx._integrations). Imported inside an open scope (Keras imported there), it joins now.
 register_scope_enter_hook(_on_scope_enter)
+if context.has_strategy():
+    _on_scope_enter(context.get_strategy())
 
 
 # ---------------------------------------------------------------------------------- batches
