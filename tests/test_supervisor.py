@@ -168,6 +168,29 @@ def test_error_on_another_replica_ends_the_job_within_two_seconds(tmp_path, laun
 
 
 @pytest.mark.parametrize("launcher", ["self", "run"])
+def test_a_replica_that_fails_before_the_rendezvous_ends_the_job_at_once_with_its_error(tmp_path, launcher, script):
+    """Replica 1 dies before it ever reaches the rendezvous: replica 0 must not wait out the
+    rendezvous timeout (60 s here) and end with a hint about networking; the job ends at once,
+    naming replica 1's own error, once."""
+    job = script("""
+        import phalanx as px
+        if px.process_index() == 1:
+            raise ValueError("broken before the strategy on replica 1")
+        strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+        strategy.reduce("sum", strategy.run(lambda: __import__("torch").ones(1)), axis=None)
+    """)
+    started = time.monotonic()
+    res = run_job(_cmd(launcher, str(job)), timeout=120, cwd=tmp_path, env={"PHALANX_RENDEZVOUS_TIMEOUT": "60"})
+    took = time.monotonic() - started
+    assert res.returncode != 0, res.output
+    assert took < 20, f"the job waited {took:.1f} s for a replica that had died"
+    assert "RendezvousTimeoutError" not in res.output, res.output
+    assert res.output.count("root cause") == 1 and "replica 1" in res.output.split("root cause")[1], res.output
+    error_lines = [line for line in res.output.splitlines() if line.endswith("broken before the strategy on replica 1")]
+    assert len(error_lines) == 1, res.output
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
 def test_uncaught_exception_on_replica_0_only_ends_the_job_within_two_seconds(tmp_path, launcher):
     res, end = _exits(launcher, tmp_path, "zero_raises")
     took = end - float((tmp_path / "t_fault").read_text())
