@@ -427,3 +427,24 @@ def test_many_strategies_per_program_run_on_the_same_replicas(tmp_path, launcher
         assert [line.split(":")[0] for line in lines] == tags, logs[-4000:]
         assert len({line.rsplit("pid ", 1)[1] for line in lines}) == 1, lines  # one process throughout
     assert len(list(res.log_dir.rglob("replica_1.log"))) == 1  # replica 1 was started once
+
+
+@pytest.mark.parametrize("launcher", ["self", "run"])
+def test_process_identity_is_the_jobs_after_a_helper_one_device_strategy(tmp_path, launcher, script):
+    """A OneDeviceStrategy built on a replica of a 2-replica job (a helper, an evaluation) must not
+    make every replica the chief: is_chief() decides who writes the checkpoint."""
+    job = script("""
+        import phalanx as px
+        strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+        helper = px.OneDeviceStrategy("cpu")
+        with helper.scope():
+            inside = (px.process_index(), px.num_processes(), px.is_chief())
+        outside = (px.process_index(), px.num_processes(), px.is_chief())
+        expected = (strategy.extended.process_index, 2, strategy.extended.process_index == 0)
+        assert inside == outside == expected, (inside, outside, expected)
+        print(f"identity {outside} on replica {strategy.extended.process_index}", flush=True)
+    """)
+    res = run_job(_cmd(launcher, str(job)), timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.logs()[-3000:]
+    assert "identity (0, 2, True) on replica 0" in res.output, res.output
+    assert "identity (1, 2, False) on replica 1" in res.logs(), res.logs()[-3000:]

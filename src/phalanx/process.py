@@ -2,10 +2,11 @@
 
 As accelerate's ``PartialState`` and horovod's ``rank()``/``size()``: every process of a
 synchronous job has an index (0 is the chief) and knows how many there are. The answer comes from
-the strategy that is current, else from the strategy this process built last and has not closed
-(so ``is_chief()`` is right after ``with strategy.scope():`` has ended), else from what the
-launcher put in the environment (``phalanx run``, torchrun, ``TF_CONFIG``, Slurm), else a single
-process.
+the job's strategy: of the strategy that is current and those this process built and has not
+closed, the one spanning the most processes (so ``is_chief()`` is right after ``with
+strategy.scope():`` has ended, and a helper ``OneDeviceStrategy`` built on a replica of a
+multi-process job does not make every replica the chief); else from what the launcher put in the
+environment (``phalanx run``, torchrun, ``TF_CONFIG``, Slurm); else a single process.
 
 Example:
     >>> import phalanx as px
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx import context
-from phalanx.strategy import Strategy, live_strategy
+from phalanx.strategy import Strategy, live_strategies
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class ProcessIdentity:
 
 
 def _strategy() -> Strategy | None:
-    if context.has_strategy():
-        return context.get_strategy()
-    return live_strategy()
+    """The job's strategy: the one spanning the most processes (the current one first on a tie, then the newest)."""
+    candidates = ([context.get_strategy()] if context.has_strategy() else []) + live_strategies()
+    return max(candidates, key=lambda s: s.extended.num_processes) if candidates else None
 
 
 def identity() -> ProcessIdentity:

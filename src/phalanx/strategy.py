@@ -654,13 +654,16 @@ _LIVE_LOCK = threading.Lock()
 
 
 def live_strategy() -> "Strategy | None":
-    """The strategy this process built last and has not closed, if any (for process identity)."""
+    """The strategy this process built last and has not closed, if any."""
+    live = live_strategies()
+    return live[0] if live else None
+
+
+def live_strategies() -> "list[Strategy]":
+    """The strategies this process built and has not closed, the newest first (for process identity)."""
     with _LIVE_LOCK:
-        for ref in reversed(_LIVE):
-            strategy = ref()
-            if strategy is not None and not strategy._closed:
-                return strategy
-    return None
+        found = [ref() for ref in reversed(_LIVE)]
+    return [s for s in found if s is not None and not s._closed]
 
 
 ScopeEnterHook = Callable[["Strategy"], None]
