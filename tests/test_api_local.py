@@ -258,3 +258,46 @@ def test_distribute_datasets_from_function_single_replica():
     batches = list(strategy.distribute_datasets_from_function(dataset_fn))
     assert len(batches) == 3 and batches[0].shape == (4, 2)
     assert seen[0] == px.InputContext(1, 0, 1)
+
+
+# TF's context guards (tensorflow/python/distribute: distribute_lib's _require_cross_replica_or_default_context
+# and require_replica_context, nn_impl's compute_average_loss/scale_regularization_loss): each raises
+# RuntimeError in TF; ContextError is a RuntimeError, so a ported `except RuntimeError` still catches it.
+def test_run_inside_run_is_refused_as_in_tf():
+    strategy = px.OneDeviceStrategy("cpu")
+    with pytest.raises(ContextError, match="inside strategy.run") as raised:
+        strategy.run(lambda: strategy.run(lambda: torch.ones(1)))
+    assert isinstance(raised.value, RuntimeError)
+    assert strategy.extended.step == 1  # the nested call started no step
+    # merge_call's function is cross-replica context: run may be called there (TF allows it too).
+    out = strategy.run(lambda: px.get_replica_context().merge_call(lambda s: s.run(lambda: torch.ones(1) * 2)))
+    assert out.item() == 2.0
+
+
+def test_replica_context_collectives_are_refused_in_cross_replica_context_as_in_tf():
+    strategy = px.OneDeviceStrategy("cpu")
+    captured = []
+    strategy.run(lambda: captured.append(px.get_replica_context()))
+    (ctx,) = captured
+    with strategy.scope():
+        for call in (
+            lambda: ctx.all_reduce("sum", torch.ones(1)),
+            lambda: ctx.all_gather(torch.ones(1), axis=0),
+            lambda: ctx.merge_call(lambda s: 1),
+        ):
+            with pytest.raises(ContextError, match="replica context"):
+                call()
+    # Outside any strategy the default replica context works, as TF's does.
+    assert px.get_replica_context().all_reduce("sum", torch.ones(1)).item() == 1.0
+
+
+def test_loss_scaling_helpers_are_refused_in_cross_replica_context_as_in_tf():
+    strategy = px.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        with pytest.raises(ContextError, match="compute_average_loss"):
+            px.nn.compute_average_loss(torch.ones(4), global_batch_size=4)
+        with pytest.raises(ContextError, match="scale_regularization_loss"):
+            px.nn.scale_regularization_loss(torch.ones(()))
+    # In replica context, and with the default strategy, they compute.
+    assert strategy.run(lambda: px.nn.compute_average_loss(torch.ones(4), global_batch_size=8)).item() == 0.5
+    assert px.nn.compute_average_loss(torch.ones(4), global_batch_size=8).item() == 0.5

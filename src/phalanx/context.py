@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from phalanx import nest
-from phalanx.errors import NotCallableError, StrategyScopeError
+from phalanx.errors import ContextError, NotCallableError, StrategyScopeError
 from phalanx.values import DistributedValues, ReduceOp, local_results
 
 if TYPE_CHECKING:
@@ -180,11 +180,29 @@ class ReplicaContext:
     def devices(self) -> tuple[str, ...]:
         return (str(self._strategy.extended.local_device),)
 
+    def _require_replica_context(self, method: str) -> None:
+        """TF's ``require_replica_context``: a replica's collectives only inside ``run``.
+
+        In cross-replica context (``scope()``, ``merge_call``'s function) the other replicas are not
+        there to join; TF raises RuntimeError, and ContextError is one.
+        """
+        if in_cross_replica_context():
+            raise ContextError(
+                f"ReplicaContext.{method} was called in cross-replica context (inside scope() or merge_call's "
+                "function), but it needs replica context.",
+                hint=f"call it inside strategy.run; in cross-replica context use strategy.reduce / strategy.gather "
+                f"(not {method})",
+            )
+
     def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
         """Reduces ``value`` (a nested structure of tensors) across all replicas; same on each.
 
         ``options`` is accepted for TF compatibility and has no effect (a warning says so).
+
+        Raises:
+            ContextError: called in cross-replica context (TF: RuntimeError).
         """
+        self._require_replica_context("all_reduce")
         if options is not None:
             warnings.warn("ReplicaContext.all_reduce(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         op = ReduceOp.from_any(reduce_op)
@@ -193,7 +211,12 @@ class ReplicaContext:
         return nest.unflatten(self._strategy.extended.all_reduce(tensors, op), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
-        """Concatenates every replica's ``value`` along ``axis``, in replica order (``options``: no effect)."""
+        """Concatenates every replica's ``value`` along ``axis``, in replica order (``options``: no effect).
+
+        Raises:
+            ContextError: called in cross-replica context (TF: RuntimeError).
+        """
+        self._require_replica_context("all_gather")
         if options is not None:
             warnings.warn("ReplicaContext.all_gather(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         return nest.map_structure(lambda t: self._strategy.extended.all_gather(t, axis), value)
@@ -206,6 +229,7 @@ class ReplicaContext:
         """
         if not callable(merge_fn):
             raise NotCallableError(merge_fn, what="merge_fn")
+        self._require_replica_context("merge_call")
         strategy = self._strategy
         wrapped_args = strategy._wrap_local(args)  # friend: core pair (context and strategy)
         wrapped_kwargs = strategy._wrap_local(kwargs or {})  # friend

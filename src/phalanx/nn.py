@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from phalanx import context, global_batch
+from phalanx.errors import ContextError
 
 
 class LossScaleWarning(UserWarning):
@@ -65,6 +66,15 @@ def mark_loss_scaled() -> None:
         record.scaled = True
 
 
+def _require_replica_context(name: str) -> None:
+    if context.in_cross_replica_context():
+        raise ContextError(
+            f"{name} was called in cross-replica context (inside scope(), outside strategy.run); "
+            "TensorFlow refuses it too.",
+            hint=f"call {name} inside the function given to strategy.run, on that replica's loss",
+        )
+
+
 def compute_average_loss(
     per_example_loss: torch.Tensor,
     sample_weight: torch.Tensor | float | None = None,
@@ -81,7 +91,10 @@ def compute_average_loss(
 
     Raises:
         ValueError: ``global_batch_size`` is not a positive integer.
+        ContextError: called in cross-replica context (inside ``scope()``, outside ``run``), as
+            TF refuses it: there is no replica whose loss this is.
     """
+    _require_replica_context("compute_average_loss")
     loss = per_example_loss
     if sample_weight is not None:
         loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
@@ -113,7 +126,12 @@ def compute_average_loss(
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
-    """Divides a regularization loss by the number of replicas, so its summed gradient is counted once."""
+    """Divides a regularization loss by the number of replicas, so its summed gradient is counted once.
+
+    Raises:
+        ContextError: called in cross-replica context, as TF refuses it.
+    """
+    _require_replica_context("scale_regularization_loss")
     mark_loss_scaled()
     return regularization_loss / context.get_strategy().num_replicas_in_sync
 

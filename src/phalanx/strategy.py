@@ -743,9 +743,17 @@ class Strategy:
 
         Raises:
             NotCallableError: ``fn`` is not callable.
+            ContextError: called inside another ``run`` (replica context), as TF refuses it: it would
+                start a nested step. Inside ``merge_call``'s function (cross-replica) it may be called.
         """
         if not callable(fn):
             raise NotCallableError(fn)
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise ContextError(
+                "strategy.run was called inside strategy.run (in replica context); TensorFlow refuses it too.",
+                hint="call the inner function directly, or use get_replica_context().merge_call(fn) to run "
+                "code in cross-replica context",
+            )
         if options is not None:
             _ignored("Strategy.run", "options")
         fn = compiled.replica_function(fn)  # compiled inside a @phalanx.function step
