@@ -235,6 +235,21 @@ def test_scope_works_next_to_a_keras_that_phalanx_keras_refuses():
     )
 
 
+def test_scope_works_next_to_a_keras_3_on_torch_of_a_version_phalanx_keras_refuses():
+    # Keras 3 on torch, but older than phalanx.keras supports: the integration's import refuses it
+    # (UnsupportedKerasError); scope() leaves it out, and a torch-only program goes on.
+    _run(
+        "import sys, types, torch\nfake = types.ModuleType('keras'); fake.__version__ = '3.2.0'\n"
+        "fake.backend = types.SimpleNamespace(backend=lambda: 'torch')\n"
+        "sys.modules['keras'] = fake\nimport phalanx as px\n"
+        "strategy = px.OneDeviceStrategy('cpu')\n"
+        "for _ in range(2):\n    with strategy.scope():\n        model = torch.nn.Linear(2, 1)\n"
+        "out = strategy.run(lambda: model(torch.ones(1, 2)).sum())\n"
+        "assert 'phalanx.keras' not in sys.modules\n"
+        "from phalanx import _integrations\nassert _integrations._REFUSED == {'phalanx.keras'}\n"
+    )
+
+
 # ------------------------------------------------------------------------------------ private members
 # Accesses to another object's ``_`` members that are allowed, each with the reason. Everything
 # else must go through the public contract (``StrategyExtended``'s documented surface, public

@@ -150,11 +150,15 @@ def _task(tmp_path: Path, name: str, body: str) -> Task:
     )
 
 
-def _first_failure(sup: Supervisor) -> None:
+def _stop_after_first_failure(sup: Supervisor, grace: float | None = None) -> float:
+    """Waits (30 s at most) for a task to fail, then stops the job; returns how long the stop took."""
     deadline = time.monotonic() + 30
     while not any(e.failed for e in sup.poll()):
         assert time.monotonic() < deadline, "no task failed"
         time.sleep(0.01)
+    start = time.monotonic()
+    sup.stop_after_failure(grace=grace)
+    return time.monotonic() - start
 
 
 def test_a_consequence_waits_for_the_failure_it_followed_before_stopping_anything(tmp_path):
@@ -164,10 +168,7 @@ def test_a_consequence_waits_for_the_failure_it_followed_before_stopping_anythin
     sup = Supervisor(out=out)
     sup.start(_task(tmp_path, "replica 0", "record('PeerUnavailableError: replica:1 is unavailable'); sys.exit(1)"))
     sup.start(_task(tmp_path, "replica 1", f"time.sleep(0.3); record({USER_ERROR!r}); time.sleep(0.2); sys.exit(1)"))
-    _first_failure(sup)
-    start = time.monotonic()
-    sup.stop_after_failure()
-    took = time.monotonic() - start
+    took = _stop_after_first_failure(sup)
     cause = sup.report_root_cause()
     assert cause is not None and cause.task.name == "replica 1", out.getvalue()
     assert out.getvalue().count("root cause") == 1 and USER_ERROR in out.getvalue(), out.getvalue()
@@ -179,10 +180,7 @@ def test_a_consequence_waits_a_bounded_time_for_a_cause_that_never_comes(tmp_pat
     sup = Supervisor(out=out)
     sup.start(_task(tmp_path, "replica 0", "record('CollectiveTimeoutError: replica:1 did not arrive'); sys.exit(1)"))
     sup.start(_task(tmp_path, "replica 1", "time.sleep(60)"))  # hung: never fails by itself
-    _first_failure(sup)
-    start = time.monotonic()
-    sup.stop_after_failure(grace=0.5)
-    took = time.monotonic() - start
+    took = _stop_after_first_failure(sup, grace=0.5)
     cause = sup.report_root_cause()
     assert cause is not None and cause.task.name == "replica 0", out.getvalue()  # stopped by us: not the cause
     assert CAUSE_WAIT_S <= took < CAUSE_WAIT_S + 0.5 + 1.0, took
@@ -194,10 +192,7 @@ def test_a_failure_that_is_not_a_consequence_stops_the_job_at_once(tmp_path):
     sup = Supervisor(out=out)
     sup.start(_task(tmp_path, "replica 0", "time.sleep(60)"))
     sup.start(_task(tmp_path, "replica 1", f"record({USER_ERROR!r}); sys.exit(1)"))
-    _first_failure(sup)
-    start = time.monotonic()
-    sup.stop_after_failure(grace=0.5)
-    assert time.monotonic() - start < 0.5 + 0.5
+    assert _stop_after_first_failure(sup, grace=0.5) < 0.5 + 0.5
     assert sup.report_root_cause().task.name == "replica 1", out.getvalue()
     # The launching process itself (self-launch's replica 0) counts among the exits too.
     assert sup.record(Task(name="replica 0", command=("x",)), 1, 1, "PeerUnavailableError: gone").consequence

@@ -19,6 +19,8 @@ import importlib
 import sys
 from types import ModuleType
 
+from phalanx.errors import PhalanxError
+
 # library -> the phalanx package that integrates it (imported by name: it sits above the core).
 INTEGRATIONS: dict[str, str] = {"keras": "phalanx.keras"}
 
@@ -32,6 +34,7 @@ def _keras_ready(keras: ModuleType) -> bool:
 
 
 _READY = {"keras": _keras_ready}
+_REFUSED: set[str] = set()  # integrations whose import refused the loaded library (its version)
 
 
 def activate_loaded(*, force: bool = False) -> list[str]:
@@ -45,8 +48,18 @@ def activate_loaded(*, force: bool = False) -> list[str]:
     activated = []
     for library, integration in INTEGRATIONS.items():
         module = sys.modules.get(library)
-        if module is None or integration in sys.modules or not (force or _READY[library](module)):
+        if module is None or integration in sys.modules:
             continue
-        importlib.import_module(integration)
+        if not force and (integration in _REFUSED or not _READY[library](module)):
+            continue
+        try:
+            importlib.import_module(integration)
+        except PhalanxError:
+            # A version the integration refuses (UnsupportedKerasError): a torch-only program beside
+            # it keeps working; building that library's objects in a scope (force) raises the error.
+            if force:
+                raise
+            _REFUSED.add(integration)
+            continue
         activated.append(integration)
     return activated

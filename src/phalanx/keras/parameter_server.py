@@ -200,8 +200,9 @@ def resolve(service: Any, payload: tuple, run: Any) -> Any:
     entry = models.get(key)
     if entry is None or entry[0] != (config, compile_config):
         model = keras.saving.deserialize_keras_object(json.loads(config))
-        if json.loads(compile_config) is not None:
-            model.compile_from_config(json.loads(compile_config))
+        compiled = json.loads(compile_config)
+        if compiled is not None:
+            model.compile_from_config(compiled)
         if len(model.variables) != len(specs):
             raise PhalanxError(
                 f"the model rebuilt on {service.task} has {len(model.variables)} variables; the "

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
@@ -161,39 +162,43 @@ class ReplicaLauncher:
         """Replica 0 ends with an error: stop the others now and name the first failure."""
         task = Task(name="replica 0", command=tuple(self.command), log_path=None, info="local rank 0")
         self.supervisor.record(task, os.getpid(), 1, message)  # before the watcher can report
-        self._main_exiting.set()
-        if not self._claim():
-            # The watcher is handling a failure of another replica (often the one this error only
-            # follows): this process must not exit before its report is out.
-            self._reported.wait(_report_bound())
-            return
-        self._own_failure = True  # Python's own exit status (1) stands
-        try:
+
+        def stop_and_report() -> None:
             # When replica 0's error only says that a peer is gone, this waits (briefly) for that
             # peer's own failure, which is then the root cause.
             self.supervisor.stop_after_failure()
             self.supervisor.report_root_cause()
-        finally:
-            self._reported.set()
+
+        self._end_on_main_thread(stop_and_report)
 
     def _interrupted(self) -> None:
         """A Ctrl-C (KeyboardInterrupt) on replica 0: the user's, not a failure. The others get it too."""
+
+        def stop_the_others() -> None:
+            others = self.supervisor.alive()
+            if not others:
+                self.supervisor.say("interrupted (SIGINT)")
+                return
+            n = len(others)
+            self.supervisor.say(f"interrupted (SIGINT); stopping {n} other replica{'s' if n > 1 else ''}")
+            # Passed on as it came, so that the others end as an interrupted program does (their
+            # finally blocks run); a replica only tearing down after that is not waited for.
+            self.supervisor.stop(signal.SIGINT, end_teardown=True)
+            self.supervisor.poll()
+
+        self._end_on_main_thread(stop_the_others)
+
+    def _end_on_main_thread(self, end: Callable[[], None]) -> None:
+        """Replica 0's own end (an error, a Ctrl-C): ``end`` decides the job's outcome and reports it,
+        unless the watcher already handles another replica's failure (often the one replica 0's error
+        only follows); then this process waits for that report, bounded, since it must not exit first."""
         self._main_exiting.set()
         if not self._claim():
             self._reported.wait(_report_bound())
             return
-        self._own_failure = True  # Python's own exit status for a Ctrl-C (130) stands
+        self._own_failure = True  # Python's own exit status (1, or 130 for Ctrl-C) stands
         try:
-            others = self.supervisor.alive()
-            if others:
-                n = len(others)
-                self.supervisor.say(f"interrupted (SIGINT); stopping {n} other replica{'s' if n > 1 else ''}")
-                # Passed on as it came, so that the others end as an interrupted program does (their
-                # finally blocks run); a replica only tearing down after that is not waited for.
-                self.supervisor.stop(signal.SIGINT, end_teardown=True)
-                self.supervisor.poll()
-            else:
-                self.supervisor.say("interrupted (SIGINT)")
+            end()
         finally:
             self._reported.set()
 
