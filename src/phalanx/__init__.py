@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         has_strategy,
         in_cross_replica_context,
     )
+    from phalanx.distributed_variable import Variable, VariableAggregation, VariableSynchronization
     from phalanx.global_strategy import experimental_set_strategy
     from phalanx.input import (
         AutoShardPolicy,
@@ -70,6 +71,9 @@ _ATTRIBUTES = {
     "NcclAllReduce": "phalanx.comm.cross_device_ops",
     "ReductionToOneDevice": "phalanx.comm.cross_device_ops",
     "function": "phalanx.compiled",
+    "Variable": "phalanx.distributed_variable",
+    "VariableAggregation": "phalanx.distributed_variable",
+    "VariableSynchronization": "phalanx.distributed_variable",
     "ReplicaContext": "phalanx.context",
     "get_cross_replica_context": "phalanx.context",
     "get_replica_context": "phalanx.context",

@@ -40,6 +40,9 @@ STOP_GRACE = 1.5  # a stopped replica, between SIGTERM/SIGINT and SIGKILL, when 
 PREEMPTION_GRACE = 30.0  # replicas save after the launcher received SIGTERM
 KEEP_RUNS = 10  # run directories kept under the log root
 CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's clock
+# Steps between two parameter fingerprints of the consistency guard (phalanx.comm.guard): at most
+# 1 % of a step on the benchmark models (benchmarks/fingerprint.py), drift named within 100 steps.
+FINGERPRINT_EVERY = 100
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -86,6 +89,9 @@ class Settings:
         tls_cert, tls_key, tls_ca: PHALANX_TLS_CERT / _KEY / _CA, TLS between parameter-server tasks.
         interactive_start: PHALANX_INTERACTIVE_START, how a notebook starts its replicas: ``fork``
             or ``spawn`` (default: fork, spawn once CUDA is initialised); see ``phalanx.interactive``.
+        fingerprint_every: PHALANX_FINGERPRINT_EVERY, steps between two fingerprints of the
+            synchronised parameters by the consistency guard (0: only at the first step and after
+            a restore), so a replica that trains differently is named within that many steps.
         start_method: PHALANX_START_METHOD, how ``phalanx run`` starts its replicas: ``fork``
             (from a server that imported torch once; the default on Linux) or ``spawn`` (each a
             fresh interpreter); see :mod:`phalanx.launch.forkserver`.
@@ -117,6 +123,7 @@ class Settings:
     tls_ca: str | None = field(default=None, metadata={"env": "PHALANX_TLS_CA"})
     interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
     start_method: str | None = field(default=None, metadata={"env": "PHALANX_START_METHOD"})
+    fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

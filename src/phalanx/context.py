@@ -208,7 +208,13 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         leaves, spec = nest.flatten_with_spec(value)
         tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
-        return nest.unflatten(self._strategy.extended.all_reduce(tensors, op), spec)
+        ext = self._strategy.extended
+        structure = ext._take_run_structure()  # friend: core pair; TF's regroup check of the last run
+        if ext.num_processes > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            reduced = _AllReduce.apply(ext, op, structure, *tensors)
+        else:
+            reduced = ext._all_reduce_tensors(tensors, op, structure)  # friend
+        return nest.unflatten(list(reduced), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis``, in replica order (``options``: no effect).
@@ -219,7 +225,16 @@ class ReplicaContext:
         self._require_replica_context("all_gather")
         if options is not None:
             warnings.warn("ReplicaContext.all_gather(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
-        return nest.map_structure(lambda t: self._strategy.extended.all_gather(t, axis), value)
+        ext = self._strategy.extended
+        ext._check_structures(ext._take_run_structure())  # friend: core pair; TF's regroup check
+
+        def gather(t: Any) -> torch.Tensor:
+            t = torch.as_tensor(local_results(t)[0])
+            if ext.num_processes > 1 and torch.is_grad_enabled() and t.requires_grad:
+                return _AllGather.apply(ext, axis, t)
+            return ext.all_gather(t, axis)
+
+        return nest.map_structure(gather, value)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in cross-replica context.
@@ -242,3 +257,36 @@ class ReplicaContext:
             f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+# TF differentiates through the replica context's collectives (ReplicaContext.all_reduce and
+# all_gather carry a custom gradient), so a model that all-reduces in its forward pass (global
+# statistics, a global loss term) trains. Each backward is itself a collective, run by every
+# replica's backward pass in the same order, as the forward ones were.
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ext: Any, op: ReduceOp, structure: str | None, *tensors: torch.Tensor) -> tuple:
+        ctx.ext, ctx.op = ext, op
+        return tuple(ext._all_reduce_tensors(list(tensors), op, structure))  # friend: core pair
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        # TF: "The gradient of an all-sum is itself an all-sum (all-mean, likewise)."
+        return (None, None, None, *ctx.ext._all_reduce_tensors(list(grads), ctx.op))  # friend
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ext: Any, axis: int, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = ext.all_gather(tensor, axis)
+        ctx.ext, ctx.axis, ctx.length = ext, axis % tensor.dim(), tensor.shape[axis]
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        # TF: the gradients of every replica's copy summed, then this replica's slice of them.
+        ext = ctx.ext
+        (total,) = ext._all_reduce_tensors([grad], ReduceOp.SUM)  # friend
+        lengths = [int(n) for n in ext.all_gather(torch.tensor([ctx.length]), 0)]
+        start = sum(lengths[: ext.process_index])
+        return None, None, total.narrow(ctx.axis, start, ctx.length)

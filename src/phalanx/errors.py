@@ -96,6 +96,69 @@ class ContextError(PhalanxError, RuntimeError):
     """An API was called in the wrong context (replica vs cross-replica)."""
 
 
+class NonDistributedValueError(PhalanxError, ValueError):
+    """A value that is not distributed (a plain tensor) was SUM-reduced across the replicas of one worker.
+
+    TF refuses it too (``reduce_non_distributed_value``): a plain tensor is one value per worker,
+    and summing the same value once per replica is not a defined reduction. MEAN returns the value.
+
+    Attributes:
+        value: the value received.
+        num_replicas: the replicas it would have been summed over.
+    """
+
+    def __init__(self, value: Any, reduce_op: Any, num_replicas: int) -> None:
+        self.value, self.num_replicas = value, num_replicas
+        shown = repr(value)
+        super().__init__(
+            f"A value that is not distributed ({shown[:120]}{'...' if len(shown) > 120 else ''}) cannot be "
+            f"{reduce_op.name}-reduced across the {num_replicas} replicas of one worker.",
+            hint="reduce the PerReplica value returned by strategy.run, or use ReduceOp.MEAN for a value every "
+            "replica holds",
+        )
+
+
+class GatherShapeError(PhalanxError, ValueError):
+    """The replicas' tensors cannot be concatenated: their ranks, or their sizes off the gather
+    axis, differ (TF raises too). Raised on every replica at the same call.
+
+    Attributes:
+        shapes: every replica's shape, in replica order.
+        axis: the gather axis.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], axis: int | None, *, reason: str) -> None:
+        self.shapes, self.axis = shapes, axis
+        shown = ", ".join(f"replica {i}: {tuple(s)}" for i, s in enumerate(shapes))
+        super().__init__(
+            f"Cannot gather along axis {axis}: {reason} ({shown}).",
+            hint="the replicas' tensors must have the same rank and the same sizes in every dimension but the "
+            "gather axis",
+        )
+
+
+class RunStructureMismatchError(PhalanxError, ValueError):
+    """The replicas' functions given to ``strategy.run`` returned different structures.
+
+    TF refuses to regroup them (a ``ValueError``); here each replica is a process, so the check
+    happens at the first collective that reads the result (``reduce``, ``gather``,
+    ``experimental_local_results``), on every replica at once, before any data is mixed up.
+
+    Attributes:
+        structures: each replica's structure, described, in replica order.
+    """
+
+    def __init__(self, structures: list[str], step: int | None = None) -> None:
+        self.structures = structures
+        at = f" at step {step}" if step is not None else ""
+        shown = "; ".join(f"replica {i}: {s}" for i, s in enumerate(structures))
+        super().__init__(
+            f"The replicas returned different structures from strategy.run{at} ({shown}).",
+            hint="return the same nested structure (same keys, lengths and None positions) on every replica; "
+            "a replica with nothing to return can return zeros of the same shape",
+        )
+
+
 class NotCallableError(PhalanxError, TypeError):
     """``strategy.run`` (or a similar API) was given something that is not callable."""
 
@@ -294,7 +357,9 @@ _DIVERGENCE_HINTS = {
     "parameters": "the replicas' parameters differ: create the model and optimizer inside strategy.scope(), and "
     "restore checkpoints on every replica",
     "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; parameters "
-    "created outside it start different on every replica and are never synchronised",
+    "created outside it start different on every replica and are never synchronised (a copy.deepcopy of a module, "
+    "used on its own rather than as part of a model built in scope, is not seen by the scope either: pass its "
+    "parameters to strategy.extended.adopt_variables(...) on every replica)",
 }
 
 

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import numbers
 import warnings
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 
 from phalanx import context, global_batch
 from phalanx.errors import ContextError
+from phalanx.values import mean_dtype
 
 
 class LossScaleWarning(UserWarning):
@@ -67,12 +69,29 @@ def mark_loss_scaled() -> None:
 
 
 def _require_replica_context(name: str) -> None:
-    if context.in_cross_replica_context():
+    if context.has_strategy() and context.in_cross_replica_context():
         raise ContextError(
             f"{name} was called in cross-replica context (inside scope(), outside strategy.run); "
             "TensorFlow refuses it too.",
             hint=f"call {name} inside the function given to strategy.run, on that replica's loss",
         )
+
+
+def _check_global_batch_size(value: Any) -> int:
+    # TF asserts a scalar integer (TypeError otherwise) that is not negative; 0 is allowed and
+    # gives a 0 loss (div_no_nan). Integer tensors and numpy integers are integers too.
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"global_batch_size must be a scalar; received a tensor of shape {tuple(value.shape)}")
+        if value.is_floating_point() or value.is_complex() or value.dtype is torch.bool:
+            raise TypeError(f"global_batch_size must be an integer; received a {value.dtype} tensor {value!r}")
+        value = int(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"global_batch_size must be an integer; received {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"global_batch_size must be non-negative; received {value}")
+    return value
 
 
 def compute_average_loss(
@@ -82,58 +101,81 @@ def compute_average_loss(
 ) -> torch.Tensor:
     """Sums ``per_example_loss`` (times ``sample_weight``) and divides by the global batch size.
 
+    As TF's ``tf.nn.compute_average_loss``: a global batch of 0 examples (``global_batch_size=0``, or
+    no examples anywhere) gives a loss of 0, not NaN (TF's ``div_no_nan``), and a replica whose slice
+    of an uneven last batch is empty contributes 0.
+
     Args:
-        per_example_loss: this replica's losses, one per example (extra dimensions are summed).
+        per_example_loss: this replica's losses, one per example, of rank >= 1 (extra dimensions
+            are summed).
         sample_weight: optional weights, broadcast against ``per_example_loss``.
-        global_batch_size: the batch size over all replicas. Default: the size of the global
-            batch the replica's input came from (exact for uneven last batches), else this
-            replica's batch times ``num_replicas_in_sync``.
+        global_batch_size: the batch size over all replicas, an integer >= 0. Default: the size of
+            the global batch the replica's input came from (exact for uneven last batches), else
+            this replica's batch times ``num_replicas_in_sync``.
 
     Raises:
-        ValueError: ``global_batch_size`` is not a positive integer.
-        ContextError: called in cross-replica context (inside ``scope()``, outside ``run``), as
-            TF refuses it: there is no replica whose loss this is.
+        ValueError: ``per_example_loss`` is a scalar (already averaged: the gradient would be scaled
+            wrongly), or ``global_batch_size`` is negative or not a scalar.
+        TypeError: ``global_batch_size`` is not an integer (e.g. ``32.0``), as TF raises.
+        ContextError: called in cross-replica context (inside ``scope()``, outside ``run``) without
+            ``global_batch_size``, as TF refuses it: there is no replica whose batch to count.
     """
-    _require_replica_context("compute_average_loss")
-    loss = per_example_loss
+    loss = torch.as_tensor(per_example_loss)
+    if loss.dim() == 0:
+        raise ValueError(
+            f"compute_average_loss needs per-example losses (a tensor of rank >= 1); received a scalar {loss!r}. "
+            "HINT: compute the loss with reduction='none' (or keras's Reduction.NONE), so each example has its own"
+        )
     if sample_weight is not None:
         loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
     info = global_batch.current()
     if global_batch_size is None:
+        _require_replica_context("compute_average_loss")
         if info is not None:
             global_batch_size = info.global_size
         else:
-            local = loss.shape[0] if loss.dim() > 0 else 1
-            global_batch_size = local * context.get_strategy().num_replicas_in_sync
-    elif info is not None and isinstance(global_batch_size, int) and global_batch_size < info.global_size:
-        # Smaller than the batch the input came from: the gradient grows (the classic trap). A larger
-        # divisor is legitimate (micro-batches accumulated over several passes).
-        local = loss.shape[0] if loss.dim() > 0 else None
-        what = " (this replica's own batch)" if global_batch_size == local else ""
-        _warn_once(
-            "global_batch_size",
-            (
-                f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is a "
-                f"slice of a global batch of {info.global_size}: the summed gradient is scaled by "
-                f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."
-            ),
-            stacklevel=2,
-        )  # the caller of compute_average_loss
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be a positive int; received {global_batch_size!r}")
+            global_batch_size = loss.shape[0] * context.get_strategy().num_replicas_in_sync
+    else:
+        global_batch_size = _check_global_batch_size(global_batch_size)
+        if info is not None and 0 < global_batch_size < info.global_size:
+            # Smaller than the batch the input came from: the gradient grows (the classic trap). A larger
+            # divisor is legitimate (micro-batches accumulated over several passes).
+            what = " (this replica's own batch)" if global_batch_size == loss.shape[0] else ""
+            _warn_once(
+                "global_batch_size",
+                (
+                    f"compute_average_loss(global_batch_size={global_batch_size}){what}, but this replica's input is "
+                    f"a slice of a global batch of {info.global_size}: the summed gradient is scaled by "
+                    f"{info.global_size / global_batch_size:g}. Pass the global batch size, or leave the argument out."
+                ),
+                stacklevel=2,
+            )  # the caller of compute_average_loss
     mark_loss_scaled()
-    return loss.sum() / global_batch_size
+    total = loss.sum()
+    if not (total.is_floating_point() or total.is_complex()):
+        total = total.to(mean_dtype(total.dtype))  # integer losses: TF's true division (float64)
+    # div_no_nan: no examples at all is a 0 loss, still attached to the graph (its gradient is 0).
+    return total / global_batch_size if global_batch_size else total * 0
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
-    """Divides a regularization loss by the number of replicas, so its summed gradient is counted once.
+    """Sums ``regularization_loss`` and divides it by the number of replicas, so its summed
+    gradient is counted once (TF's ``tf.nn.scale_regularization_loss``).
+
+    A list of losses (a model's ``losses``) is summed too: TF's ``reduce_sum`` accepts one.
 
     Raises:
         ContextError: called in cross-replica context, as TF refuses it.
     """
     _require_replica_context("scale_regularization_loss")
+    if isinstance(regularization_loss, (list, tuple)):
+        regularization_loss = (
+            torch.stack([torch.as_tensor(t).sum() for t in regularization_loss])
+            if regularization_loss
+            else torch.zeros(())
+        )
     mark_loss_scaled()
-    return regularization_loss / context.get_strategy().num_replicas_in_sync
+    return torch.as_tensor(regularization_loss).sum() / context.get_strategy().num_replicas_in_sync
 
 
 class loss_scale_watch:  # lower case: used like a function by strategy.run

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import warnings
 import weakref
@@ -29,17 +30,25 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import _integrations, compiled, context, global_batch, hooks, nest, variables
+from phalanx import _integrations, compiled, config, context, global_batch, hooks, nest, regroup, variables
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.devices import LogicalDevice
-from phalanx.errors import ContextError, NotCallableError, UnsynchronizedParameterError
+from phalanx.errors import (
+    CollectiveMismatchError,
+    ContextError,
+    GatherShapeError,
+    NonDistributedValueError,
+    NotCallableError,
+    RunStructureMismatchError,
+    UnsynchronizedParameterError,
+)
 from phalanx.interactive import hooks as _interactive
 from phalanx.nn import loss_scale_watch
-from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results
+from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results, mean_dtype
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
 RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
@@ -133,11 +142,24 @@ class StrategyExtended:
         # all-reduce when they are unfrozen (fine-tuning), checked at every `run`.
         self._frozen: list[torch.nn.Parameter] = []
         self._checked_first_run = comm.world_size == 1
-        # Every collective carries the replicas' step, batch and (first step, after a restore)
-        # parameter fingerprint, so replicas that drifted apart fail within one step.
-        self._guard = ReplicaGuard(comm, self._guard_fields, self._guarded_params) if comm.world_size > 1 else None
+        # Every collective carries the replicas' step, batch and (first step, after a restore, then
+        # every PHALANX_FINGERPRINT_EVERY steps) parameter fingerprint, so replicas that drifted
+        # apart fail within one step, and replicas whose updates differ within that many steps.
+        self._guard = (
+            ReplicaGuard(comm, self._guard_fields, self._guarded_params, config.settings().fingerprint_every)
+            if comm.world_size > 1
+            else None
+        )
+        # Modules that registered a variable under this strategy's capture since the last sweep: what
+        # they hold that no registration announced (copy.deepcopy, to_empty) is captured at scope
+        # exit and before the next run (variables.capture_modules).
+        self._new_modules: dict[int, tuple[torch.nn.Module, bool]] = {}  # id -> (module, with sub-modules)
+        self._tag = next(_TAGS)  # marks the modules this strategy's scopes saw (variables.Capture.tag)
         self._input_sharding = input_sharding or InputSharding()
         self._container_strategy_ref: Any = None
+        # The last `run` result no collective has compared across replicas yet (TF's regroup check).
+        self._unchecked_result: Any = _NO_RESULT
+        self._slot_buffers: dict[torch.dtype, tuple[torch.Tensor, Any]] = {}
 
     # ---------------------------------------------------------------- TF's public properties
     @property
@@ -281,9 +303,35 @@ class StrategyExtended:
 
     # ---------------------------------------------------------------- variables
     def _variable_scope(self, owner: object, default_device: bool = True) -> variables.capture:
-        return variables.capture(
-            variables.Capture(owner, self._torch_device, self._on_new_parameter, self._on_new_buffer), default_device
+        return variables.capture(self._capture_spec(owner), default_device)
+
+    def _capture_spec(self, owner: object) -> variables.Capture:
+        return variables.Capture(
+            owner, self._torch_device, self._on_new_parameter, self._on_new_buffer, self._on_new_module, self._tag
         )
+
+    def _on_new_module(self, module: torch.nn.Module, deep: bool) -> None:
+        known = self._new_modules.get(id(module))
+        self._new_modules[id(module)] = (module, deep or (known is not None and known[1]))
+
+    def _capture_new_modules(self) -> None:
+        """Captures what the modules seen since the last call hold that no registration announced
+        (``copy.deepcopy``, ``to_empty``, ...): see :func:`phalanx.variables.capture_modules`.
+
+        Called by every replica at the same point (scope exit, start of ``run``), before
+        :meth:`_sync_new_variables`; nothing to do on a step that follows no new module.
+        """
+        if not self._new_modules:
+            return
+        modules, self._new_modules = list(self._new_modules.values()), {}
+        # New modules: the next step watches its forward pass again (once), which also finds a
+        # standalone copy.deepcopy of one of them (see _first_run).
+        self._checked_first_run = self._comm.world_size == 1
+        unfinished = variables.capture_modules(
+            modules, self._capture_spec(self.container_strategy), lambda t: self._created.get(id(t)) is t
+        )
+        for module in unfinished:  # still on the meta device: swept again until materialised
+            self._new_modules[id(module)] = (module, False)
 
     def _on_new_parameter(self, param: torch.nn.Parameter) -> None:
         if self._created.get(id(param)) is param:
@@ -296,6 +344,8 @@ class StrategyExtended:
             self._sync_new_variables()
 
     def _on_new_buffer(self, buffer: torch.Tensor) -> None:
+        if self._created.get(id(buffer)) is buffer:
+            return  # registered again: broadcast (and re-broadcast each step) once
         self._created[id(buffer)] = buffer
         self._new_buffers.append(buffer)
 
@@ -356,6 +406,7 @@ class StrategyExtended:
                 offset += t.numel()
 
     def _before_run(self) -> None:
+        self._capture_new_modules()
         self._sync_new_variables()
         if self._frozen and any(p.requires_grad for p in self._frozen):
             thawed = [p for p in self._frozen if p.requires_grad]
@@ -373,7 +424,7 @@ class StrategyExtended:
     # ---------------------------------------------------------------- TF's library-author API
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` (a parameter, buffer or Keras variable) was created under this strategy."""
-        tensor = getattr(v, "value", v)
+        tensor = v if isinstance(v, torch.Tensor) else getattr(v, "value", v)  # phalanx.Variable: value()
         return self._created.get(id(tensor)) is tensor
 
     def value_container(self, value: Any) -> Any:
@@ -383,7 +434,9 @@ class StrategyExtended:
     def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
         """Scope in which new variables go where ``colocate_with_variable`` is: this replica's
         device, where every variable of a process already lives (so it only checks its argument)."""
-        if not isinstance(getattr(colocate_with_variable, "value", colocate_with_variable), torch.Tensor):
+        if not isinstance(colocate_with_variable, torch.Tensor) and not isinstance(
+            getattr(colocate_with_variable, "value", None), torch.Tensor
+        ):
             raise TypeError(f"colocate_vars_with needs a variable; received {type(colocate_with_variable).__name__}")
         return contextlib.nullcontext()
 
@@ -401,11 +454,11 @@ class StrategyExtended:
                 hint="call them in ReplicaContext.merge_call's function, or outside run",
             )
         pairs = list(value_destination_pairs)
-        tensors = [torch.as_tensor(local_results(v)[0]) for v, _ in pairs]
-        reduced = [t.detach() for t in self._all_reduce_tensors(tensors, op)]  # a value: see Strategy.reduce
+        # A value: see Strategy.reduce. Plain tensors follow TF's rule for them (_reduce_values).
+        reduced = [t.detach() for t in self._reduce_values(op, [v for v, _ in pairs], self._take_run_structure())]
         out = []
         for (_, dest), t in zip(pairs, reduced):
-            dest_t = getattr(dest, "value", dest)
+            dest_t = dest if isinstance(dest, torch.Tensor) else getattr(dest, "value", dest)
             out.append(t.to(dest_t.device) if isinstance(dest_t, torch.Tensor) else t)
         return out
 
@@ -451,7 +504,7 @@ class StrategyExtended:
         if self._guard is not None:
             self._guard.fingerprint_due = True
 
-    def set_consistency_checks(self, enabled: bool) -> None:
+    def set_consistency_checks(self, enabled: bool, *, fingerprint_every: int | None = None) -> None:
         """Turns the consistency guard on (the default) or off; call it on every replica at the same point.
 
         The guard adds ``4 x num_replicas`` numbers to each gradient all-reduce and to
@@ -459,10 +512,25 @@ class StrategyExtended:
         where its gradients reach replica 0 only (gloo, without shared memory) they travel in one
         more small all-reduce of their own (its cost is measured by
         ``python -m benchmarks.consistency``).
+
+        Args:
+            enabled: whether the guard runs.
+            fingerprint_every: steps between two fingerprints of the synchronised parameters
+                (0: only at the first step and after a restore); None keeps the current value
+                (``PHALANX_FINGERPRINT_EVERY``, default 100; its cost: ``python -m benchmarks.fingerprint``).
+
+        Raises:
+            ValueError: ``fingerprint_every`` is not a non-negative integer.
         """
+        if fingerprint_every is not None and (
+            isinstance(fingerprint_every, bool) or not isinstance(fingerprint_every, int) or fingerprint_every < 0
+        ):
+            raise ValueError(f"fingerprint_every must be a non-negative integer; received {fingerprint_every!r}")
         guard = self._guard if self._guard is not None else self._disabled_guard
         if guard is None:
             return
+        if fingerprint_every is not None:
+            guard.every = fingerprint_every
         self._guard, self._disabled_guard = (guard, None) if enabled else (None, guard)
         if self._reducer is not None:
             self._reducer.guard = self._guard
@@ -495,8 +563,22 @@ class StrategyExtended:
                 return
             checked.add(id(module))
             pending = {id(p) for p in self._new_params}  # created in this run: synchronised at the next
+            if variables.copied_from_scope(module, self._tag) and any(
+                isinstance(p, torch.nn.Parameter) and id(p) not in self._synced and id(p) not in pending
+                for p in module.parameters(recurse=False)
+            ):
+                # A standalone copy.deepcopy of a module of this strategy's scope (a DQN's target
+                # network): every replica reaches it in the same forward pass, so adopt it here, as
+                # TF mirrors a copied variable: broadcast from the chief, gradients synchronised.
+                self._on_new_module(module, False)
+                self._capture_new_modules()
+                self._sync_new_variables()
+                return
             for name, p in module.named_parameters(recurse=False):
-                if p.requires_grad and id(p) not in self._synced and id(p) not in pending:
+                # A plain tensor in a parameter's place is torch.func.functional_call's stand-in:
+                # the caller's tensor, whose gradient is the caller's, not a variable of the model.
+                stand_in = not isinstance(p, torch.nn.Parameter)
+                if p.requires_grad and not stand_in and id(p) not in self._synced and id(p) not in pending:
                     raise UnsynchronizedParameterError(
                         f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",
                         self._comm.name(self._comm.rank),
@@ -518,33 +600,144 @@ class StrategyExtended:
         results = self._all_reduce_tensors(tensors, op)
         return nest.unflatten(results, spec)
 
-    def _all_reduce_tensors(self, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+    def _all_reduce_tensors(
+        self, tensors: list[torch.Tensor], op: ReduceOp, structure: str | None = None
+    ) -> list[torch.Tensor]:
+        """One all-reduce per dtype. ``structure``: the last ``run`` result's description, compared
+        across replicas by a digest in each replica's slot of the first message that can carry it."""
         if self._comm.world_size == 1:
             return list(tensors)
         out: list[torch.Tensor | None] = [None] * len(tensors)
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
-            # Integer means are computed in floating point, as TF does.
-            dtype = t.dtype if (op is ReduceOp.SUM or t.is_floating_point()) else torch.float32
+            # Integer means are computed in floating point, with TF's true-division dtypes.
+            dtype = t.dtype if (op is ReduceOp.SUM or t.is_floating_point()) else mean_dtype(t.dtype)
             groups.setdefault(dtype, []).append(i)
+        if structure is not None and not any(d in regroup.SLOT_DTYPES for d in groups):
+            self._check_structures(structure)  # no message can carry the digest: one of its own
+            structure = None
         guarded = self._guard is not None and op is ReduceOp.SUM
-        for dtype, idx in groups.items():
-            pieces = [tensors[i].detach().to(dtype).reshape(-1) for i in idx]
-            extra = None
-            if guarded and digits_for(dtype) is not None:
-                extra = self._guard.encode(dtype, pieces[0].device, with_parameters=False)
-                pieces.append(extra)
-                guarded = False
-            flat = torch.cat(pieces)
-            flat = self._comm.all_reduce(flat, "mean" if op is ReduceOp.MEAN else "sum").wait()
-            if extra is not None:
-                self._guard.verify(flat[flat.numel() - extra.numel() :])
-            offset = 0
-            for i in idx:
-                n = tensors[i].numel()
-                out[i] = flat[offset : offset + n].view(tensors[i].shape)
-                offset += n
+        try:
+            for dtype, idx in groups.items():
+                pieces = [tensors[i].detach().to(dtype).reshape(-1) for i in idx]
+                extra = slots = None
+                if guarded and digits_for(dtype) is not None:
+                    extra = self._guard.encode(dtype, pieces[0].device, with_parameters=False)
+                    pieces.append(extra)
+                    guarded = False
+                if structure is not None and dtype in regroup.SLOT_DTYPES:
+                    slots = self._structure_slots(structure, dtype, pieces[0].device)
+                    pieces.append(slots)
+                flat = torch.cat(pieces)
+                # A mean that carries slots is summed here and divided below: the slots must stay exact.
+                mean = op is ReduceOp.MEAN and slots is None
+                flat = self._comm.all_reduce(flat, "mean" if mean else "sum").wait()
+                end = flat.numel()
+                if slots is not None:
+                    self._verify_structures(flat[end - slots.numel() :], structure)
+                    end -= slots.numel()
+                    structure = None
+                    if op is ReduceOp.MEAN:
+                        flat[:end].div_(self._comm.world_size)
+                if extra is not None:
+                    self._guard.verify(flat[end - extra.numel() : end])
+                offset = 0
+                for i in idx:
+                    n = tensors[i].numel()
+                    out[i] = flat[offset : offset + n].view(tensors[i].shape)
+                    offset += n
+        except CollectiveMismatchError:
+            if structure is not None:  # replicas with different results sent different messages
+                self._check_structures(structure, exchange=True)
+            raise
         return out  # type: ignore[return-value]
+
+    def _reduce_values(self, op: ReduceOp, leaves: list[Any], structure: str | None = None) -> list[torch.Tensor]:
+        """TF's one rule for ``reduce``, ``reduce_to`` and ``batch_reduce_to``.
+
+        Distributed values are reduced across every replica. A value that is not distributed (a
+        plain tensor) is one value per *worker*, as in TF where all of a worker's replicas share
+        one process: on one worker, MEAN returns it and SUM over several replicas is refused
+        (:class:`NonDistributedValueError`, TF's ValueError), except an all-zero non-tensor, which
+        reduces to zeros; over several workers it is reduced across the workers (TF's
+        testReduceHostTensor: SUM of 1.0 on 2 workers is 2.0).
+        """
+        n, workers = self.num_replicas_in_sync, max(self.input_sharding.num_workers, 1)
+        tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
+        host = [not isinstance(v, DistributedValues) for v in leaves]
+        if n == 1 or self._comm.world_size == 1:
+            return tensors
+        if workers == 1:
+            for i, leaf in enumerate(leaves):
+                if host[i] and op is ReduceOp.SUM:
+                    if not isinstance(leaf, torch.Tensor) and not bool(torch.any(tensors[i] != 0)):
+                        continue  # TF: a plain 0 (or array of zeros) reduces to zeros
+                    raise NonDistributedValueError(leaf, op, n)
+            shared = [i for i, h in enumerate(host) if not h]
+            reduced = self._all_reduce_tensors([tensors[i] for i in shared], op, structure) if shared else []
+            if not shared:
+                self._check_structures(structure)
+            for i, t in zip(shared, reduced):
+                tensors[i] = t
+            return tensors
+        # Several workers: each worker's value counts once (its first replica's process sends it).
+        per_worker = self._comm.world_size // workers
+        first_of_worker = self._comm.rank % per_worker == 0
+        sent = [t if (not h or first_of_worker) else torch.zeros_like(t) for t, h in zip(tensors, host)]
+        sums = self._all_reduce_tensors(sent, ReduceOp.SUM, structure)
+        if op is ReduceOp.SUM:
+            return sums
+        return [
+            (s if s.is_floating_point() else s.to(mean_dtype(s.dtype))) / (workers if h else self._comm.world_size)
+            for s, h in zip(sums, host)
+        ]
+
+    # ---------------------------------------------------------------- TF's regroup, across processes
+    def _take_run_structure(self) -> str | None:
+        """The description of the last ``run`` result, if no collective has compared it yet."""
+        result = self._unchecked_result
+        if result is _NO_RESULT:
+            return None
+        self._unchecked_result = _NO_RESULT
+        return regroup.describe(result)
+
+    def _structure_slots(self, description: str, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """A vector, zero but in this replica's slot, which holds the digest of ``description``."""
+        if torch.device(device).type != "cpu":
+            slots = torch.zeros(self._comm.world_size, dtype=dtype, device=device)
+            slots[self._comm.rank] = regroup.digest(description)
+            return slots
+        # On the CPU a reused vector written through numpy: ~1 us instead of ~10 us of tensor calls
+        # on every reduce after a run. Safe to reuse: the caller's torch.cat copies it.
+        cached = self._slot_buffers.get(dtype)
+        if cached is None:
+            buffer = torch.zeros(self._comm.world_size, dtype=dtype)
+            cached = self._slot_buffers[dtype] = (buffer, buffer.numpy())
+        cached[1][self._comm.rank] = regroup.digest(description)
+        return cached[0]
+
+    def _verify_structures(self, slots: torch.Tensor, description: str) -> None:
+        seen = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+        if not (seen == seen[0]).all():
+            self._check_structures(description, exchange=True)
+
+    def _check_structures(self, description: str | None, exchange: bool = False) -> None:
+        """Compares ``description`` across the replicas (a collective); raises on every replica if
+        they differ. ``exchange``: they are known to differ, or may: send the descriptions."""
+        if description is None or self._comm.world_size == 1:
+            return
+        if not exchange:
+            slots = self._structure_slots(description, torch.int64, self.device).clone()
+            try:
+                self._comm.all_reduce(slots, "sum").wait()
+            except CollectiveMismatchError:  # a peer sent a reduction of a result shaped otherwise
+                slots = None
+            if slots is not None and bool((slots == slots[0]).all()):
+                return
+        raw = torch.tensor(list(description.encode()), dtype=torch.uint8)
+        texts = [bytes(p.tolist()).decode(errors="replace") for p in self._all_gather_list(raw)]
+        if len(set(texts)) > 1:
+            raise RunStructureMismatchError(texts, step=self._step)
 
     def _worker_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of ``value`` on this worker's replicas (gathered from their processes)."""
@@ -554,32 +747,71 @@ class StrategyExtended:
             return local_results(value)
         if not isinstance(value, PerReplica):
             return local_results(value) * per_worker  # the same on every replica
-        mine = torch.as_tensor(value.values[0])
-        scalar = mine.dim() == 0
-        everyone = self._all_gather_list(mine.reshape(1) if scalar else mine)
+        mine = value.values[0]
+        if isinstance(mine, str):  # a replica's text (a merge_call result, a ValueContext's str)
+            raw = torch.tensor(list(mine.encode()), dtype=torch.uint8)
+            texts = [bytes(p.tolist()).decode() for p in self._all_gather_list(raw)]
+            everyone: list[Any] = texts
+        elif isinstance(mine, (bool, int, float)):
+            kind = type(mine)
+            everyone = [kind(p.item()) for p in self._all_gather_list(torch.as_tensor(mine))]
+        elif isinstance(mine, torch.Tensor) or hasattr(mine, "__array__"):
+            everyone = self._all_gather_list(torch.as_tensor(mine))
+        else:
+            raise TypeError(
+                f"experimental_local_results gathers this worker's replicas' values from their processes; it "
+                f"gathers tensors, numbers and strings, not {type(mine).__name__} ({mine!r:.80}). HINT: return "
+                "tensors from the function given to strategy.run"
+            )
         first = sharding.worker_index * per_worker
-        parts = everyone[first : first + per_worker]
-        return tuple(p.reshape(()) if scalar else p for p in parts)
+        return tuple(everyone[first : first + per_worker])
+
+    _MAX_RANK = 16  # dimensions a gathered tensor may have (the shapes travel in a fixed-size message)
+
+    def _exchange_shapes(self, tensor: torch.Tensor) -> list[tuple[int, ...]]:
+        """Every replica's shape of ``tensor`` (one small collective); refuses different dtypes."""
+        if tensor.dim() > self._MAX_RANK:
+            raise ValueError(
+                f"gathering a tensor of rank {tensor.dim()} is not supported (at most {self._MAX_RANK}); "
+                "reshape it first"
+            )
+        msg = torch.zeros(2 + self._MAX_RANK, dtype=torch.int64)
+        msg[0], msg[1] = tensor.dim(), regroup.digest(str(tensor.dtype))
+        msg[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        parts = self._comm.all_gather(msg)
+        shapes = [tuple(int(d) for d in p[2 : 2 + int(p[0])]) for p in parts]
+        if len({int(p[1]) for p in parts}) > 1:
+            raise GatherShapeError(shapes, None, reason="the replicas' tensors have different dtypes")
+        return shapes
 
     def _all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every replica's ``tensor`` (lengths along dimension 0 may differ), in replica order."""
-        sizes = [int(s) for s in self._comm.all_gather(torch.tensor([tensor.shape[0]]))]
-        longest = max(sizes)
-        if tensor.shape[0] < longest:
-            tensor = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
-        parts = self._comm.all_gather(tensor.contiguous())
-        return [p[:n] for p, n in zip(parts, sizes)]
+        """Every replica's ``tensor``, whatever its shape, in replica order (two collectives)."""
+        shapes = self._exchange_shapes(tensor)
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() < max(sizes):
+            flat = torch.cat([flat, flat.new_zeros(max(sizes) - flat.numel())])
+        parts = self._comm.all_gather(flat.contiguous())
+        return [p[:n].reshape(s) for p, n, s in zip(parts, sizes, shapes)]
 
     def _all_gather(self, tensor: Any, axis: int) -> torch.Tensor:
         tensor = torch.as_tensor(local_results(tensor)[0])
         if self._comm.world_size == 1:
             return tensor
+        # Replicas may hold different lengths along `axis` (an uneven last batch); any other
+        # difference is refused on every replica at once (the shapes are exchanged first).
+        shapes = self._exchange_shapes(tensor)
+        ranks = {len(s) for s in shapes}
+        if len(ranks) > 1:
+            raise GatherShapeError(shapes, axis, reason="the replicas' tensors have different ranks")
         if tensor.dim() == 0:
-            raise ValueError(f"gather needs tensors of rank >= 1 to concatenate; received a scalar {tensor!r}")
+            raise GatherShapeError(shapes, axis, reason="scalars cannot be concatenated (rank >= 1 is needed)")
+        if not -tensor.dim() <= axis < tensor.dim():
+            raise GatherShapeError(shapes, axis, reason=f"the axis is out of range for rank {tensor.dim()}")
         axis = axis % tensor.dim()
-        # Replicas may hold different lengths along `axis` (an uneven last batch): exchange the
-        # lengths first, pad to the longest, gather, then cut the padding off.
-        sizes = [int(s) for s in self._comm.all_gather(torch.tensor([tensor.shape[axis]]))]
+        if len({s[:axis] + s[axis + 1 :] for s in shapes}) > 1:
+            raise GatherShapeError(shapes, axis, reason="their sizes differ off the gather axis")
+        sizes = [s[axis] for s in shapes]
         longest = max(sizes)
         if tensor.shape[axis] < longest:
             pad_shape = list(tensor.shape)
@@ -609,6 +841,18 @@ class StrategyExtended:
         if self._reducer is not None:
             self._reducer.remove()
         self._comm.close()
+
+
+_NO_RESULT = object()
+_TAGS = itertools.count(1)
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+
+
+def _count_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float64
 
 
 def _detached(value: Any) -> Any:
@@ -731,6 +975,7 @@ class Strategy:
             with self._extended._variable_scope(self):
                 yield self
             if context.in_cross_replica_context():
+                self._extended._capture_new_modules()
                 self._extended._sync_new_variables()
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
@@ -785,6 +1030,8 @@ class Strategy:
                 # friend: the first step watches for parameters no scope synchronised
                 result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)
             ext._after_run()  # friend
+        if ext._comm.world_size > 1:  # friend
+            ext._unchecked_result = result  # friend: compared at the first collective that reads it
         return self._wrap_local(result)
 
     def experimental_run_v2(
@@ -820,6 +1067,9 @@ class Strategy:
         :meth:`reduce`. Mirrored values give N identical entries; other values ``(value,)``.
         """
         leaves, spec = nest.flatten_with_spec(value)
+        ext = self._extended
+        if ext._comm.world_size // max(ext.input_sharding.num_workers, 1) > 1:  # friend: a collective here
+            ext._check_structures(ext._take_run_structure())  # friend: TF's regroup check
         if not leaves:
             return (value,)
         # Results of a replica's computation are values, as on several replicas of a host (gathered
@@ -845,7 +1095,10 @@ class Strategy:
 
         Raises:
             ReduceOpError: unknown ``reduce_op``.
-            ContextError: called in replica context, or SUM of a value that is not per-replica.
+            ContextError: called in replica context (TF: RuntimeError).
+            NonDistributedValueError: SUM of a plain tensor across the replicas of one worker (TF's
+                ValueError); MEAN returns it, and over several workers it is reduced across them.
+            RunStructureMismatchError: the replicas' last ``run`` returned different structures.
         """
         op = ReduceOp.from_any(reduce_op)
         if context.get_replica_context() is not None and context.has_strategy():
@@ -854,29 +1107,28 @@ class Strategy:
                 hint="use phalanx.get_replica_context().all_reduce(...) in replica context",
             )
         leaves, spec = nest.flatten_with_spec(value)
-        n = self.num_replicas_in_sync
-        tensors, counts = [], []
-        for leaf in leaves:
-            if not isinstance(leaf, DistributedValues) and n > 1 and op is ReduceOp.SUM:
-                raise ContextError(
-                    f"A value that is not per-replica cannot be SUM-reduced across {n} replicas; "
-                    f"received {type(leaf).__name__}.",
-                    hint="reduce the PerReplica value returned by strategy.run",
-                )
-            t = torch.as_tensor(local_results(leaf)[0])
-            if axis is not None:
-                counts.append(torch.tensor(float(t.shape[axis]), device=t.device))
-                t = t.sum(dim=axis)
-            tensors.append(t)
-        if op is ReduceOp.MEAN and axis is not None:
-            # Sum the values and the element counts, then divide: exact for uneven replicas.
-            sums = self._extended._all_reduce_tensors(tensors + counts, ReduceOp.SUM)
-            k = len(tensors)
-            results = [s / c for s, c in zip(sums[:k], sums[k:])]
-        elif any(isinstance(leaf, DistributedValues) for leaf in leaves):
-            results = self._extended._all_reduce_tensors(tensors, op)
+        ext = self._extended
+        structure = ext._take_run_structure()  # friend: TF's regroup check rides on this collective
+        if axis is None:
+            results = ext._reduce_values(op, leaves, structure)  # friend
         else:
-            results = tensors
+            # TF reduces along `axis` inside `run` first, so every value is then per-replica, a plain
+            # tensor too (SUM over N replicas counts it N times, as TF's does).
+            tensors = [torch.as_tensor(local_results(leaf)[0]) for leaf in leaves]
+            # Counts travel in the values' message where that dtype holds them exactly.
+            counts = [torch.tensor(float(t.shape[axis]), dtype=_count_dtype(t.dtype), device=t.device) for t in tensors]
+            # An integer sum keeps its dtype, as TF's reduce_sum (torch's sum would widen it to int64).
+            tensors = [t.sum(dim=axis, dtype=t.dtype if _is_integer(t.dtype) else None) for t in tensors]
+            if op is ReduceOp.SUM:
+                results = ext._all_reduce_tensors(tensors, op, structure)  # friend
+            else:
+                # Sum the values and the element counts, then divide: exact for uneven replicas.
+                sums = ext._all_reduce_tensors(tensors + counts, ReduceOp.SUM, structure)  # friend
+                k = len(tensors)
+                results = [
+                    (s / c).to(s.dtype if s.is_floating_point() else mean_dtype(s.dtype))
+                    for s, c in zip(sums[:k], sums[k:])
+                ]
         # Several replicas' results come out of a collective, detached; one replica's must not be
         # the loss it was given, still attached to its graph.
         return nest.unflatten([t.detach() for t in results], spec)
@@ -885,14 +1137,34 @@ class Strategy:
         """Concatenates every replica's value along ``axis`` (a collective); same on every process.
 
         The result is detached from the autograd graph, with one replica as with several (see
-        :meth:`reduce`); ``ReplicaContext.all_gather`` is the one inside ``run``.
+        :meth:`reduce`); ``ReplicaContext.all_gather`` is the one inside ``run``. A plain tensor is
+        one value per worker, as in TF: on one worker the result is the tensor itself; over several
+        workers, the workers' tensors concatenated.
+
+        Raises:
+            ContextError: called in replica context (TF: RuntimeError).
+            RunStructureMismatchError: the replicas' last ``run`` returned different structures.
         """
         if context.get_replica_context() is not None and context.has_strategy():
             raise ContextError(
                 "strategy.gather is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_gather(value, axis)",
             )
-        return nest.map_structure(lambda v: self._extended._all_gather(v, axis).detach(), value)
+        ext = self._extended
+        ext._check_structures(ext._take_run_structure())  # friend: TF's regroup check
+        workers = max(ext.input_sharding.num_workers, 1)
+        per_worker = ext._comm.world_size // workers  # friend
+
+        def gather_leaf(v: Any) -> torch.Tensor:
+            if isinstance(v, DistributedValues) or ext._comm.world_size == 1:  # friend
+                return ext._all_gather(v, axis).detach()  # friend
+            # A plain tensor is one value per worker (TF): itself on one worker, else the workers' values.
+            if workers == 1:
+                return torch.as_tensor(v)
+            everyone = ext._all_gather_list(torch.as_tensor(v).movedim(axis, 0))  # friend
+            return torch.cat(everyone[::per_worker], dim=0).movedim(0, axis)
+
+        return nest.map_structure(gather_leaf, value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """Calls ``value_fn(ValueContext)`` for this process's replica and wraps the result."""
@@ -911,7 +1183,8 @@ class Strategy:
         return DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
-        """Builds one input pipeline per process with ``dataset_fn(InputContext)``."""
+        """Builds input pipelines with ``dataset_fn(InputContext)``, one per worker as TF does (or one per
+        replica with ``InputReplicationMode.PER_REPLICA``); see :mod:`phalanx.input`."""
         from phalanx.input.distributed_dataset import DatasetFromFunction
 
         if not callable(dataset_fn):
@@ -952,7 +1225,11 @@ class DefaultStrategy(Strategy):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
-        with context.enter_scope(self):
+        """Mostly a no-op, as TF's: the default replica context stays current (not cross-replica)."""
+        if context.has_strategy():  # inside another strategy's scope: keep its contexts (TF too)
+            yield self
+            return
+        with context.enter_replica(self, 0):
             yield self
 
 

@@ -96,6 +96,16 @@ class Mirrored(DistributedValues):
     """One value that is the same on every replica (e.g. a mirrored parameter)."""
 
 
+def mean_dtype(dtype: Any) -> Any:
+    """The dtype of a mean of integers: TF's true division gives float64 for 32- and 64-bit
+    integers and float32 for narrower ones; a floating dtype is its own."""
+    import torch  # here: this module stays importable without torch (the launcher's processes)
+
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return torch.float64 if dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64) else torch.float32
+
+
 def local_results(value: Any) -> tuple[Any, ...]:
     """Unwraps a distributed value into the tuple of this process's replica values."""
     if isinstance(value, DistributedValues):

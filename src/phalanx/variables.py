@@ -1,19 +1,32 @@
 """Capturing the parameters and buffers created inside ``strategy.scope()``.
 
-torch calls a global *registration hook* whenever a module registers a parameter or buffer;
-plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx installs
-one pair of such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only
-while a capture is active in the current thread
-(a context variable says which), and only for modules created under that capture's strategy.
-Nothing is monkey-patched and nothing outside a scope is touched.
+torch calls a global *registration hook* whenever a module registers a parameter, buffer or
+sub-module; plain ``nn.Module`` subclasses and Keras-on-torch layers both go through it. phalanx
+installs three such hooks (through :mod:`phalanx.hooks`), at the first capture, and they act only
+while a capture is active in the current thread (a context variable says which), and only for
+modules created under that capture's strategy. Nothing is monkey-patched and nothing outside a
+scope is touched.
+
+Some parameters come into being without a registration: ``copy.deepcopy`` copies a module's
+tensors directly (``nn.TransformerEncoder`` and ``nn.Transformer`` deep-copy their layers), and
+``to_empty`` writes new ones into a module's table (``torch.func.functional_call``'s stand-ins,
+plain tensors put there for one call, are the caller's, not variables). So the modules a
+capture saw (each that registered a tensor or was registered as a sub-module under it) are
+remembered, weakly, with the capture that saw them, and :func:`capture_modules` adopts whatever
+they and their sub-modules hold that nobody captured yet; the strategy calls it at scope exit
+and before a ``run`` that follows new modules (nothing to do otherwise). A module so remembered
+keeps its tensors captured when a registration replaces them later, outside the scope
+(``load_state_dict(assign=True)``, a parameter added afterwards). Meta tensors (no values yet)
+are left alone until they are materialised.
 """
 
 from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -30,6 +43,22 @@ class Capture:
     device: torch.device
     on_parameter: Callable[[torch.nn.Parameter], None]
     on_buffer: Callable[[torch.Tensor], None]
+    # Told of each module that registers a tensor (deep=False: its own tensors to sweep) or is
+    # registered as a sub-module (deep=True: with its sub-modules) under the capture, and later of
+    # such a module (or a container that got sub-modules under it) registering a tensor outside it.
+    on_module: Callable[[torch.nn.Module, bool], None] | None = None
+    # Written into each remembered module's __dict__ (MARK): a copy.deepcopy of the module carries
+    # it (an int: deep-copied and pickled as itself), so the strategy recognises a standalone copy
+    # of one of its modules at the first step that calls it (TF mirrors a copied variable too).
+    tag: int = 0
+
+
+MARK = "_phalanx_scope_tag"
+
+
+def copied_from_scope(module: torch.nn.Module, tag: int) -> bool:
+    """Whether ``module`` is (a copy of) a module remembered by the capture tagged ``tag``."""
+    return tag != 0 and module.__dict__.get(MARK) == tag
 
 
 # Keyed by identity: a WeakKeyDictionary would compare tensors with ==, elementwise.
@@ -43,6 +72,31 @@ def label_of(param: torch.Tensor) -> str:
 
 
 _ACTIVE: contextvars.ContextVar[Capture | None] = contextvars.ContextVar("phalanx_capture", default=None)
+# True while capture_modules writes moved tensors back into a module: its own registrations.
+_SWEEPING: contextvars.ContextVar[bool] = contextvars.ContextVar("phalanx_sweeping", default=False)
+# module -> a weak reference to the `on_module` of the capture that saw it (weak both ways: a
+# module does not keep a strategy alive, nor a strategy a module).
+_MODULES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _remember(module: torch.nn.Module, cap: Capture, deep: bool | None = False) -> None:
+    """Remembers ``module`` as ``cap``'s and, unless ``deep`` is None, tells ``cap`` to sweep it."""
+    if cap.on_module is None:
+        return
+    if cap.tag:
+        module.__dict__[MARK] = cap.tag  # not setattr: a Keras layer would track the attribute
+    _MODULES[module] = weakref.WeakMethod(cap.on_module)  # type: ignore[arg-type]
+    if deep is not None:
+        cap.on_module(module, deep)
+
+
+def _seen_before(module: torch.nn.Module) -> None:
+    """A module some capture saw registers a tensor outside it: that capture's owner sweeps the
+    module's own tensors (not its sub-modules: one created outside a scope is not the scope's)."""
+    ref = _MODULES.get(module)
+    notify = ref() if ref is not None else None
+    if notify is not None:
+        notify(module, False)
 
 
 def _current() -> Capture | None:
@@ -80,10 +134,18 @@ def _check_keras_integration(module: torch.nn.Module) -> None:
 
 
 def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
+    if _SWEEPING.get() or param is None:
+        return None
     cap = _current()
-    if cap is None or param is None or _is_compiler_module(module):
+    if cap is None:
+        _seen_before(module)
+        return None
+    if _is_compiler_module(module):
         return None
     _check_keras_integration(module)
+    _remember(module, cap)
+    if param.is_meta:
+        return None  # no values to move or broadcast yet: captured once materialised (to_empty, assign)
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
         _LABELS[param] = f"{type(module).__name__}.{name}"
@@ -95,17 +157,109 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
 
 
 def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
+    if _SWEEPING.get() or buffer is None:
+        return None
     cap = _current()
-    if cap is None or buffer is None or _is_compiler_module(module):
+    if cap is None:
+        _seen_before(module)
+        return None
+    if _is_compiler_module(module):
+        return None
+    _remember(module, cap)
+    if buffer.is_meta:
         return None
     moved = buffer.to(cap.device) if buffer.device != cap.device else buffer
     cap.on_buffer(moved)
     return moved if moved is not buffer else None
 
 
+def _on_module(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None):
+    # A sub-module registered in scope (a deep copy put in a container, as nn.TransformerEncoder
+    # does) may hold tensors no registration announced: remember it for the sweep. One created
+    # outside the scope and attached later is not the scope's (its own registrations say so).
+    if _SWEEPING.get() or submodule is None:
+        return None
+    cap = _current()
+    if cap is not None and not _is_compiler_module(submodule) and not _is_compiler_module(module):
+        _remember(submodule, cap, deep=True)
+        # The container (a model whose __init__ runs in scope) keeps what it is given later, as
+        # a module that registered a tensor does (a parameter added after the scope).
+        _remember(module, cap, deep=None)
+    return None
+
+
 def _install() -> None:
     hooks.install("phalanx.variables.parameter", "module_parameter_registration", _on_param)
     hooks.install("phalanx.variables.buffer", "module_buffer_registration", _on_buffer)
+    hooks.install("phalanx.variables.module", "module_module_registration", _on_module)
+
+
+def capture_modules(
+    modules: Iterable[tuple[torch.nn.Module, bool]], cap: Capture, known: Callable[[torch.Tensor], bool]
+) -> list[torch.nn.Module]:
+    """Captures what ``modules`` and their sub-modules hold that no capture has seen.
+
+    Each parameter or buffer for which ``known`` is false is moved to ``cap.device`` (written back
+    into its module) and given to ``cap.on_parameter`` / ``cap.on_buffer``, in module order, so
+    every replica captures the same tensors in the same order. Called by the strategy at scope
+    exit and before a ``run`` that follows new modules; a collective only through what the
+    callbacks do later (the strategy broadcasts the captured tensors).
+
+    Args:
+        modules: ``(module, deep)`` as ``cap.on_module`` was told of them; ``deep``: with the
+            module's sub-modules.
+        cap: whose tensors they become.
+        known: whether a tensor is captured already.
+
+    Returns:
+        The modules that still hold meta tensors (materialised later by ``to_empty`` or
+        ``load_state_dict(assign=True)``): to sweep again.
+    """
+    unfinished: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    ref = weakref.WeakMethod(cap.on_module) if cap.on_module is not None else None  # type: ignore[arg-type]
+    token = _SWEEPING.set(True)
+    try:
+        for root, deep in modules:
+            for module in root.modules() if deep else (root,):
+                if id(module) in seen or _is_compiler_module(module):
+                    continue
+                seen.add(id(module))
+                if ref is not None:
+                    _MODULES[module] = ref
+                if _adopt_tensors(module, cap, known):
+                    unfinished.append(module)
+    finally:
+        _SWEEPING.reset(token)
+    return unfinished
+
+
+def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch.Tensor], bool]) -> bool:
+    """Captures ``module``'s own new tensors; True if some are still on the meta device."""
+    meta = False
+    for name, param in list(module.named_parameters(recurse=False)):
+        # A plain tensor in a parameter's place is torch.func.functional_call's stand-in, not a variable.
+        if not isinstance(param, torch.nn.Parameter) or known(param):
+            continue
+        if param.is_meta:
+            meta = True
+            continue
+        if param.device != cap.device:
+            param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
+            setattr(module, name, param)
+        _LABELS[param] = f"{type(module).__name__}.{name}"
+        cap.on_parameter(param)
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        if buffer is None or known(buffer):
+            continue
+        if buffer.is_meta:
+            meta = True
+            continue
+        if buffer.device != cap.device:
+            buffer = buffer.to(cap.device)
+            setattr(module, name, buffer)
+        cap.on_buffer(buffer)
+    return meta
 
 
 class capture:  # lower case: used like a function, ``with capture(spec):``

@@ -15,11 +15,14 @@ Keras objects are stored as TF stores them, by their place in the object graph, 
 Restoring is TF's deferred restoration: an object whose variables do not exist yet (a Keras
 optimizer builds its slots at the first step; a model without an input shape builds at its first
 call) keeps its saved values until it is built, and receives them the moment its ``build``
-returns, before they are first used. A subclassed model is built by tracing its ``call()``
-symbolically, where Keras creates variables without values and an assignment would be thrown
-away: there the saved value becomes the variable's initial value instead (what TF's deferred
-restoration does). Nothing of Keras is imported here; objects are recognised by the methods they
-have; the Keras internals relied on are behind :mod:`phalanx._compat.keras`.
+returns, before they are first used. What exists at ``restore()`` is restored at once: an unbuilt
+optimizer's ``iterations`` and learning rate read the saved values right after it, and only the
+slots wait for ``build`` (each variable is restored once, as in TF). A subclassed model is built
+by tracing its ``call()`` symbolically, where Keras creates variables without values and an
+assignment would be thrown away: there the saved value becomes the variable's initial value
+instead (what TF's deferred restoration does). Nothing of Keras is imported here; objects are
+recognised by the methods they have; the Keras internals relied on are behind
+:mod:`phalanx._compat.keras`.
 
 Example (``keras`` with the torch backend)::
 
@@ -189,14 +192,20 @@ def _restore_node(
     pending: list[Pending],
     unmatched: list[str],
     built: bool = False,
+    start: int = 0,
 ) -> None:
     own = saved.get(_VARS) or {}
     children = saved.get(_CHILDREN) or {}
     if not built and not _built(obj) and (own or children and not _children(obj, skip)):
-        pending.append(_defer(path, obj, saved, skip, pending, unmatched))
+        # TF restores every variable that exists now at once (an optimizer's iterations), the
+        # rest when they are created, and each only once.
+        start = _restore_existing(path, obj, own)
+        if start and start == len(own) and not children:
+            return  # saved before it was built: nothing is left for its build to restore
+        pending.append(_defer(path, obj, saved, skip, pending, unmatched, start))
         return
     if own:
-        _load_own(path, obj, own)
+        _load_own(path, obj, own, start)
     live = dict(_children(obj, skip))
     for key, sub in children.items():
         if key in live:
@@ -205,13 +214,51 @@ def _restore_node(
             unmatched.append(f"{path}/{key}")
 
 
-def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
+def _is_optimizer(obj: Any) -> bool:
+    # A Keras optimizer: its own variables are ``variables`` in creation order (iterations and the
+    # learning rate first, at construction; the slots appended by ``build``).
+    return callable(getattr(obj, "apply_gradients", None)) and hasattr(obj, "iterations") and _has_own_variables(obj)
+
+
+def _restore_existing(path: str, obj: Any, own: dict[str, torch.Tensor]) -> int:
+    """Restores the variables an unbuilt optimizer already has; returns how many (0 for other objects).
+
+    A Keras optimizer saves ``variables`` in creation order, and its ``build`` only appends to
+    them, so those of an unbuilt one are the first entries of the saved ones.
+    """
+    variables = list(getattr(obj, "variables", None) or ()) if _is_optimizer(obj) else []
+    if not variables or not own:
+        return 0
+    if len(variables) > len(own):
+        raise CheckpointMismatchError(
+            path,
+            f"{type(obj).__name__} has {len(variables)} variables before it is built, the checkpoint holds {len(own)}",
+            hint="restore into an optimizer made the same way as the one saved",
+        )
+    _assign(path, obj, variables, own, 0)
+    return len(variables)
+
+
+def _assign(path: str, obj: Any, targets: list[Any], own: dict[str, torch.Tensor], start: int) -> None:
+    try:
+        for i in range(start, len(targets)):
+            targets[i].assign(own[str(i)])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointMismatchError(
+            path,
+            f"{type(obj).__name__} refused the saved variables: {str(e).strip()[:400]}",
+            hint="restore into an object built the same way as the one saved",
+        ) from e
+
+
+def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor], start: int = 0) -> None:
+    """Restores ``obj``'s own variables from ``own``, except the first ``start`` (restored already)."""
     if _is_keras_variable(obj):
         targets = [obj]
-    elif _has_own_variables(obj):
+    elif _has_own_variables(obj) and not start:
         targets = None
     else:
-        targets = list(obj.variables)
+        targets = list(obj.variables)  # an optimizer built since its first variables were restored
     count = len(targets) if targets is not None else _own_variable_count(obj)
     if count is not None and count != len(own):
         raise CheckpointMismatchError(
@@ -219,14 +266,13 @@ def _load_own(path: str, obj: Any, own: dict[str, torch.Tensor]) -> None:
             f"{type(obj).__name__} has {count} variables here, the checkpoint holds {len(own)}",
             hint="restore into an object built the same way as the one saved",
         )
-    if _initialize_from(path, obj, targets, own):
+    if _initialize_from(path, obj, targets, own, start):
+        return
+    if targets is not None:
+        _assign(path, obj, targets, own, start)
         return
     try:
-        if targets is None:
-            obj.load_own_variables(dict(own))
-        else:
-            for i, variable in enumerate(targets):
-                variable.assign(own[str(i)])
+        obj.load_own_variables(dict(own))
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointMismatchError(
             path,
@@ -242,18 +288,21 @@ def _uninitialized(variable: Any) -> bool:
     return is_uninitialized(variable)
 
 
-def _initialize_from(path: str, obj: Any, targets: list[Any] | None, own: dict[str, torch.Tensor]) -> bool:
+def _initialize_from(
+    path: str, obj: Any, targets: list[Any] | None, own: dict[str, torch.Tensor], start: int = 0
+) -> bool:
     """Makes the saved values the initial values of variables that have none yet; True if it did.
 
     This is TF's deferred restoration proper: the restored value replaces the initializer. Only
-    for variables Keras has not initialized; every other variable is assigned.
+    for variables Keras has not initialized; every other variable is assigned. The first
+    ``start`` targets were restored already and are left alone.
     """
     if targets is None:
         store: dict[str, Any] = {}
         obj.save_own_variables(store)  # Keras' own layers put the variables themselves in the store
         pairs = list(store.items())
     else:
-        pairs = [(str(i), v) for i, v in enumerate(targets)]
+        pairs = [(str(i), v) for i, v in enumerate(targets) if i >= start]
     if not any(_uninitialized(v) for _, v in pairs):
         return False
     for key, variable in pairs:
@@ -300,9 +349,19 @@ def _own_variable_count(obj: Any) -> int | None:
 
 
 def _defer(
-    path: str, obj: Any, saved: dict[str, Any], skip: set[int], pending: list[Pending], unmatched: list[str]
+    path: str,
+    obj: Any,
+    saved: dict[str, Any],
+    skip: set[int],
+    pending: list[Pending],
+    unmatched: list[str],
+    start: int = 0,
 ) -> Pending:
-    """Applies ``saved`` right after ``obj.build`` next returns (its variables exist then)."""
+    """Applies ``saved`` right after ``obj.build`` next returns (its variables exist then).
+
+    The first ``start`` own variables were restored at once: they are not restored again, so a
+    value the program set in between (a new learning rate) stays.
+    """
     entry = Pending(path)
     build = getattr(obj, "build", None)
     if not callable(build):
@@ -321,7 +380,7 @@ def _defer(
         if not entry.done:
             entry.done = True
             # Its variables exist now (``built`` may be set only after build returns).
-            _restore_node(path, obj, saved, skip, pending, unmatched, built=True)
+            _restore_node(path, obj, saved, skip, pending, unmatched, built=True, start=start)
         return result
 
     # Instance-level and undone at the first build: Keras' own layers keep their build wrapper on

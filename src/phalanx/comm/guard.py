@@ -2,12 +2,15 @@
 
 Each replica adds a few numbers to the first bucket of every gradient all-reduce (and to the
 all-reduces of ``strategy.reduce``): its step, the global batch size it is slicing, the ordinal of
-the batch it was given and, at the first step and after a restore, a fingerprint of the
-synchronised parameters. Because the collective is a SUM, each replica writes its numbers into
-its own *slot* of a vector that is zero elsewhere: after the sum every replica holds every
-replica's numbers, exactly (adding zeros is exact in floating point), so every replica sees the
-same disagreement at the same collective and raises the same
-:class:`~phalanx.errors.ReplicaDivergenceError`. No extra message is sent, and no extra wait.
+the batch it was given and, at the first step, after a restore and then every ``every`` steps
+(``PHALANX_FINGERPRINT_EVERY``), a fingerprint of the synchronised parameters: a replica whose
+update differs (another learning rate, a corrupted step) is named within that many steps.
+
+Because the collective is a SUM, each replica writes its numbers into its own *slot* of a vector
+that is zero elsewhere: after the sum every replica holds every replica's numbers, exactly (adding
+zeros is exact in floating point), so every replica sees the same disagreement at the same
+collective and raises the same :class:`~phalanx.errors.ReplicaDivergenceError`. No extra message is
+sent, and no extra wait.
 
 Values are integers below 2**24, exactly representable in float32; in 16-bit dtypes each value is
 written as three base-256 digits (bfloat16 holds integers up to 256 exactly).
@@ -141,17 +144,31 @@ class FieldGuard:
                     raise ReplicaDivergenceError(field, (name(0), name(r)), values, step=first[0], parameter=parameter)
 
 
-def _digest(t: torch.Tensor) -> tuple[int, int]:
-    """Two integers that change with any bit of ``t``; exact and independent of summation order.
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """Two integers (an int64 pair on ``t``'s device) that change with any bit of ``t``; exact and
+    independent of summation order.
 
     The bits are summed as integers (wrapping modulo 2**64 is associative), once plainly and once
     weighted by position, so a flipped bit or two swapped elements both change the result.
     """
     flat = t.detach().reshape(-1)
     ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
-    v = flat.view(ints).to(torch.int64)
-    w = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 65521 + 1
-    return int(v.sum()), int((v * w).sum())
+    v = flat.view(ints)
+    w = torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.int64)
+    return torch.stack([v.sum(dtype=torch.int64), (w * v).sum()])
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """:func:`_digest` of each tensor, read back with one copy per device (one GPU sync, not two per tensor)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    for indices in by_device.values():
+        rows = torch.stack([_digest(tensors[i]) for i in indices]).tolist()
+        for i, (a, b) in zip(indices, rows):
+            out[i] = (a, b)
+    return out
 
 
 class ReplicaGuard:
@@ -162,6 +179,13 @@ class ReplicaGuard:
         fields: returns this replica's ``(step, global batch size, batch ordinal)`` now.
         params: returns the synchronised parameters as ``[(label, tensor), ...]``, in the same
             order on every replica.
+        every: fingerprint the parameters again once this many steps have passed since the last
+            fingerprint (0: only at the first step and after a restore).
+
+    Attributes:
+        fingerprint_due: the next contribution with parameters carries a fingerprint.
+        every: as the argument; every replica must hold the same value.
+        checks: collectives checked, for tests and benchmarks.
     """
 
     def __init__(
@@ -169,6 +193,7 @@ class ReplicaGuard:
         comm: object,
         fields: Callable[[], tuple[int, int, int]],
         params: Callable[[], list[tuple[str, torch.Tensor]]],
+        every: int = 0,
     ) -> None:
         self._comm = comm
         self._fields = FieldGuard(comm.rank, comm.world_size)  # type: ignore[attr-defined]
@@ -177,14 +202,16 @@ class ReplicaGuard:
         self._digests: list[tuple[int, int]] = []
         self._labels: list[str] = []
         self._step: int | None = None
+        self._fingerprinted_at: int | None = None  # the step of the last fingerprint
         self.fingerprint_due = True
-        self.checks = 0  # collectives checked, for tests and benchmarks
+        self.every = every
+        self.checks = 0
 
     def fingerprint(self) -> int:
         """A 24-bit fingerprint (never 0) of the synchronised parameters, remembering each's digest."""
         named = self._params()
         self._labels = [label for label, _ in named]
-        self._digests = [_digest(t) for _, t in named]
+        self._digests = digests([t for _, t in named])
         h = 0xCBF29CE484222325
         for a, b in self._digests:  # FNV-1a over the digests
             for x in (a, b):
@@ -199,11 +226,18 @@ class ReplicaGuard:
             return None
         step, size, ordinal = self._values()
         fp = 0
-        if with_parameters and self.fingerprint_due:
+        if with_parameters and (self.fingerprint_due or self._periodic_due(step)):
+            # Every replica decides alike: the same step (else the step field differs), the same
+            # `every`, the same backward passes since the last fingerprint.
             self.fingerprint_due = False
+            self._fingerprinted_at = step
             fp = self.fingerprint()
         self._step = step
         return self._fields.encode((step, size, ordinal, fp), dtype, device)
+
+    def _periodic_due(self, step: int) -> bool:
+        last = self._fingerprinted_at
+        return self.every > 0 and (last is None or step - last >= self.every)
 
     def verify(self, summed: torch.Tensor) -> None:
         """Checks the guard's part of the sum; raises ReplicaDivergenceError on every replica alike."""

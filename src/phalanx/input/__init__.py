@@ -1,7 +1,13 @@
 """Distributed input: splitting global batches, per-process pipelines, input contexts."""
 
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
-from phalanx.input.distributed_dataset import DatasetFromFunction, DistributedDataset, DistributedIterator
+from phalanx.input.distributed_dataset import (
+    DatasetFromFunction,
+    DistributedDataset,
+    DistributedIterator,
+    SmallBatchWarning,
+    UnbatchedElementError,
+)
 from phalanx.input.spec import EmptyOptionalError, Optional, TensorSpec
 
 __all__ = [
@@ -14,6 +20,8 @@ __all__ = [
     "InputOptions",
     "InputReplicationMode",
     "Optional",
+    "SmallBatchWarning",
     "TensorSpec",
+    "UnbatchedElementError",
     "ValueContext",
 ]

@@ -30,9 +30,21 @@ class AutoShardPolicy(enum.Enum):
 
 
 class InputReplicationMode(enum.Enum):
-    """``tf.distribute.InputReplicationMode``: one pipeline per worker (the only mode)."""
+    """How many input pipelines ``distribute_datasets_from_function`` builds (``tf.distribute.InputReplicationMode``).
+
+    ``PER_WORKER`` (the default, TF's): ``dataset_fn`` is called once per worker
+    (``num_input_pipelines`` = workers, ``input_pipeline_id`` = the worker's index) and the
+    worker's replicas take its elements in turn: replica ``k`` of ``N`` gets elements ``k``,
+    ``k + N``, ... Each replica being a process here, every process of a worker reads the worker's
+    whole pipeline (the same stream, see :mod:`phalanx.input.distributed_dataset`) and keeps its
+    elements. ``PER_REPLICA``: ``dataset_fn`` is called once per replica (``num_input_pipelines`` =
+    replicas, ``input_pipeline_id`` = the replica's id) and each replica reads only its own
+    pipeline: faster where a worker has several replicas (no element is read twice), and
+    ``dataset_fn`` must shard by the replica.
+    """
 
     PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,9 @@ class InputOptions:
         experimental_fetch_to_device: move each batch to the replica's device (default True).
         experimental_per_replica_buffer_size: batches prefetched to the device ahead of use.
         auto_shard_policy: how the dataset is divided among workers.
-        experimental_replication_mode: kept for TF compatibility; PER_WORKER.
+        experimental_replication_mode: one ``distribute_datasets_from_function`` pipeline per
+            worker (``PER_WORKER``, TF's default) or per replica (``PER_REPLICA``); see
+            :class:`InputReplicationMode`.
     """
 
     experimental_fetch_to_device: bool = True
@@ -53,12 +67,13 @@ class InputOptions:
     experimental_place_dataset_on_device: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class InputContext:
     """What an input pipeline needs to know to produce its part of the data.
 
     Attributes:
-        num_input_pipelines: how many pipelines the job runs (one per replica process).
+        num_input_pipelines: how many pipelines the job runs (one per worker; one per replica
+            with ``InputReplicationMode.PER_REPLICA``).
         input_pipeline_id: this pipeline's index, ``0 <= id < num_input_pipelines``.
         num_replicas_in_sync: replicas of the whole job.
     """
@@ -76,10 +91,25 @@ class InputContext:
             )
         return global_batch_size // self.num_replicas_in_sync
 
+    def __str__(self) -> str:
+        # TF's text, "tf.distribute." renamed.
+        return f"phalanx.InputContext(input pipeline id {self.input_pipeline_id}, total: {self.num_input_pipelines})"
 
-@dataclass(frozen=True)
+    __repr__ = __str__
+
+
+@dataclass(frozen=True, repr=False)
 class ValueContext:
     """Passed to ``experimental_distribute_values_from_function``'s function."""
 
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
+
+    def __str__(self) -> str:
+        # TF's text (its double space included), "tf.distribute." renamed.
+        return (
+            f"phalanx.ValueContext(replica id {self.replica_id_in_sync_group},  "
+            f"total replicas in sync: {self.num_replicas_in_sync})"
+        )
+
+    __repr__ = __str__

@@ -62,10 +62,13 @@ from phalanx.keras.model import (  # noqa: E402
     distributed_model,
 )
 from phalanx.keras.parameter_server import DatasetCreator, UnsupportedOptimizerError  # noqa: E402
+from phalanx.keras.variables import observe_run as observe_variables  # noqa: E402
 from phalanx.strategy import RUN_OBSERVERS  # noqa: E402
 
 if observe_run not in RUN_OBSERVERS:
     RUN_OBSERVERS.append(observe_run)  # metrics used in custom loops report global values
+if observe_variables not in RUN_OBSERVERS:
+    RUN_OBSERVERS.append(observe_variables)  # Keras variables a step names get TF's aggregation
 
 __all__ = [
     "Coordinator",

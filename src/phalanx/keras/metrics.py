@@ -61,6 +61,12 @@ class UnsupportedMetricError(PhalanxError, TypeError):
 
 def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
     """The Keras metrics ``fn`` names (globals, closure), following called functions ``_DEPTH`` deep."""
+    return objects_used_by(fn, keras.metrics.Metric)
+
+
+def objects_used_by(fn: Callable[..., Any], kind: type) -> list[Any]:
+    """The objects of ``kind`` that ``fn`` names (globals, closure, directly or in a list / tuple / dict),
+    following the functions it names ``_DEPTH`` deep, in the order found."""
     found: dict[int, Any] = {}
     seen: set[int] = set()
 
@@ -74,7 +80,7 @@ def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
         values += [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
         for v in values:
             for item in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(item, keras.metrics.Metric):
+                if isinstance(item, kind):
                     found.setdefault(id(item), item)
                 elif depth > 0 and isinstance(item, (types.FunctionType, types.MethodType)):
                     visit(item, depth - 1)

@@ -22,7 +22,10 @@ What the adaptation is, on that instance only:
   does) and runs Keras' step inside ``strategy.run``.
 * The model's optimizer gets an ``apply`` that, on a replica left without gradients because
   its strategy reduced them to the chief (CentralStorageStrategy: the chief alone updates the one
-  copy of the variables), skips the update instead of raising, and counts the step.
+  copy of the variables), skips the update instead of raising, and counts the step. So does a
+  Keras optimizer a custom training loop uses in ``strategy.run`` (found as metrics are, by the
+  names the step function uses: :func:`optimizers_used_by`); its slot variables then exist on
+  the chief only, next to the one copy of the variables, as a torch optimizer's state does.
 
 Semantics (tf.keras under tf.distribute):
 
@@ -70,7 +73,7 @@ from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
 from phalanx.keras.discovery import distributed_model
 from phalanx.nn import mark_loss_scaled
-from phalanx.strategy import register_scope_enter_hook
+from phalanx.strategy import RUN_OBSERVERS, register_scope_enter_hook
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -172,6 +175,101 @@ def _on_scope_enter(strategy: "Strategy") -> None:
 register_scope_enter_hook(_on_scope_enter)
 if context.has_strategy():
     _on_scope_enter(context.get_strategy())
+
+
+# ---------------------------------------------------------------------------------- optimizers
+def _update_is_the_chiefs(strategy: Any) -> bool:
+    """Whether ``strategy`` sends this replica's gradients to the chief, which alone updates."""
+    ext = strategy.extended
+    return bool(getattr(ext, "updates_on_chief_only", False)) and ext.process_index != 0
+
+
+def adapt_optimizer(optimizer: Any) -> None:
+    """Lets a replica whose strategy sent its gradients to the chief skip the optimizer update.
+
+    A strategy that keeps one copy of the variables (CentralStorageStrategy) reduces the
+    gradients to the chief, which alone updates that copy; the other replicas are left without
+    gradients, where Keras' ``optimizer.apply`` would raise. On those replicas the update is
+    skipped and only the step is counted, as on the chief, so ``optimizer.iterations`` reads the
+    same everywhere. Idempotent; on any other strategy (or none) ``apply`` is Keras' own.
+    """
+    if optimizer is None or optimizer in _ORIGINAL_APPLY:
+        return
+    original = optimizer.apply
+
+    def apply(grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        if grads and all(g is None for g in grads) and _update_is_the_chiefs(context.get_strategy()):
+            count_optimizer_step(optimizer)  # the chief's accumulates (gradient_accumulation_steps) and updates
+            return None
+        return original(grads, trainable_variables)
+
+    _ORIGINAL_APPLY[optimizer] = original
+    # object.__setattr__: an instance attribute (apply_gradients calls self.apply), no tracking.
+    object.__setattr__(optimizer, "apply", functools.update_wrapper(apply, original))
+
+
+_SEARCH_DEPTH = 2  # functions called by name from the step function, followed this deep (as for metrics)
+_MAX_ITEMS = 64  # a dict, list or tuple the step function names is searched when no longer than this
+
+
+def optimizers_used_by(fn: Callable[..., Any]) -> list[Any]:
+    """The Keras optimizers ``fn`` names: globals, closure cells, a bound method's own attributes.
+
+    Functions it names are followed two calls deep; a Keras model it names contributes its
+    compiled optimizer. How TF's tutorials and most custom loops reach their optimizer.
+    """
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def consider(value: Any, depth: int) -> None:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if len(items) > _MAX_ITEMS:
+            return  # data (a list of losses, say), not where a program keeps its optimizers
+        for item in items:
+            if isinstance(item, keras.Model):
+                item = getattr(item, "optimizer", None)
+            if isinstance(item, keras.optimizers.Optimizer):
+                found.setdefault(id(item), item)
+            elif depth > 0 and (inspect.isfunction(item) or inspect.ismethod(item)):
+                visit(item, depth - 1)
+
+    def visit(f: Any, depth: int) -> None:
+        owner = getattr(f, "__self__", None)
+        f = getattr(f, "__func__", f)
+        code = getattr(f, "__code__", None)
+        if code is None or id(f) in seen:
+            return
+        seen.add(id(f))
+        names = code.co_names
+        namespace = getattr(f, "__globals__", {})
+        values = [namespace[n] for n in names if n in namespace]
+        for cell in f.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+        own = getattr(owner, "__dict__", None)
+        if isinstance(own, dict) and not inspect.ismodule(owner):  # self.optimizer in a trainer's method
+            values += [own[n] for n in names if n in own]
+        for value in values:
+            consider(value, depth)
+
+    visit(fn, _SEARCH_DEPTH)
+    return list(found.values())
+
+
+def _observe_run(strategy: Any, fn: Callable[..., Any]) -> None:
+    """Run observer: adapts the Keras optimizers ``fn`` uses, where the chief alone updates."""
+    if not getattr(strategy.extended, "updates_on_chief_only", False):
+        return  # nothing to do, and nothing to search, under every other strategy
+    # Searched at every run (a few microseconds): a global may be rebound to a new optimizer.
+    for optimizer in optimizers_used_by(fn):
+        adapt_optimizer(optimizer)
+
+
+if _observe_run not in RUN_OBSERVERS:
+    RUN_OBSERVERS.append(_observe_run)
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -404,7 +502,7 @@ class SyncAdapter(DistributedModel):
         """Wraps the step functions Keras made (again after ``compile`` reset them)."""
         model = self.model
         self._checks_left = 2  # look for lazily built variables at the first two steps
-        self._adapt_optimizer(getattr(model, "optimizer", None))
+        adapt_optimizer(getattr(model, "optimizer", None))
         for kind in _KINDS:
             current = getattr(model, f"{kind}_function", None)
             if current is not None and current in _RAW_STEP:
@@ -415,28 +513,6 @@ class SyncAdapter(DistributedModel):
             wrapped = functools.partial(step, raw)
             _RAW_STEP[wrapped] = raw
             setattr(model, f"{kind}_function", wrapped)
-
-    def _adapt_optimizer(self, optimizer: Any) -> None:
-        """Lets a replica whose strategy sent its gradients elsewhere skip the optimizer update.
-
-        A strategy that keeps one copy of the variables (CentralStorageStrategy) reduces the
-        gradients to the chief, which alone updates that copy; the other replicas are left
-        without gradients, where Keras' ``optimizer.apply`` would raise. On those replicas the
-        update is skipped and only the step is counted, as on the chief.
-        """
-        if optimizer is None or optimizer in _ORIGINAL_APPLY:
-            return
-        original = optimizer.apply
-
-        def apply(grads: Any, trainable_variables: Any = None) -> Any:
-            grads = list(grads)
-            if grads and all(g is None for g in grads) and self._num_replicas > 1 and not self.is_chief:
-                count_optimizer_step(optimizer)  # the chief's accumulates (gradient_accumulation_steps) and updates
-                return None
-            return original(grads, trainable_variables)
-
-        _ORIGINAL_APPLY[optimizer] = original
-        object.__setattr__(optimizer, "apply", functools.update_wrapper(apply, original))
 
     def _run_local(self, raw: Callable[[Any], Any], step: _Step, scale: float) -> Any:
         out: dict[str, Any] = {}

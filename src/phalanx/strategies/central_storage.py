@@ -204,6 +204,16 @@ class CentralStorageExtended(SyncExtended):
         """Whether replicas compute on copies of the central variables (see the module docstring)."""
         return self._copy_mode
 
+    @property
+    def updates_on_chief_only(self) -> bool:
+        """Whether the chief alone receives the summed gradients and applies the update (several replicas).
+
+        After ``backward()`` the other replicas' trainable parameters have no gradient: an
+        optimizer there must skip its update. torch's optimizers skip parameters without a
+        gradient by themselves; :mod:`phalanx.keras` makes Keras' optimizers skip it too.
+        """
+        return self._comm.world_size > 1
+
     def central_copy_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """Copy mode: the central (shared CPU) view of ``param``.
 

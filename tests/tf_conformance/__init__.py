@@ -1,0 +1,1 @@
+"""phalanx's own tf.distribute conformance suite: cases translated from TensorFlow's tests (see README.md)."""
