@@ -73,6 +73,19 @@ def test_a_standalone_deep_copy_made_in_scope_is_adopted_at_its_first_call(resul
         assert got["standalone_deepcopy"] == {"replicas_equal": True}, got["standalone_deepcopy"]
 
 
+def test_a_parameter_of_no_module_is_named_at_its_optimizers_first_step(results):
+    for got in results:
+        part = got["free_parameter_refused"]
+        assert part.get("error") == "UnsynchronizedParameterError", part
+        assert "updated by SGD" in part["text"] and "phalanx.Variable" in part["text"], part["text"]
+
+
+def test_its_port_phalanx_variable_trains_as_on_one_device(results):
+    for got in results:
+        part = got["free_variable_trains"]
+        assert part["values"] == pytest.approx([part["one_device"]] * 2, abs=1e-6), part
+
+
 def test_a_parameter_truly_created_outside_scope_is_still_refused(results):
     for got in results:
         part = got["outside_scope_still_refused"]

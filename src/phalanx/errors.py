@@ -357,22 +357,27 @@ _DIVERGENCE_HINTS = {
     "parameters": "the replicas' parameters differ: create the model and optimizer inside strategy.scope(), and "
     "restore checkpoints on every replica",
     "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; parameters "
-    "created outside it start different on every replica and are never synchronised (a copy.deepcopy of a module, "
-    "used on its own rather than as part of a model built in scope, is not seen by the scope either: pass its "
-    "parameters to strategy.extended.adopt_variables(...) on every replica)",
+    "created outside it start different on every replica and are never synchronised. A parameter that belongs to no "
+    "module is not seen by the scope either: make it a phalanx.Variable (TF's tf.Variable) or an attribute of a "
+    "module, or pass it to strategy.extended.adopt_variables(...) on every replica",
 }
 
 
 class UnsynchronizedParameterError(ReplicaDivergenceError):
     """A trainable parameter used inside ``strategy.run`` was never synchronised across replicas."""
 
-    def __init__(self, parameter: str, replica: str, step: int | None) -> None:
+    def __init__(self, parameter: str, replica: str, step: int | None, *, updated_by: str | None = None) -> None:
         self.field, self.replicas, self.values = "unsynchronised parameters", (replica, "its peers"), (parameter, None)
         self.step, self.parameter = step, parameter
+        if updated_by is None:
+            what = "is used in strategy.run"
+            why = "was created outside strategy.scope(): every replica initialised it differently"
+        else:  # found by the optimizer check: no module holds it, so where it was created is unknown
+            what = f"is updated by {updated_by} in strategy.run"
+            why = "no scope captured it (created outside strategy.scope(), or in it but in no module)"
         DistributedRuntimeError.__init__(
             self,
-            f"Parameter {parameter} is used in strategy.run on {replica} (step {step}) but was created outside "
-            "strategy.scope(): every replica initialised it differently and its gradients are never summed, so the "
-            "replicas would train different models.",
+            f"Parameter {parameter} {what} on {replica} (step {step}) but {why}; its gradients are never summed, "
+            "so the replicas would train different models.",
             hint=_DIVERGENCE_HINTS["unsynchronised parameters"],
         )

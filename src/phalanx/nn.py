@@ -80,6 +80,8 @@ def _require_replica_context(name: str) -> None:
 def _check_global_batch_size(value: Any) -> int:
     # TF asserts a scalar integer (TypeError otherwise) that is not negative; 0 is allowed and
     # gives a 0 loss (div_no_nan). Integer tensors and numpy integers are integers too.
+    if type(value) is int and value >= 0:
+        return value  # the usual case, first: this runs on every step
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"global_batch_size must be a scalar; received a tensor of shape {tuple(value.shape)}")
@@ -120,7 +122,7 @@ def compute_average_loss(
         ContextError: called in cross-replica context (inside ``scope()``, outside ``run``) without
             ``global_batch_size``, as TF refuses it: there is no replica whose batch to count.
     """
-    loss = torch.as_tensor(per_example_loss)
+    loss = per_example_loss if isinstance(per_example_loss, torch.Tensor) else torch.as_tensor(per_example_loss)
     if loss.dim() == 0:
         raise ValueError(
             f"compute_average_loss needs per-example losses (a tensor of rank >= 1); received a scalar {loss!r}. "
@@ -152,7 +154,7 @@ def compute_average_loss(
             )  # the caller of compute_average_loss
     mark_loss_scaled()
     total = loss.sum()
-    if not (total.is_floating_point() or total.is_complex()):
+    if not total.is_floating_point() and not total.is_complex():
         total = total.to(mean_dtype(total.dtype))  # integer losses: TF's true division (float64)
     # div_no_nan: no examples at all is a 0 loss, still attached to the graph (its gradient is 0).
     return total / global_batch_size if global_batch_size else total * 0

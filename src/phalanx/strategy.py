@@ -155,6 +155,8 @@ class StrategyExtended:
         # exit and before the next run (variables.capture_modules).
         self._new_modules: dict[int, tuple[torch.nn.Module, bool]] = {}  # id -> (module, with sub-modules)
         self._tag = next(_TAGS)  # marks the modules this strategy's scopes saw (variables.Capture.tag)
+        if comm.world_size > 1:  # a torch optimizer's first step in `run` checks its parameters
+            hooks.install("phalanx.strategy.optimizer_check", "optimizer_step_pre", _check_optimizer)
         self._input_sharding = input_sharding or InputSharding()
         self._container_strategy_ref: Any = None
         # The last `run` result no collective has compared across replicas yet (TF's regroup check).
@@ -845,6 +847,31 @@ class StrategyExtended:
 
 _NO_RESULT = object()
 _TAGS = itertools.count(1)
+# Optimizers whose parameters were checked at their first step in a multi-replica `run`.
+_CHECKED_OPTIMIZERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A torch optimizer's first step inside ``run`` of a multi-replica strategy: every parameter it
+    updates with a gradient must be one the strategy synchronises. One that belongs to no module
+    (a free ``nn.Parameter``) is not seen by ``scope()`` nor by the first step's module watcher, and
+    would train apart on each replica silently. Costs one set lookup per later step."""
+    if optimizer in _CHECKED_OPTIMIZERS or context.get_replica_context() is None or not context.has_strategy():
+        return  # the first test is the one a checked optimizer's every later step makes (~0.2 us)
+    ext = context.get_strategy().extended
+    if ext._comm.world_size == 1:  # friend: a module-level helper of the core pair
+        return
+    pending = {id(p) for p in ext._new_params}  # friend
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and id(p) not in ext._synced and id(p) not in pending:  # friend
+                raise UnsynchronizedParameterError(
+                    variables.label_of(p),
+                    ext._comm.name(ext._comm.rank),  # friend
+                    ext._step,  # friend
+                    updated_by=type(optimizer).__name__,
+                )
+    _CHECKED_OPTIMIZERS.add(optimizer)
 
 
 def _is_integer(dtype: torch.dtype) -> bool:

@@ -50,6 +50,8 @@ class Capture:
     # Written into each remembered module's __dict__ (MARK): a copy.deepcopy of the module carries
     # it (an int: deep-copied and pickled as itself), so the strategy recognises a standalone copy
     # of one of its modules at the first step that calls it (TF mirrors a copied variable too).
+    # The one fact phalanx writes on a user's object rather than in a side table (_sidetable): a
+    # side table, keyed by identity, does not follow the object into its copy.
     tag: int = 0
 
 

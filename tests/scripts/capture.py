@@ -143,6 +143,42 @@ def _():
     return {"replicas_equal": bool(torch.equal(everyone[0], everyone[1]))}
 
 
+@check("free_parameter_refused")
+def _():
+    # An nn.Parameter that belongs to no module (a learnable temperature) is not captured by scope();
+    # its gradient would stay per replica. The optimizer's first step in run names it instead.
+    with strategy.scope():
+        temperature = nn.Parameter(torch.ones(()))
+        opt = torch.optim.SGD([temperature], lr=0.1)
+
+    def step(x):
+        px.nn.compute_average_loss((x.sum(1) * temperature).reshape(-1)).backward()
+        opt.step()
+
+    try:
+        strategy.run(step, args=(X[rank * 2 : rank * 2 + 2],))
+    except UnsynchronizedParameterError as e:
+        return {"error": type(e).__name__, "text": str(e)}
+    return {"raised": False}
+
+
+@check("free_variable_trains")
+def _():
+    # Its port, phalanx.Variable (TF's tf.Variable): captured, gradients summed, equal everywhere.
+    with strategy.scope():
+        temperature = px.Variable(1.0)
+        opt = torch.optim.SGD([temperature], lr=0.1)
+
+    def step(x):
+        px.nn.compute_average_loss((x.sum(1) * temperature).reshape(-1), global_batch_size=4).backward()
+        opt.step()
+
+    strategy.run(step, args=(X[rank * 2 : rank * 2 + 2],))
+    want = 1.0 - 0.1 * float(X[:4].sum()) / 4  # one device on the global batch of 4
+    values = strategy.gather(strategy.run(lambda: temperature.detach().reshape(1)), axis=0)
+    return {"values": values.tolist(), "one_device": want}
+
+
 @check("transformer_encoder")
 def _():
     def build():
