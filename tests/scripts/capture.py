@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -335,5 +336,12 @@ except ReplicaDivergenceError as e:
     )
     raise
 finally:
-    with open(os.path.join(out, f"drift_{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"drift_{rank}.tmp"), "w") as f:
         json.dump(drift, f)
+    os.replace(os.path.join(out, f"drift_{rank}.tmp"), os.path.join(out, f"drift_{rank}.json"))  # whole or absent
+    # The launcher ends the job soon after the first replica fails: let replica 1 record its error
+    # first (on a loaded machine it may be scheduled late), within a bound.
+    waited = 0.0
+    while rank == 0 and waited < 60 and not os.path.exists(os.path.join(out, "drift_1.json")):
+        time.sleep(0.05)
+        waited += 0.05
