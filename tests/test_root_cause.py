@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from phalanx.launch.forkserver import ForkServer, _recv, _send
 from phalanx.launch.supervisor import CAUSE_WAIT_S, Supervisor, Task
 
 from conftest import run_jobs
@@ -198,3 +202,106 @@ def test_a_failure_that_is_not_a_consequence_stops_the_job_at_once(tmp_path):
     assert sup.record(Task(name="replica 0", command=("x",)), 1, 1, "PeerUnavailableError: gone").consequence
     assert sup.report_root_cause().task.name == "replica 1"
     assert json.loads((tmp_path / "replica 1.error.json").read_text())["message"] == USER_ERROR
+
+
+def test_a_job_that_reported_a_root_cause_never_exits_0():
+    """Whatever path a job's end took, once its root cause is printed its status is not 0."""
+    sup = Supervisor(out=io.StringIO())
+    assert sup.job_status(0) == 0
+    sup.record(Task(name="ps:0", command=("x",)), 1, 1, USER_ERROR)
+    assert sup.report_root_cause().task.name == "ps:0"
+    assert (sup.job_status(0), sup.job_status(3), sup.job_status(130)) == (1, 3, 130)
+    sup.forget_exits()  # a restarted attempt: the earlier failure no longer decides
+    assert sup.job_status(0) == 0
+    assert sup.report_root_cause() is None and sup.job_status(0) == 0
+
+
+# ----------------------------------------------------------------------------- a reused pid
+# The exit status of a job started from a fork server (the test suite starts every launcher so, and
+# each launcher its tasks) is what the server reports. The kernel gives a pid again once its process
+# is reaped (pid_max is 32768 on many hosts: a test session wraps around): an exit kept by pid was
+# the exit of the next child given that pid, at once. So, in CI, a PS job whose launcher got the pid
+# of an earlier test's job that had exited 0 read as "exit 0" while it printed its root cause.
+def _fake_server() -> tuple[ForkServer, socket.socket]:
+    """A client connected to a test playing the server's side of the protocol."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client = ForkServer(preload=(), env=dict(os.environ))
+    client._sock, client._inherited, client.pid = ours, True, 0  # as inherited_server() connects
+    return client, theirs
+
+
+def _answer_fork(theirs: socket.socket, ident: int, pid: int) -> None:
+    """Takes the client's fork request ``ident`` and says that ``pid`` started."""
+    request, fds = _recv(theirs)
+    for fd in fds:
+        os.close(fd)
+    assert request["op"] == "fork" and request["id"] == ident, request
+    _send(theirs, {"op": "started", "id": ident, "pid": pid})
+
+
+def test_an_exit_is_never_read_as_that_of_a_later_child_given_the_same_pid():
+    client, theirs = _fake_server()
+    command, env = [sys.executable, "-c", "pass"], dict(os.environ)
+    try:
+        _send(theirs, {"op": "started", "id": 1, "pid": 4242})  # SEQPACKET: queued until read
+        earlier = client.spawn(command, env=env)
+        _answer_fork(theirs, 1, 4242)  # the request itself, read after the fact
+        _send(theirs, {"op": "exit", "id": 1, "pid": 4242, "code": 0})
+        assert earlier.wait(timeout=5) == 0
+        _send(theirs, {"op": "started", "id": 2, "pid": 4242})  # the kernel gave 4242 again
+        later = client.spawn(command, env=env)
+        _answer_fork(theirs, 2, 4242)
+        assert later.pid == earlier.pid
+        assert later.poll() is None, "the earlier child's exit was read as the later one's"
+        _send(theirs, {"op": "exit", "id": 2, "pid": 4242, "code": 1})
+        assert later.wait(timeout=5) == 1
+        assert earlier.poll() == 0
+    finally:
+        client.close()
+        theirs.close()
+
+
+# In a pid namespace of its own (nothing else forks there), the launcher of the PS job above is
+# forked from a server under the pid of an earlier child of that server that exited 0.
+REUSED_PID = """
+import os, sys
+from phalanx.launch.forkserver import ForkServer, preload_for
+
+job = [sys.executable, "-m", "phalanx.cli", "run", "--ps", "1", "--workers", "1", sys.argv[1]]
+env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+with ForkServer(preload_for(job, env)) as server:
+    earlier = server.spawn([sys.executable, "-c", "pass"], env=env)
+    assert earlier.wait(timeout=60) == 0
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next pid given: the earlier child's
+        f.write(str(earlier.pid - 1))
+    launcher = server.spawn(job, env=env)
+    assert launcher.pid == earlier.pid, f"pid {launcher.pid}, not {earlier.pid}: cannot test the reuse"
+    code = launcher.wait(timeout=60)
+print(f"exit status seen: {code}", flush=True)
+"""
+_NAMESPACE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+
+
+def test_a_failed_job_started_under_a_reused_pid_reads_as_failed(tmp_path):
+    try:
+        probe = subprocess.run([*_NAMESPACE, "sh", "-c", "echo 0 > /proc/sys/kernel/ns_last_pid"], capture_output=True)
+    except OSError as e:
+        pytest.skip(f"no unshare here: {e}")
+    if probe.returncode != 0:
+        pytest.skip(f"no pid namespace of our own here: {probe.stderr.decode(errors='replace').strip()}")
+    (tmp_path / "job.py").write_text(PS_TASK)
+    (tmp_path / "reuse.py").write_text(REUSED_PID)
+    env = {**os.environ, "PHALANX_LOG_ROOT": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    res = subprocess.run(
+        [*_NAMESPACE, sys.executable, "reuse.py", "job.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "exit status seen: 1" in out, out
+    assert out.count("phalanx: root cause (first failure): ps:0") == 1, out

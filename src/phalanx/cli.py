@@ -17,6 +17,7 @@ import sys
 from typing import Sequence
 
 from phalanx.launch.cores import cpu_oversubscription_warning
+from phalanx.launch.stdio import flush_quietly, own_streams
 
 
 def _master(text: str) -> tuple[str, int]:
@@ -320,8 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     from_command_line = argv is None
+    if from_command_line:
+        # Started with a closed stdout, stderr or stdin (a daemon's, `>&-`): /dev/null there, so
+        # that no file, socket or child of the launcher lands on a standard descriptor.
+        own_streams()
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # forward everything verbatim: argparse would reorder or reject options
         return _bench(argparse.Namespace(forwarded=argv[1:]))
@@ -337,9 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if from_command_line and args.func is _run:
         # The launcher is done (every replica has ended) and nothing is left to clean up: end now,
         # so the job's exit status never waits on the interpreter's teardown (seconds under load
-        # when the launcher still imported torch).
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+        # when the launcher still imported torch). A stdout whose reader went away (`| head -1`)
+        # must not turn the job's status into a failure.
+        flush_quietly()
         os._exit(code)
     return code
 

@@ -274,6 +274,40 @@ class WriteError(DistributedRuntimeError):
     """The chief failed to write a file every replica waits for (``model.save`` under a strategy)."""
 
 
+class DiskFullError(WriteError, OSError):
+    """A write ran out of space (``ENOSPC``, or ``EDQUOT``: a quota) in the middle of a save.
+
+    An ``OSError`` with the ``errno`` the system gave, so ``except OSError`` and checks of
+    ``e.errno`` work as they do for a bare one; the message names what was being saved, where,
+    and how much space the file system had left.
+
+    Attributes:
+        path: what was being written (a checkpoint's directory, a file).
+        directory: the directory it goes to.
+        free: bytes free there when the error was raised, or None when unknown.
+    """
+
+    def __init__(
+        self, path: str, directory: str, *, free: int | None, error: OSError, what: str = "checkpoint"
+    ) -> None:
+        self.path, self.directory, self.free = path, directory, free
+        left = f"{free} bytes free" if free is not None else "free space unknown"
+        reason = error.strerror or str(error)
+        PhalanxError.__init__(
+            self,
+            f"Cannot write the {what} {path!r}: {reason} in {directory!r} ({left}). Nothing was "
+            f"committed: the earlier {what}s there are intact.",
+            hint=f"free space on that file system (older {what}s: CheckpointManager(max_to_keep=...)), "
+            "or save to a directory with room",
+        )
+        # OSError's fields, for callers that test them (set after the message: OSError's
+        # constructor would otherwise read the message as (errno, strerror)).
+        self.errno, self.strerror, self.filename = error.errno, error.strerror, path
+
+    def __str__(self) -> str:  # OSError's own would print "[Errno 28] ..." without the message
+        return str(self.args[0])
+
+
 class CollectiveMismatchError(DistributedRuntimeError):
     """The ranks met in one collective with calls that do not match (tensor size, dtype or op).
 

@@ -241,7 +241,9 @@ class Checkpoint:
         Raises:
             CheckpointNotFoundError: ``save_path`` holds no complete checkpoint.
             CheckpointMismatchError: a saved value does not fit its object (shape, keys).
-            UnsafeCheckpointError / CorruptCheckpointError: a file is not a clean tensor file.
+            CorruptCheckpointError: a file (the manifest, its digest file or a tensor file)
+                changed after it was written; names the file and why. Nothing was restored.
+            UnsafeCheckpointError: a file is not a clean tensor file.
         """
         return self._restore(save_path, self._all_objects())
 
@@ -345,12 +347,13 @@ def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, 
 def latest_checkpoint(directory: str) -> str | None:
     """The newest intact checkpoint in ``directory``, or None.
 
-    Directories without a valid manifest (a save that crashed) are not checkpoints. The newest
-    checkpoint is verified (every file's size and SHA-256 against the manifest); a damaged one
-    is skipped with a warning naming it and why, and the next newest is tried.
+    Directories without a manifest (a save that crashed) are not checkpoints. The newest
+    checkpoint is verified (its manifest against its digest file, every other file's size and
+    SHA-256 against the manifest); a damaged one is skipped with a warning naming it, the file
+    and why, and the next newest is tried.
     """
-    found = storage.list_checkpoints(os.fspath(directory))
-    return storage.choose_latest([path for path, _ in found])[0]
+    found = storage.scan(os.fspath(directory))
+    return storage.choose_latest([entry.path for entry in found])[0]
 
 
 # --------------------------------------------------------------------------- helpers

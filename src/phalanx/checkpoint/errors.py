@@ -39,6 +39,7 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, path: str, problem: str) -> None:
         self.path = path
+        self.problem = problem
         super().__init__(
             f"Checkpoint file {path!r} is damaged: {problem}.",
             hint="restore an older checkpoint (CheckpointManager.checkpoints lists them)",

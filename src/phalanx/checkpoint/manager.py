@@ -2,9 +2,10 @@
 
 As ``tf.train.CheckpointManager``. The manager finds the checkpoints a previous run left (a
 restarted job continues the numbering and the deletion), and a save that crashed leaves nothing
-it would pick up: only directories with a complete manifest count. The latest checkpoint is
-verified before it is used; a damaged one (a flipped bit, a truncated or missing file) is
-skipped with a warning, and the previous valid one is used instead.
+it would pick up: only directories with a manifest count. The latest checkpoint is verified
+before it is used, every byte of it; a damaged one (a flipped bit anywhere, a truncated or
+missing file, an unparsable manifest) is skipped with a warning, and the previous valid one is
+used instead.
 
 Example:
     >>> import tempfile, torch
@@ -75,12 +76,12 @@ class CheckpointManager:
         self._step_counter = step_counter
         self._interval = checkpoint_interval
         self._init_fn = init_fn
-        # A restarted job picks up where the last one left the directory.
-        self._checkpoints = [
-            path
-            for path, _ in storage.list_checkpoints(self._directory)
-            if self._pattern.fullmatch(os.path.basename(path))
-        ]
+        # A restarted job picks up where the last one left the directory. Checkpoints whose
+        # manifest is damaged stay in the order (the newest one is reported when it is passed
+        # over) but are not listed, kept or restored.
+        entries = [e for e in storage.scan(self._directory) if self._pattern.fullmatch(os.path.basename(e.path))]
+        self._checkpoints = [e.path for e in entries]
+        self._damaged = {e.path for e in entries if e.problem is not None}
         self._last_saved_step: int | None = None
 
     @property
@@ -93,8 +94,8 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> list[str]:
-        """The kept checkpoints, oldest first."""
-        return list(self._checkpoints)
+        """The kept checkpoints, oldest first (not those found damaged)."""
+        return [p for p in self._checkpoints if p not in self._damaged]
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -110,6 +111,7 @@ class CheckpointManager:
     def _drop(self, damaged: list[str]) -> None:
         # Left on disk for inspection; a later save with the same number replaces them.
         self._checkpoints = [p for p in self._checkpoints if p not in damaged]
+        self._damaged.difference_update(damaged)
 
     def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
         """Saves ``{directory}/{checkpoint_name}-{number}`` (collective); returns its path.
@@ -134,7 +136,11 @@ class CheckpointManager:
         number = counter if checkpoint_number is None else int(checkpoint_number)
         path = os.path.join(self._directory, f"{self._name}-{number}")
         kept = [p for p in self._checkpoints if p != path] + [path]
-        dropped = kept[: -self._max_to_keep] if self._max_to_keep is not None else []
+        valid = [p for p in kept if p not in self._damaged or p == path]
+        dropped = valid[: -self._max_to_keep] if self._max_to_keep is not None else []
+        if dropped:  # damaged ones older than every kept checkpoint can never be chosen: they go too
+            oldest_kept = kept.index(valid[len(dropped)])
+            dropped += [p for p in kept[:oldest_kept] if p in self._damaged]
 
         def delete_old() -> None:
             # Only once the new checkpoint is complete: a crash before this point leaves the old ones.
@@ -143,7 +149,8 @@ class CheckpointManager:
             storage.remove_leftovers(self._directory)
 
         self._checkpoint.write(path, _after_commit=delete_old)
-        self._checkpoints = kept[len(dropped) :]
+        self._checkpoints = [p for p in kept if p not in dropped]
+        self._damaged.difference_update([*dropped, path])  # deleted, or replaced by the save
         self._last_saved_step = step
         return path
 

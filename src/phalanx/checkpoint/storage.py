@@ -6,6 +6,7 @@ A checkpoint is a directory (``/ckpts/ckpt-7``)::
       model.pt          {state_dict key: tensor}, written with torch.save
       optimizer.pt      {"state/0/exp_avg": tensor, ...}
       MANIFEST.json     structure and non-tensor values of every object, file sizes and SHA-256
+      MANIFEST.sha256   the manifest's own size and SHA-256 (and sequence number), written after it
 
 Why not ``torch.distributed.checkpoint`` (DCP)? Its ``FileSystemReader`` reads the ``.metadata``
 file with ``pickle.load`` and its ``DefaultLoadPlanner`` reads non-tensor values with
@@ -18,15 +19,22 @@ concatenated on save (:mod:`phalanx.checkpoint.sharding`), so any world size or 
 restore them. A module's file is its ``state_dict``, readable with plain ``torch.load``.
 
 Writing is atomic. The chief writes every file into a hidden temporary directory, fsyncs each,
-writes the manifest last (temp file, fsync, ``os.replace``), then renames the directory into
-place and fsyncs the parent. A crash at any point leaves either no new checkpoint or a complete
-one; only directories with a valid manifest are checkpoints.
+writes the manifest, then its digest file (temp file, fsync, ``os.replace`` each), then renames
+the directory into place and fsyncs the parent. A crash at any point leaves either no new
+checkpoint or a complete one; only directories with a manifest are checkpoints.
 
-Reading verifies. Choosing a checkpoint (:func:`choose_latest`, behind ``latest_checkpoint`` and
-``CheckpointManager.restore_or_initialize``) checks every file against the manifest, size and
-SHA-256, newest checkpoint first, and skips a damaged one with a warning that names it and why
-(a flipped bit of the same size, a truncated or a missing file), so a job that restarts after
-its storage damaged the latest save resumes from the previous one instead of crash-looping.
+Reading verifies every byte. The manifest holds the non-tensor state (counters, optimizer
+hyperparameters, user values), so it is checked against ``MANIFEST.sha256`` whenever it is read
+(:func:`read_manifest`: listing, choosing and restoring), and the digest file itself must be
+exactly what phalanx writes; a damaged one raises :class:`CorruptCheckpointError` naming the file
+and the reason. Choosing a checkpoint (:func:`choose_latest`, behind ``latest_checkpoint`` and
+``CheckpointManager.restore_or_initialize``) also checks every tensor file against the manifest,
+size and SHA-256, newest checkpoint first, and skips a damaged checkpoint with a warning that
+names it and why (a flipped bit of the same size, a truncated or a missing file, an unparsable or
+altered manifest), so a job that restarts after its storage damaged the latest save resumes from
+the previous one instead of crash-looping or resuming with wrong state. A checkpoint written by
+an earlier phalanx (no digest file, and a manifest that does not ask for one) still restores;
+its manifest cannot be verified, which is said once per directory and process.
 The cost stays at one hash per file: the writer hashes the bytes it writes (never reading them
 back), and a file verified when chosen is not hashed again by the restore that follows, as long
 as its size, times and inode are unchanged (:class:`VerifiedFiles`).
@@ -38,6 +46,7 @@ the manifest is written but before the directory is renamed into place.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -47,14 +56,21 @@ import pickle
 import shutil
 import time
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
-from phalanx.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from phalanx.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from phalanx.config import settings
+from phalanx.errors import DiskFullError
 
 MANIFEST = "MANIFEST.json"
+DIGEST = "MANIFEST.sha256"  # the manifest's digest, written after it (the manifest cannot hold its own)
 FORMAT = "phalanx.checkpoint"
 VERSION = 1
 FAULT_ENV = "PHALANX_CHECKPOINT_FAULT"
@@ -150,6 +166,15 @@ def write_durable(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _disk_full(path: str, directory: str, error: OSError) -> DiskFullError:
+    """The error for a save that ran out of space: a bare ``[Errno 28]`` names no checkpoint."""
+    try:
+        free: int | None = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    return DiskFullError(path, directory, free=free, error=error)
+
+
 def _fault_point(name: str, index: int = 0) -> None:
     fault = settings().checkpoint_fault  # PHALANX_CHECKPOINT_FAULT
     if fault and (fault == name or fault == f"{name}:{index}"):
@@ -181,16 +206,19 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
             write_durable(os.path.join(tmp, name), data)
             records[name] = {"bytes": len(data), "sha256": _digest([data])}  # hashed while writing
             _fault_point("after_file", i)
-        previous = [m.get("sequence", 0) for _, m in list_checkpoints(parent)]
+        previous = [entry.sequence for entry in scan(parent) if entry.sequence is not None]
         full = {
             "format": FORMAT,
             "version": VERSION,
             "sequence": max(previous, default=0) + 1,
             "created_ns": time.time_ns(),
+            "manifest_digest": DIGEST,  # says the digest file belongs: one missing later is damage
             **manifest,
             "files": records,
         }
-        write_durable(os.path.join(tmp, MANIFEST), json.dumps(full, indent=1).encode())
+        data = json.dumps(full, indent=1).encode()
+        write_durable(os.path.join(tmp, MANIFEST), data)
+        write_durable(os.path.join(tmp, DIGEST), _digest_record(data, full["sequence"]))
         _fsync_dir(tmp)
         _fault_point("before_commit")
         trash = None
@@ -204,8 +232,10 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
                 os.replace(trash, path)
             raise
         _fsync_dir(parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(path, parent, e) from e
         raise
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
@@ -214,10 +244,11 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
 
 def delete_checkpoint(path: str) -> None:
     """Deletes a checkpoint; the manifest goes first, so a crash midway leaves no valid half."""
-    try:
-        os.remove(os.path.join(path, MANIFEST))
-    except FileNotFoundError:
-        pass
+    for name in (MANIFEST, DIGEST):
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -232,16 +263,115 @@ def remove_leftovers(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+# --------------------------------------------------------------------------- the manifest's digest
+_DIGEST_KEYS = ("manifest", "bytes", "sha256", "sequence")
+
+
+def _digest_record(manifest: bytes, sequence: Any) -> bytes:
+    """The content of the digest file for the manifest bytes ``manifest`` (one canonical JSON line).
+
+    The sequence number is repeated so that a checkpoint whose manifest is damaged still sorts
+    in its place among the others (and is reported when it is newer than the one chosen).
+    """
+    record = dict(zip(_DIGEST_KEYS, (MANIFEST, len(manifest), hashlib.sha256(manifest).hexdigest(), sequence)))
+    return (json.dumps(record) + "\n").encode()
+
+
+def seal_manifest(path: str) -> None:
+    """Rewrites the digest file of the checkpoint at ``path`` for its manifest as it is now.
+
+    For tools (and tests) that edit a manifest on purpose; a damaged manifest must never be
+    sealed, since this makes whatever it holds the truth.
+    """
+    with open(os.path.join(path, MANIFEST), "rb") as f:
+        data = f.read()
+    write_durable(os.path.join(path, DIGEST), _digest_record(data, json.loads(data).get("sequence")))
+
+
+def _read_digest(path: str) -> dict[str, Any] | None:
+    """The digest record of the checkpoint at ``path``, None if it has no digest file.
+
+    Raises:
+        CorruptCheckpointError: the digest file is not byte for byte a record phalanx writes.
+    """
+    file = os.path.join(path, DIGEST)
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CorruptCheckpointError(file, f"it cannot be read ({e}), so {MANIFEST} cannot be verified") from e
+    try:
+        record = json.loads(raw)
+        valid = (
+            isinstance(record, dict)
+            and tuple(record) == _DIGEST_KEYS
+            and record["manifest"] == MANIFEST
+            and raw == (json.dumps(record) + "\n").encode()  # canonical: every byte of it is checked
+        )
+    except (ValueError, TypeError):
+        valid = False
+    if not valid:
+        raise CorruptCheckpointError(
+            file, f"it is not the digest record phalanx writes (its bytes changed), so {MANIFEST} cannot be verified"
+        )
+    return record
+
+
+def _warn_unverified(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    key = (directory, "unverified")
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning(
+        "phalanx.checkpoint: the checkpoints in %r were written by an earlier phalanx version: their %s has no "
+        "digest (%s), so their non-tensor state (counters, hyperparameters, values) is not verified; their "
+        "tensor files are. Checkpoints saved from now on are verified whole.",
+        directory,
+        MANIFEST,
+        DIGEST,
+    )
+
+
 # --------------------------------------------------------------------------- reading
 def read_manifest(path: str) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path``; raises if it is not a complete checkpoint."""
+    """The verified manifest of the checkpoint at ``path``.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no checkpoint (no manifest, or not phalanx's).
+        CorruptCheckpointError: the manifest or its digest file is damaged (names which, and why).
+    """
+    file = os.path.join(path, MANIFEST)
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError) as e:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
         raise CheckpointNotFoundError(path) from e
+    record = _read_digest(path)
+    if record is not None and (record["bytes"] != len(data) or record["sha256"] != hashlib.sha256(data).hexdigest()):
+        raise CorruptCheckpointError(
+            file,
+            f"its size or SHA-256 differs from what {DIGEST} records (one of the two changed after it was "
+            "written: a flipped bit, a partial overwrite)",
+        )
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:
+        raise CorruptCheckpointError(file, f"it is not valid JSON ({str(e)[:120]})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointNotFoundError(path, hint="this directory was not written by phalanx.checkpoint")
+    if record is None:
+        if "manifest_digest" in manifest:
+            raise CorruptCheckpointError(
+                os.path.join(path, DIGEST), f"it is missing, but {MANIFEST} was written with it, so cannot be verified"
+            )
+        _warn_unverified(path)
+    elif record["sequence"] != manifest.get("sequence"):
+        raise CorruptCheckpointError(
+            os.path.join(path, DIGEST), f"its sequence number differs from the one in {MANIFEST}"
+        )
     if manifest.get("version") != VERSION:
         raise CheckpointNotFoundError(
             path,
@@ -253,12 +383,16 @@ def read_manifest(path: str) -> dict[str, Any]:
 def find_problem(path: str, manifest: dict[str, Any] | None = None) -> str | None:
     """Why the checkpoint at ``path`` cannot be restored, or None when every file is intact.
 
-    Checks each file the manifest records: present, of the recorded size, of the recorded
-    SHA-256 (skipped for a file this process verified or wrote and nobody touched since).
+    Checks the manifest against its digest file (unless ``manifest`` is given, already read
+    with :func:`read_manifest`), then each file the manifest records: present, of the recorded
+    size, of the recorded SHA-256 (skipped for a file this process verified or wrote and nobody
+    touched since).
     """
     try:
         manifest = read_manifest(path) if manifest is None else manifest
         records = dict(manifest["files"])
+    except CorruptCheckpointError as e:
+        return f"{os.path.basename(e.path)} is damaged: {e.problem}"
     except CheckpointNotFoundError:
         return f"its {MANIFEST} is missing or unreadable"
     except (KeyError, TypeError, ValueError):
@@ -293,14 +427,48 @@ def is_complete(path: str) -> bool:
     try:
         manifest = read_manifest(path)
         return all(os.path.getsize(os.path.join(path, name)) == rec["bytes"] for name, rec in manifest["files"].items())
-    except (CheckpointNotFoundError, OSError, KeyError, TypeError):
+    except (CheckpointError, OSError, KeyError, TypeError):
         return False
 
 
-def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Checkpoints directly under ``directory`` with a valid manifest, oldest first: ``[(path, manifest)]``.
+class Entry(NamedTuple):
+    """A checkpoint directory found by :func:`scan`.
 
-    Their files are not checked here (:func:`choose_latest` does that, for the ones it considers).
+    Attributes:
+        path: its absolute path.
+        manifest: its verified manifest, None when ``problem`` says it is damaged.
+        problem: why its manifest cannot be trusted (names the file), or None.
+        sequence: its place among the others; for a damaged one, the highest of the numbers its
+            manifest and digest file still show (a bit flipped in one of them must not make it
+            look older than it is), None when neither shows one (then it sorts as the newest).
+    """
+
+    path: str
+    manifest: dict[str, Any] | None
+    problem: str | None
+    sequence: int | None
+
+
+def _damaged_sequence(path: str) -> int | None:
+    found = []
+    for name in (MANIFEST, DIGEST):
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                value = json.loads(f.read()).get("sequence")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            found.append(value)
+    return max(found, default=None)
+
+
+def scan(directory: str) -> list[Entry]:
+    """Every checkpoint directly under ``directory``, damaged manifests included, oldest first.
+
+    A directory is a checkpoint when it holds a manifest; one whose manifest or digest file is
+    damaged is listed with the reason (so that choosing the latest one reports it instead of
+    passing over it in silence). Tensor files are not checked here (:func:`choose_latest` does
+    that, for the ones it considers).
     """
     try:
         names = os.listdir(directory)
@@ -312,11 +480,30 @@ def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
         if name.startswith(".") or not os.path.isdir(path):
             continue
         try:
-            found.append((path, read_manifest(path)))
+            manifest = read_manifest(path)
+        except CorruptCheckpointError as e:
+            problem = f"{os.path.basename(e.path)} is damaged: {e.problem}"
+            found.append(Entry(path, None, problem, _damaged_sequence(path)))
+            continue
         except CheckpointNotFoundError:
             continue  # not a checkpoint (or a save that crashed before its manifest)
-    found.sort(key=lambda pm: (pm[1].get("sequence", 0), pm[1].get("created_ns", 0), pm[0]))
-    return found
+        sequence = manifest.get("sequence", 0)
+        found.append(Entry(path, manifest, None, sequence if isinstance(sequence, int) else 0))
+
+    def order(entry: Entry) -> tuple:
+        created = entry.manifest.get("created_ns", 0) if entry.manifest is not None else 0
+        sequence = float("inf") if entry.sequence is None else entry.sequence
+        return (sequence, created if isinstance(created, int) else 0, entry.path)
+
+    return sorted(found, key=order)
+
+
+def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
+    """Checkpoints directly under ``directory`` with a verified manifest, oldest first: ``[(path, manifest)]``.
+
+    Their files are not checked here (:func:`choose_latest` does that, for the ones it considers).
+    """
+    return [(entry.path, entry.manifest) for entry in scan(directory) if entry.manifest is not None]
 
 
 def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, str]]]:

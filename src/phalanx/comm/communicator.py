@@ -245,7 +245,7 @@ class ProcessGroupCommunicator:
         self.step: int | None = None
         self._closed = False
         me = spec.name(spec.rank)
-        rendezvous.check_bind_address(spec.bind_addr, me)
+        rendezvous.check_bind_address(spec.bind_addr, me, spec.address(spec.rank))  # its port for errors
         notice = rendezvous.WaitNotice(spec.rendezvous_notice)  # once for the store and the peers
         # One store (one listening port) per job and process, shared by the program's strategies;
         # each strategy's keys live under its own prefix (a program may create several).

@@ -9,7 +9,11 @@ Every wait here is bounded by the rendezvous timeout, whatever the peer at the o
 foreign program that holds the master port and accepts connections without answering makes
 torch's store client block forever in its handshake, so the client is connected on a helper
 thread and given up on at the deadline (the thread is blocked in a socket read with the GIL
-released, and ends with the process).
+released, and ends with the process). Before that client exists, a plain TCP connect loop waits
+for something to listen at the master's address (:class:`_Probe`): a master that never comes, a
+port nobody serves or a host that does not resolve then ends in phalanx's typed error alone,
+never after torch's C++ stack trace for the same failure (set ``TORCH_CPP_LOG_LEVEL`` to see
+torch's own account of the connection instead).
 
 Address problems are :class:`~phalanx.errors.ClusterSpecError` naming the task, the address and
 the cause: does not resolve, not an address of this host, port taken by another program.
@@ -25,6 +29,7 @@ import datetime
 import errno
 import json
 import os
+import select
 import socket
 import sys
 import threading
@@ -92,8 +97,9 @@ class WaitNotice:
         )
 
 
-def _address_error(task: str, host: str, port: int, err: OSError) -> ClusterSpecError:
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def _address_error(task: str, host: str, port: int | None, err: OSError) -> ClusterSpecError:
+    """The error for an address this task cannot listen on; ``port`` None: the host alone is named."""
+    address = host if port is None else f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if isinstance(err, socket.gaierror):
         return ClusterSpecError(
             task,
@@ -126,27 +132,32 @@ def _address_error(task: str, host: str, port: int, err: OSError) -> ClusterSpec
     return ClusterSpecError(task, address, f"cannot listen there: {err}", hint="check the address and port")
 
 
-def _resolve(host: str, port: int, task: str) -> tuple[int, Any]:
+def _resolve(host: str, port: int, task: str, shown: int | None) -> tuple[int, Any]:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
         raise _address_error(
-            task, host, port, e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))
+            task, host, shown, e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))
         ) from None
     return family, sockaddr
 
 
-def listen_socket(host: str, port: int, task: str = "task") -> socket.socket:
+def listen_socket(host: str, port: int, task: str = "task", *, configured: int | None = -1) -> socket.socket:
     """A listening socket on ``host:port`` for the store's server.
 
     torch's TCPStore binds its server to every interface whatever host it is given; handing it a
     socket we bound ourselves keeps the listener on the task's own address.
 
+    Args:
+        configured: the port an error names (default ``port``; None: none). A probe on port 0
+            names the port the user configured, not the 0 it asked the kernel for.
+
     Raises:
         ClusterSpecError: ``host`` does not resolve, is not an address of this host, or the port
             is taken.
     """
-    family, sockaddr = _resolve(host, port, task)
+    shown = port if configured == -1 else configured
+    family, sockaddr = _resolve(host, port, task, shown)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -154,13 +165,18 @@ def listen_socket(host: str, port: int, task: str = "task") -> socket.socket:
         sock.listen(128)
     except OSError as e:
         sock.close()
-        raise _address_error(task, host, port, e) from None
+        raise _address_error(task, host, shown, e) from None
     return sock
 
 
-def check_bind_address(host: str, task: str = "task") -> None:
-    """Raises a ClusterSpecError if this process cannot listen on ``host`` (any free port)."""
-    listen_socket(host, 0, task).close()
+def check_bind_address(host: str, task: str = "task", address: str = "") -> None:
+    """Raises a ClusterSpecError if this process cannot listen on ``host`` (any free port).
+
+    ``address``: the task's ``host:port`` as configured (a cluster spec's), whose port the error
+    names; without it the error names the host alone.
+    """
+    port = address.rsplit(":", 1)[1] if ":" in address else ""
+    listen_socket(host, 0, task, configured=int(port) if port.isdigit() else None).close()
 
 
 def connect_store(
@@ -197,37 +213,144 @@ def connect_store(
                 wait_for_workers=False,
                 master_listen_fd=sock.detach(),
             )
+    deadline = time.monotonic() + timeout
+    where = f"{master_task} at {master_addr}:{master_port}"
+    probe = _Probe(master_addr, master_port, deadline, quiet=not _torch_logs_asked())
     box: dict[str, Any] = {}
 
     def connect() -> None:
         try:
-            box["store"] = dist.TCPStore(master_addr, master_port, world_size, False, delta, wait_for_workers=False)
+            if not probe.wait_for_listener():
+                return
+            # The client's own timeout lies past ours: when it expires, torch logs a C++ stack
+            # trace. Past ours, phalanx has already reported the failure (and the program most
+            # likely ended); the store gets the job's timeout back once connected.
+            client_timeout = delta + _CLIENT_GRACE if probe.quiet else delta
+            store = dist.TCPStore(master_addr, master_port, world_size, False, client_timeout, wait_for_workers=False)
+            store.set_timeout(delta)
+            box["store"] = store
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
             box["error"] = e
 
     helper = threading.Thread(target=connect, name="phalanx-store-connect", daemon=True)
     with helper_threads_ignore_stop_signals():  # and so the client's native threads it starts
         helper.start()
-    deadline = time.monotonic() + timeout
-    where = f"{master_task} at {master_addr}:{master_port}"
     due = notice.due_in() if notice is not None else None
     if due is not None and due < timeout:
         helper.join(due)
         if helper.is_alive():
             notice.poll(lambda: [where], deadline)
     helper.join(max(0.0, deadline - time.monotonic()))
+    if not probe.quiet:  # the user asked for torch's logs: its client's last lines come first
+        helper.join(_LOGS_GRACE_S)
     if "store" in box:
         return box["store"]
     error = box.get("error")
-    if error is None and _accepts(master_addr, master_port):
+    if isinstance(probe.last_error, socket.gaierror) or (probe.last_error is None and _unresolvable(master_addr)):
+        reason = probe.last_error or socket.gaierror("no address")
+        cause = f"the host {master_addr!r} does not resolve ({getattr(reason, 'strerror', None) or reason})"
+    elif probe.not_a_store:
+        cause = f"port {master_port} {probe.not_a_store}: not a phalanx rendezvous store (another program holds it?)"
+    elif error is None and probe.accepted and _accepts(master_addr, master_port):
         cause = (
             f"port {master_port} accepts connections but never answered as a phalanx rendezvous store "
             "(another program holds it?)"
         )
     else:
-        first = str(error).strip().splitlines()[0][:200] if error is not None and str(error).strip() else ""
+        seen = error if error is not None else probe.last_error
+        first = str(seen).strip().splitlines()[0][:200] if seen is not None and str(seen).strip() else ""
         cause = f"nothing answered at port {master_port}" + (f" ({first})" if first else "")
     raise RendezvousTimeoutError([where], timeout, cause=cause) from error
+
+
+# The store client's own connection timeout runs this long past phalanx's (see connect_store).
+_CLIENT_GRACE = datetime.timedelta(hours=1)
+_LOGS_GRACE_S = 2.0  # with TORCH_CPP_LOG_LEVEL set: how long torch's client may take to log its end
+_SPEAKS_FIRST_S = 0.05  # a store's server never writes before the client asks: a program that does is not one
+
+
+def _torch_logs_asked() -> bool:
+    """Whether the user set torch's C++ log level: then torch's client is left to log as it does."""
+    return bool(os.environ.get("TORCH_CPP_LOG_LEVEL", "").strip())
+
+
+class _Probe:
+    """Waits, in Python, until something listens at the master's address before torch's store
+    client is created.
+
+    torch's client retries quietly while nothing listens, but when its own timeout expires (or a
+    connection is reset) it writes a 30-line C++ stack trace to stderr, racing phalanx's typed
+    error for the same failure. A plain TCP connect loop finds out the same things (the host does
+    not resolve; nothing listens; something listens but closes the connection or speaks first),
+    quietly, and keeps what it saw for the error's message. ``quiet=False`` (the user set
+    ``TORCH_CPP_LOG_LEVEL``) skips it, so that torch logs the whole connection as it does.
+    """
+
+    def __init__(self, host: str, port: int, deadline: float, *, quiet: bool) -> None:
+        self.host, self.port, self.deadline, self.quiet = host, port, deadline, quiet
+        self.last_error: BaseException | None = None
+        self.not_a_store = ""  # what the program at the port did, when it is not a store
+        self.accepted = not quiet
+
+    def wait_for_listener(self) -> bool:
+        """True once a connection was accepted (and not refused at once); False at the deadline."""
+        if not self.quiet:
+            return True
+        while True:
+            if self._try():
+                self.accepted = True
+                return True
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.1, left))
+
+    def _try(self) -> bool:
+        left = max(0.05, self.deadline - time.monotonic())
+        try:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            self.last_error = e if isinstance(e, socket.gaierror) else socket.gaierror(str(e))
+            return False
+        for family, _, _, _, sockaddr in infos:
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(min(1.0, left))
+                    sock.connect(sockaddr)
+                    # A store's server waits for the client to speak; one that answers at once,
+                    # or closes, is another program.
+                    readable, _, _ = select.select([sock], [], [], _SPEAKS_FIRST_S)
+                    if readable:
+                        self.not_a_store = (
+                            "accepts connections but closes them at once"
+                            if not sock.recv(1, socket.MSG_PEEK)
+                            else "answers before it is asked"
+                        )
+                        continue
+                    self.not_a_store, self.last_error = "", None
+                    return True
+            except ConnectionResetError:
+                self.not_a_store = "accepts connections but resets them"
+            except OSError as e:
+                self.last_error = e
+        return False
+
+
+def _unresolvable(host: str) -> bool:
+    """Whether ``host`` does not resolve (asked on a helper thread, 1 s at most: DNS can hang)."""
+    box: dict[str, bool] = {}
+
+    def ask() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            box["resolves"] = True
+        except (OSError, UnicodeError):
+            box["resolves"] = False
+
+    thread = threading.Thread(target=ask, name="phalanx-resolve", daemon=True)
+    thread.start()
+    thread.join(1.0)
+    return box.get("resolves") is False
 
 
 MISMATCH_LINGER_S = 3.0  # rank 0 keeps the store up this long at most for peers to see the mismatch

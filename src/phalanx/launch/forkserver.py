@@ -29,7 +29,9 @@ What can differ from a fresh interpreter, and what is done about it:
   CPU-only torch build. numpy's and scipy's OpenBLAS pools are fork-aware (``pthread_atfork``).
 * **Process tree.** Replicas are the server's children, not the supervisor's; the server
   reports each start and exit over its control socket, dies with the supervisor
-  (``PR_SET_PDEATHSIG``) and takes its replicas with it the same way.
+  (``PR_SET_PDEATHSIG``) and takes its replicas with it the same way. An exit names the fork
+  request that started the process, not only its pid: the kernel gives a reaped pid again, and
+  a later child with it must never read as already ended with its predecessor's status.
 * **Nested launches.** Each forked program gets a connection of its own to the server (a
   descriptor named in ``PHALANX_FORK_SERVER``, valid in that process only, as systemd's
   ``LISTEN_FDS``/``LISTEN_PID``): a supervisor in it (``python train.py`` that self-launches its
@@ -70,6 +72,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from phalanx.errors import LaunchError
+from phalanx.launch.stdio import flush_quietly, own_streams
 
 __all__ = ["ForkServer", "ForkedProcess", "forkable", "has_inherited_server", "inherited_server", "preload_for"]
 
@@ -255,13 +258,16 @@ class ForkedProcess:
         stdout: the read end of its output pipe when it was started with ``stdout=PIPE``, else None.
     """
 
-    def __init__(self, server: ForkServer, pid: int, stdout: io.BufferedReader | None = None) -> None:
+    def __init__(
+        self, server: ForkServer, pid: int, stdout: io.BufferedReader | None = None, *, request: int | None = None
+    ) -> None:
         self._server, self.pid, self.stdout = server, pid, stdout
+        self._request = request  # the fork request that started it: its identity, which a pid is not
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server._exit_code(self.pid)
+            self.returncode = self._server._exit_code(self._request)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -302,8 +308,11 @@ class ForkServer:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
-        self._exits: dict[int, int] = {}
-        self._started: dict[int, int] = {}
+        # By fork request, never by pid: the kernel reuses a pid once its process is reaped, and an
+        # exit kept by pid would be read as the end of the next child that gets the same pid (a
+        # failed job read as exit 0 at once).
+        self._exits: dict[int, int] = {}  # request id -> exit code
+        self._started: dict[int, int] = {}  # request id -> pid
         self._next_id = 0
         self._inherited = False  # a connection to the server this process was forked from
         self.pid: int | None = None
@@ -437,13 +446,14 @@ class ForkServer:
                 os.close(pipe_read)
             raise LaunchError(f"The fork server (pid {self.pid}) did not start {list(command)[:3]}: {reply}.")
         reader = os.fdopen(pipe_read, "rb", buffering=0) if pipe_read is not None else None
-        return ForkedProcess(self, int(reply["pid"]), reader)  # type: ignore[arg-type]
+        return ForkedProcess(self, int(reply["pid"]), reader, request=ident)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ exits
-    def _exit_code(self, pid: int) -> int | None:
+    def _exit_code(self, request: int | None) -> int | None:
+        """The exit code of the child that fork request ``request`` started; None while it runs."""
         with self._lock:
             self._drain()
-            return self._exits.get(pid)
+            return self._exits.get(request) if request is not None else None
 
     def _wait_for_news(self, timeout: float) -> None:
         sock = self._sock
@@ -474,15 +484,15 @@ class ForkServer:
         for fd in fds:
             os.close(fd)
         if message is None:  # the server is gone, and its replicas with it (PR_SET_PDEATHSIG)
-            for pid in self._started:
-                self._exits.setdefault(pid, -signal.SIGKILL)
+            for request in self._started:
+                self._exits.setdefault(request, -signal.SIGKILL)
             self._sock.close()
             self._sock = None
             return None
         if message.get("op") == "started" and "pid" in message:
-            self._started[int(message["pid"])] = int(message["id"])
+            self._started[int(message["id"])] = int(message["pid"])
         elif message.get("op") == "exit":
-            self._exits[int(message["pid"])] = int(message["code"])
+            self._exits[int(message["id"])] = int(message["code"])
         return message
 
     def _read_until(self, wanted: Any, timeout: float) -> dict[str, Any] | None:
@@ -539,8 +549,7 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
         finally:
             if pinned:  # the server's environment stays the launcher's (see forkable)
                 del os.environ["KERAS_BACKEND"]
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush_quietly()  # a stderr whose reader went away must not end the server
     # What the preloaded modules made is never collected: keep the collector of every child off
     # it, or its first collection writes to (and so copies) nearly every page of that heap.
     gc.collect()
@@ -557,7 +566,9 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
     }
     _send(sock, {"op": "ready", **hello})
     clients = [sock]
-    owners: dict[int, socket.socket] = {}  # a running child -> the connection that asked for it
+    # A running child -> the connection that asked for it, and the id of its request (an exit is
+    # reported by that id: the client never confuses it with a later child given the same pid).
+    owners: dict[int, tuple[socket.socket, int]] = {}
     while True:
         ready, _, _ = select.select([*clients, wake_r], [], [])
         if wake_r in ready:
@@ -594,22 +605,24 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
             for fd in fds:
                 os.close(fd)
             clients.append(ours)
-            owners[pid] = client
+            owners[pid] = (client, request["id"])
             with contextlib.suppress(OSError):
                 _send(client, {"op": "started", "id": request["id"], "pid": pid})
 
 
-def _disconnect(client: socket.socket, clients: list[socket.socket], owners: dict[int, socket.socket]) -> None:
+def _disconnect(
+    client: socket.socket, clients: list[socket.socket], owners: dict[int, tuple[socket.socket, int]]
+) -> None:
     """A child's connection closed (it ended, or was killed): its own children die with it."""
     clients.remove(client)
     client.close()
-    for pid, owner in list(owners.items()):
+    for pid, (owner, _) in list(owners.items()):
         if owner is client:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _reap(owners: dict[int, socket.socket]) -> None:
+def _reap(owners: dict[int, tuple[socket.socket, int]]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -617,10 +630,11 @@ def _reap(owners: dict[int, socket.socket]) -> None:
             return
         if pid == 0:
             return
-        owner = owners.pop(pid, None)
+        owner, request = owners.pop(pid, (None, None))
         if owner is not None and owner.fileno() != -1:
             with contextlib.suppress(OSError):
-                _send(owner, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                code = os.waitstatus_to_exitcode(status)
+                _send(owner, {"op": "exit", "id": request, "pid": pid, "code": code})
 
 
 def _cpu_only_torch() -> bool:
@@ -742,6 +756,9 @@ def _report_uncaught(error: BaseException) -> None:
 
 
 if __name__ == "__main__":
+    # Started by a process with a closed descriptor: /dev/null there, or the descriptors it
+    # receives would land on 0-2 and be closed by the child that takes them (see _become).
+    own_streams()
     _request = _serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
     if _request is not None:
         _kind = _become(_request)

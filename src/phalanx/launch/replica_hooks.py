@@ -15,6 +15,7 @@ Called once per process when a strategy builds its communicator (:func:`install`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import signal
@@ -23,6 +24,7 @@ import threading
 from typing import Any
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
+from phalanx.launch.stdio import flush_quietly
 
 _WATCH_PERIOD = 0.25  # seconds
 _installed = False
@@ -73,7 +75,7 @@ def install_error_recorder() -> None:
         # tail must already hold the traceback when it reports.
         try:
             previous(kind, value, tb)
-            sys.stderr.flush()
+            flush_quietly(sys.stderr)
         finally:
             _record_atomically(ErrorHandler(), value)
 
@@ -105,7 +107,10 @@ def _install_stack_dump() -> None:
         return
     if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
         return  # the program handles SIGUSR1 itself
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A replica started with a closed stderr (2>&-, as plain Python allows) has nowhere to write
+    # a stack: it runs without the dump rather than fail (faulthandler refuses sys.stderr None).
+    with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _parent_to_watch() -> int | None:
@@ -128,8 +133,9 @@ def _watch_parent() -> None:
         while not stop.wait(_WATCH_PERIOD):
             if os.getppid() != parent:
                 try:
-                    sys.stderr.write(f"phalanx: the launcher (pid {parent}) is gone; this replica stops\n")
-                    sys.stderr.flush()
+                    with contextlib.suppress(Exception):  # a closed or broken stderr: stop all the same
+                        sys.stderr.write(f"phalanx: the launcher (pid {parent}) is gone; this replica stops\n")
+                        sys.stderr.flush()
                 finally:
                     os._exit(1)
 

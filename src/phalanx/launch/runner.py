@@ -97,7 +97,7 @@ def run_job(spec: JobSpec) -> int:
     run = RunDirectory(spec.log_dir or None).create()
     sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload)
     here = (
-        "every replica writes here, prefixed"
+        "every replica writes here, prefixed; "
         if spec.tee
         else ("replica 0 writes here; " if spec.node_rank == 0 else "")
     )
@@ -106,7 +106,7 @@ def run_job(spec: JobSpec) -> int:
         try:
             attempt = failures = preemptions = 0
             while True:
-                code = _run_attempt(spec, sup, run, attempt)
+                code = sup.job_status(_run_attempt(spec, sup, run, attempt))
                 if code == 0:
                     return 0
                 attempt += 1

@@ -24,7 +24,6 @@ Exit rules, the same as ``phalanx run``'s:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import os
 import signal
@@ -36,6 +35,7 @@ from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError
 from phalanx.launch import forkserver, settings
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.stdio import fill_closed, flush_quietly
 from phalanx.launch.supervisor import CAUSE_WAIT_S, RunDirectory, Supervisor, Task, wait_for_the_rest
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
@@ -97,6 +97,11 @@ class ReplicaLauncher:
     """Starts and supervises replicas 1..N-1 of the current script; this process is replica 0."""
 
     def __init__(self, world_size: int) -> None:
+        # A program started with a closed stdout, stderr or stdin: /dev/null on that descriptor, or
+        # the log files, pipes and fork-server socket opened below would take its number (and a
+        # child started with this process's stdout would write into them). Its sys.stdout stays
+        # None, as Python made it.
+        fill_closed()
         self.world_size = world_size
         self.command = _script_command()
         self.run = RunDirectory().create()
@@ -242,14 +247,12 @@ class ReplicaLauncher:
                 gc.freeze()
                 return
             _exit(1)  # another replica failed: never exit 0, whatever replica 0 did after
-        code = wait_for_the_rest(self.supervisor)
+        code = self.supervisor.job_status(wait_for_the_rest(self.supervisor))
         self.supervisor.close()
         if code != 0:
             _exit(1)
 
 
 def _exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
-            stream.flush()
+    flush_quietly()  # a closed or broken stream must not keep the process alive
     os._exit(code)

@@ -23,6 +23,9 @@ as torchrun and horovodrun are configurations of their single cores. What they s
   that the supervisor itself stopped, is never the cause when another failure is there; when the
   first failure seen is such a consequence, the supervisor waits (briefly, :data:`CAUSE_WAIT_S`)
   for the failure it followed before it stops anything or reports (:meth:`Supervisor.await_cause`).
+  When no other failure comes, a task that a peer's ``CollectiveTimeoutError`` waited for, alive
+  until the supervisor stopped it, is the cause: named as stalled, with its state then (stopped by
+  SIGSTOP or a debugger, or running) and the error of the peer that waited.
 
 Example::
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -223,6 +227,7 @@ class Running:
     started: float
     stopped_by_supervisor: bool = False
     failed_at: float | None = None  # when its error file appeared (it is failing, maybe still exiting)
+    state_when_stopped: str = ""  # its state ("running", "stopped (SIGSTOP or a debugger)") when first signalled
     _pump: threading.Thread | None = None
 
     @property
@@ -247,6 +252,10 @@ class Exit:
     message: str = ""  # the error the process recorded, if any
     timestamp: int = 0  # when (seconds since the epoch; from the error file when there is one)
     stopped_while_failing: bool = False  # it recorded its error; the supervisor ended its teardown
+    # Set by root_cause() on a task the supervisor stopped while a peer's collective timed out
+    # waiting for it (alive, not arriving): the error of the peer that waited.
+    stalled: str = ""
+    state_when_stopped: str = ""  # its process state when the supervisor first signalled it
 
     @property
     def failed(self) -> bool:
@@ -254,8 +263,8 @@ class Exit:
 
     @property
     def status(self) -> int:
-        """The shell exit status this end stands for (1 for an error ended by the supervisor)."""
-        return 1 if self.stopped_while_failing else exit_status(self.code)
+        """The shell exit status this end stands for (1 for an error ended by the supervisor, or a stall)."""
+        return 1 if self.stopped_while_failing or self.stalled else exit_status(self.code)
 
     @property
     def consequence(self) -> bool:
@@ -296,12 +305,55 @@ def _read_error(path: str | None) -> tuple[str, int]:
         return "", now
 
 
+# In a CollectiveTimeoutError's message (errors.PeerUnavailableError's format): the peers it waited for.
+_WAITED_FOR = re.compile(r"failed(?: at step \d+)?: (.+?) is unavailable \(")
+_TASK_NAME = re.compile(r"\b([A-Za-z_]+)[: ](\d+)\b")
+
+
+def _stalled_peers(message: str) -> set[str]:
+    """The tasks a recorded ``CollectiveTimeoutError`` says it waited for, as ``"replica 1"`` and
+    ``"replica:1"`` (the launchers' and the cluster spec's ways to name a task); empty for any
+    other error. A timeout says the peer was alive (a dead one is a ``PeerUnavailableError``)."""
+    if "CollectiveTimeoutError" not in message:
+        return set()
+    found = _WAITED_FOR.search(message.split("\n", 1)[0])
+    if found is None:
+        return set()
+    names = set()
+    for kind, index in _TASK_NAME.findall(found.group(1)):
+        if kind != "rank":  # "replica:1 (rank 1)": the rank repeats the task
+            names |= {f"{kind} {index}", f"{kind}:{index}"}
+    return names
+
+
 def root_cause(exits: Iterable[Exit]) -> Exit | None:
-    """The first failure: not a consequence if any other is there, then the earliest."""
+    """The first failure: not a consequence if any other is there, then the earliest.
+
+    When every failure is a consequence, a task that a peer's collective timed out waiting for,
+    and that was still running when the supervisor stopped it (stalled: stopped by SIGSTOP or a
+    debugger, deadlocked, or busy far longer than its peers), is the cause, not the peer that
+    waited; it is returned with :attr:`Exit.stalled` set.
+    """
+    exits = list(exits)
     failed = [e for e in exits if e.failed]
     if not failed:
         return None
-    return min(failed, key=lambda e: (e.consequence, e.timestamp, e.order))
+    cause = min(failed, key=lambda e: (e.consequence, e.timestamp, e.order))
+    if not cause.consequence:
+        return cause
+    for waiter in sorted(failed, key=lambda e: (e.timestamp, e.order)):
+        waited_for = _stalled_peers(waiter.message)
+        stalled = [
+            e
+            for e in failed
+            if e is not waiter and e.stopped_by_supervisor and e.code < 0 and e.task.name in waited_for
+        ]
+        if stalled:
+            error = waiter.message.strip().splitlines()[0] if waiter.message.strip() else "?"
+            if waiter.task.log_path is None:  # it wrote to this terminal: its traceback is above
+                error = f"{error.split(':', 1)[0]} (its traceback is above)"
+            return dataclasses.replace(min(stalled, key=lambda e: e.order), stalled=f"{waiter.task.name}: {error}")
+    return cause
 
 
 def _who(task: Task, pid: int) -> str:
@@ -310,6 +362,15 @@ def _who(task: Task, pid: int) -> str:
 
 def format_failure(exit: Exit, *, lines: int = 15) -> str:
     """The report of one failed task: who, how, its recorded error and its log's last lines."""
+    if exit.stalled:
+        waiter, error = exit.stalled.split(": ", 1)
+        state = exit.state_when_stopped or "running"
+        why = "" if state != "running" else " (deadlocked, or busy far longer than its peers)"
+        return (
+            f"{_who(exit.task, exit.pid)} stalled: it was alive but never arrived at a collective, and "
+            f"{waiter} timed out waiting for it. It was {state}{why} until the supervisor ended it "
+            f"({describe_exit_code(exit.code)}).\n{waiter}'s error: {error}\n"
+        )
     how = "an uncaught exception" if exit.stopped_while_failing else describe_exit_code(exit.code)
     text = f"{_who(exit.task, exit.pid)} failed: {how}\n"
     log = tail(exit.task.log_path, 80)
@@ -365,6 +426,7 @@ class Supervisor:
         self._out = out
         self._runs: list[Running] = []
         self._exits: list[Exit] = []
+        self._cause_reported = False  # this attempt printed a root cause: it failed (job_status)
         self._lock = threading.Lock()
         self._tee_lock = threading.Lock()
 
@@ -465,9 +527,26 @@ class Supervisor:
             self._fork_server = None
 
     def _pump(self, pipe: IO[bytes], log: IO[bytes] | None, name: str) -> None:
-        """``--tee``: copies a task's output to its log, and line by line, prefixed, to stdout."""
+        """``--tee``: copies a task's output to its log, and line by line, prefixed, to stdout.
+
+        The task's pipe is read to its end whatever happens to stdout: a reader that went away
+        (``| head -1``) ends the copy to stdout only, never the task (which would get
+        ``BrokenPipeError`` from a closed pipe, or block on a full one) nor its log.
+        """
         prefix, partial = f"[{name}] ".encode(), b""
         out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+
+        def show(data: bytes) -> None:
+            nonlocal out
+            if out is None:
+                return
+            with self._tee_lock:
+                try:
+                    out.write(data)
+                    out.flush()
+                except (OSError, ValueError):
+                    out = None  # stdout is gone: the log alone from here
+
         try:
             while True:
                 chunk = os.read(pipe.fileno(), 65536)
@@ -477,14 +556,10 @@ class Supervisor:
                     log.write(chunk)
                     log.flush()
                 *lines, partial = (partial + chunk).split(b"\n")
-                if lines and out is not None:
-                    with self._tee_lock:
-                        out.write(b"".join(prefix + line + b"\n" for line in lines))
-                        out.flush()
-            if partial and out is not None:
-                with self._tee_lock:
-                    out.write(prefix + partial + b"\n")
-                    out.flush()
+                if lines:
+                    show(b"".join(prefix + line + b"\n" for line in lines))
+            if partial:
+                show(prefix + partial + b"\n")
         except (OSError, ValueError):
             pass
         finally:
@@ -535,6 +610,7 @@ class Supervisor:
                     message,
                     timestamp,
                     run.failed_at is not None and code < 0,
+                    state_when_stopped=run.state_when_stopped,
                 )
                 self._exits.append(exit)
             ended.append(exit)
@@ -587,6 +663,7 @@ class Supervisor:
         """Starts a new attempt: earlier ends no longer count for the root cause."""
         with self._lock:
             self._exits = []
+            self._cause_reported = False
 
     @property
     def exits(self) -> list[Exit]:
@@ -740,8 +817,17 @@ class Supervisor:
         """Prints the root-cause report once, in the one format; returns the failure it named."""
         cause = root_cause(self.exits if exits is None else exits)
         if cause is not None:
+            self._cause_reported = True
             self.say("root cause (first failure): " + format_failure(cause))
         return cause
+
+    def job_status(self, code: int) -> int:
+        """The job's exit status for ``code``: never 0 once this attempt reported a root cause.
+
+        Whatever path a job's end took, one that printed its root cause failed; a launcher passes
+        its status through here last.
+        """
+        return 1 if code == 0 and self._cause_reported else code
 
 
 class Interrupted(Exception):
@@ -837,6 +923,7 @@ def wait_for_the_rest(
                 f"a program that does more on some replicas). Where it was:\n"
                 + "\n".join(stacks.get(first.task.name, "").splitlines()[-40:])
             )
+            sup._cause_reported = True
             if len(busy) > 1:
                 sup.say("also still running: " + ", ".join(f"{r.task.name} (pid {r.pid})" for r in busy[1:]))
             sup.stop(signal.SIGTERM)
@@ -861,6 +948,25 @@ def _note_stopped(run: Running) -> None:
     """
     if not run.stopped_by_supervisor:
         run.stopped_by_supervisor = not _note_recorded_error(run)
+        if run.stopped_by_supervisor:
+            run.state_when_stopped = _process_state(run.pid)
+
+
+_STATES = {
+    "T": "stopped (SIGSTOP or a debugger)",
+    "t": "stopped by a debugger",
+    "D": "in an uninterruptible wait (I/O)",
+}
+
+
+def _process_state(pid: int) -> str:
+    """What ``pid`` was doing, from ``/proc/<pid>/stat`` ('' when unknown): says why a task stalled."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return _STATES.get(state, "running" if state in ("R", "S") else "")
 
 
 def _catches(pid: int, sig: int) -> bool:

@@ -166,7 +166,7 @@ def run_cluster(job: ClusterJob) -> int:
             cluster.start_all()
             code = cluster.supervise()
             if code == 0:  # the others must end too, and soon: one still running is a failure
-                return wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace)
+                return sup.job_status(wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace))
             # The chief often fails only because a task it needed is gone (ParameterServerUnavailableError):
             # that task's own failure is the root cause, and it may still be exiting (its error
             # recorded, its teardown under way) or its end not yet seen. Wait for it, briefly.
@@ -174,7 +174,7 @@ def run_cluster(job: ClusterJob) -> int:
             sup.end_failing()
             sup.report_root_cause()
             cluster.stop(job.shutdown_grace)
-            return exit_status(code)
+            return sup.job_status(exit_status(code))
         except Interrupted as e:
             return stop_on_signal(sup, e.signum)
         except BaseException:

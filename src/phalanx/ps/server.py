@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ from phalanx.ps.transport import ServiceError
 
 log = logging.getLogger("phalanx.ps")
 
-_REFUSED_OPTIMIZERS = {"LBFGS"}  # needs a closure that re-evaluates the loss: not possible on a server
+_REFUSED_OPTIMIZERS = {"LBFGS"}
+_MAX_HYPER = 1e300  # a hyperparameter's magnitude: beyond it, a float's arithmetic overflows  # needs a closure that re-evaluates the loss: not possible on a server
 
 
 def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
@@ -68,9 +70,71 @@ def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
     return cls
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _hyper(config: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's hyperparameters from a request: numbers, flags, None, or lists of numbers.
+
+    Anything else (a string learning rate, an object for a momentum) would reach the optimizer's
+    arithmetic as a TypeError; it is refused here, naming the hyperparameter.
+    """
+    hyper = config.get("hyper", {})
+    if not isinstance(hyper, dict):
+        raise ServiceError("invalid", f"'hyper' must be an object of hyperparameters; received {hyper!r}")
+    for name, value in hyper.items():
+        if not (
+            value is None
+            or isinstance(value, bool)
+            or (_is_number(value) and math.isfinite(value))
+            or (isinstance(value, list) and all(_is_number(v) and math.isfinite(v) for v in value))
+        ):
+            raise ServiceError(
+                "invalid", f"hyperparameter 'hyper.{name}' must be a number, a flag or a list of numbers; got {value!r}"
+            )
     # JSON turns tuples (Adam's betas) into lists; torch.optim wants tuples.
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.get("hyper", {}).items()}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()}
+
+
+def _typed_like_defaults(
+    hyper: dict[str, Any], parameters: Mapping[str, inspect.Parameter], name: str
+) -> dict[str, Any]:
+    """``hyper`` with each value checked against the kind of the optimizer's default for it.
+
+    A value of another kind (None for a learning rate, a list for a momentum) would pass the
+    optimizer's constructor only to fail in its arithmetic at the next step: it is refused,
+    naming the hyperparameter. Numbers where the default is a float become floats.
+    """
+    out = {}
+    for key, value in hyper.items():
+        param = parameters.get(key)
+        default = param.default if param is not None else inspect.Parameter.empty
+        ok = True
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif _is_number(default):
+            ok = _is_number(value) and abs(value) <= _MAX_HYPER
+            if ok and not (isinstance(default, int) and isinstance(value, int) and abs(value) < 2**53):
+                value = float(value)  # a huge int does not fit the C types torch converts it to
+        elif isinstance(default, tuple):
+            ok = (
+                isinstance(value, tuple)
+                and len(value) == len(default)
+                and all(
+                    (v is None and d is None) or (_is_number(v) and abs(v) <= _MAX_HYPER)
+                    for v, d in zip(value, default)
+                )
+            )
+        elif default is None:
+            ok = value is None or isinstance(value, bool)
+        if not ok:
+            raise ServiceError(
+                "invalid",
+                f"hyperparameter 'hyper.{key}' of {name} must be like its default {default!r}; got {value!r}",
+            )
+        out[key] = value
+    return out
 
 
 class _Slot:
@@ -88,10 +152,10 @@ class _Slot:
         if not isinstance(self.value, torch.nn.Parameter):
             raise ServiceError("invalid", "an optimizer for a non-trainable variable")
         name = config.get("class")
-        hyper = _hyper(config)
+        cls = optimizer_class(name)
+        accepted = inspect.signature(cls.__init__).parameters
+        hyper = _typed_like_defaults(_hyper(config), accepted, name)
         if self.optimizer is None or self.optimizer_class != name:
-            cls = optimizer_class(name)
-            accepted = inspect.signature(cls.__init__).parameters
             try:
                 self.optimizer = cls(
                     [self.value], **{k: v for k, v in hyper.items() if k in accepted and k != "params"}
@@ -186,10 +250,10 @@ class ParameterServerService(SignedService):
             raise ServiceError("invalid", "'vars' must list one entry per tensor")
         created, existing = [], []
         with self._lock:
-            for spec, value in zip(specs, msg.tensors):
+            for i, (spec, value) in enumerate(zip(specs, msg.tensors)):
                 key = spec.get("key") if isinstance(spec, dict) else None
                 if not isinstance(key, str):
-                    raise ServiceError("invalid", f"malformed variable entry {spec!r}")
+                    raise ServiceError("invalid", f"'vars'[{i}] must be an object with a string 'key'; got {spec!r}")
                 if key in self._slots:
                     self._check(self._slots[key], key, value)
                     existing.append(key)
@@ -229,7 +293,7 @@ class ParameterServerService(SignedService):
             not isinstance(group_of, list)
             or len(group_of) != len(keys)
             or not isinstance(optimizers, list)
-            or not all(isinstance(g, int) and 0 <= g < len(optimizers) for g in group_of)
+            or not all(_is_number(g) and isinstance(g, int) and 0 <= g < len(optimizers) for g in group_of)
             or not all(isinstance(o, dict) for o in optimizers)
         ):
             raise ServiceError("invalid", "'group_of' must give each key an index into 'optimizers'")
@@ -263,7 +327,7 @@ class ParameterServerService(SignedService):
         ):
             raise ServiceError(
                 "invalid",
-                "'states' must list each key's state names, one tensor per name, "
+                f"'states' must list the state names of each of the {len(keys)} 'keys', one tensor per name, "
                 "and 'optimizer' its class and hyperparameters",
             )
         offset = 0

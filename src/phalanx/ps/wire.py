@@ -101,6 +101,7 @@ CLOCK_SKEW_ENV = "PHALANX_CLOCK_SKEW"
 _ALIGN = 16
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_TASK_BYTES = 255
+_MAX_DIM = 1 << 62  # a tensor dimension beyond any message (torch refuses sizes past int64)
 # magic, mac, kind, sender, seq, time, body length, reply-to sender, reply-to seq, task length
 _FIXED = struct.Struct("<4s32sB16sQdQ16sQB")
 _TAG_BYTES = 16
@@ -695,8 +696,9 @@ def _parse(body: bytearray, head: Head) -> Message:
         if part[0] == "t" and len(part) == 3:
             dtype = dtype_from_name(part[1])
             shape = part[2]
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ProtocolError(f"malformed shape {shape!r}")
+            # type() and not isinstance(): JSON true is a bool, which Python counts as an int.
+            if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):
+                raise ProtocolError(f"malformed shape {shape!r} (a list of sizes, each an integer >= 0)")
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if nbytes == 0:
                 msg.tensors.append(torch.empty(shape, dtype=dtype))
@@ -708,7 +710,7 @@ def _parse(body: bytearray, head: Head) -> Message:
             raw = torch.frombuffer(body, dtype=torch.uint8, count=nbytes, offset=tensor_at)
             msg.tensors.append(raw.view(dtype).reshape(shape))
             tensor_at += nbytes
-        elif part[0] == "b" and len(part) == 2 and isinstance(part[1], int) and part[1] >= 0:
+        elif part[0] == "b" and len(part) == 2 and type(part[1]) is int and part[1] >= 0:
             if blob_at + part[1] > signed_end:
                 raise ProtocolError("blob overruns the message")
             msg.blobs.append(bytes(view[blob_at : blob_at + part[1]]))
