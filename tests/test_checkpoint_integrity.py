@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.checkpoint_verify import TARGETED, bitflip_counts
 from phalanx.checkpoint import (
     Checkpoint,
     CheckpointManager,
@@ -34,6 +33,15 @@ from conftest import run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_roundtrip import warm_up_adam  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# The counting lives in benchmarks/ (rerun: python -m benchmarks.checkpoint_verify --bitflips), which
+# is not an installed package: import it from the clone, as tests/test_cli.py does.
+sys.path.insert(0, str(ROOT))
+try:
+    from benchmarks.checkpoint_verify import TARGETED, bitflip_counts
+finally:
+    sys.path.remove(str(ROOT))
 
 warm_up_adam()  # torch's first optimizer step sets TORCHINDUCTOR_CACHE_DIR: before the env check
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_integrity.py"

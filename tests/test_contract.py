@@ -182,6 +182,45 @@ def test_a_server_task_serves_until_shutdown_and_returns():
         transport.close()
 
 
+def test_a_worker_still_starting_when_the_chief_ends_the_cluster_is_stopped_too():
+    # A worker warms torch.optim up before it serves (1.5 s or more on a busy host): a chief that
+    # ends the cluster meanwhile must still reach it, not leave it serving until its orphan timeout.
+    import threading
+    import time
+
+    from phalanx.cluster import SimpleClusterResolver
+    from phalanx.ps.transport import InProcessTransport
+    from phalanx.strategies.parameter_server import ParameterServerStrategy
+
+    transport = InProcessTransport()
+    spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}
+    secret = "serve-test-secret-0123456789"
+
+    def task(job: str) -> ParameterServerStrategy:
+        return ParameterServerStrategy(
+            SimpleClusterResolver(spec, task_type=job, task_id=0),
+            rpc_timeout=2.0,
+            cluster_secret=secret,
+            transport=transport,
+            serve_and_exit=False,
+        )
+
+    ps = threading.Thread(target=task("ps").serve, daemon=True)
+    ps.start()
+    worker = task("worker")
+    late = threading.Thread(target=lambda: (time.sleep(1.0), worker.serve()), daemon=True)
+    try:
+        chief = task("chief")  # waits for the parameter server only
+        late.start()  # the worker starts serving a second after the chief begins to stop the cluster
+        chief.close()
+        for t in (ps, late):
+            t.join(timeout=10)
+        assert not late.is_alive(), "the late worker never got the chief's shutdown"
+        assert not ps.is_alive()
+    finally:
+        transport.close()
+
+
 def test_tf_compatibility_parameters_without_effect_warn():
     strategy = px.OneDeviceStrategy("cpu")
     with pytest.warns(UserWarning, match=r"Strategy.run\(options=...\)"):

@@ -45,8 +45,8 @@ from phalanx.ps.transport import ServiceError
 
 log = logging.getLogger("phalanx.ps")
 
-_REFUSED_OPTIMIZERS = {"LBFGS"}
-_MAX_HYPER = 1e300  # a hyperparameter's magnitude: beyond it, a float's arithmetic overflows  # needs a closure that re-evaluates the loss: not possible on a server
+_REFUSED_OPTIMIZERS = {"LBFGS"}  # needs a closure that re-evaluates the loss: not possible on a server
+_MAX_HYPER = 1e300  # a hyperparameter's magnitude: beyond it, a float's arithmetic overflows
 
 
 def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:

@@ -247,15 +247,10 @@ class ParameterServerExtended(StrategyExtended):
         self._stopped = True
         tasks = self._connect_workers() + self._ps_tasks
         per_call = max(0.1, min(2.0, timeout))
-        threads = [
-            threading.Thread(
-                target=_quietly, args=(t.call, "shutdown"), kwargs={"timeout": per_call, "attempts": 1}, daemon=True
-            )
-            for t in tasks
-        ]
+        deadline = time.monotonic() + timeout
+        threads = [threading.Thread(target=_tell_to_stop, args=(t, per_call, deadline), daemon=True) for t in tasks]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         for task in tasks:
@@ -521,11 +516,26 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
 
 
-def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - best effort: the task may be gone already
-        log.debug("phalanx: shutdown request not delivered: %s", e)
+def _tell_to_stop(task: Any, per_call: float, deadline: float) -> None:
+    """Sends ``task`` the shutdown request until it is delivered or ``deadline`` passes.
+
+    A task that does not answer yet may still be starting (a worker warms torch.optim up before it
+    serves, 1.5 s or more on a busy host): it is asked again, so it never serves on until its
+    orphan timeout after the chief has ended the cluster. A task that is gone is given up on at
+    the deadline (best effort).
+    """
+    while True:
+        try:
+            task.call("shutdown", timeout=min(per_call, max(0.1, deadline - time.monotonic())), attempts=1)
+            return
+        except TaskUnavailableError as e:
+            if time.monotonic() + 0.1 >= deadline:
+                log.debug("phalanx: shutdown request not delivered: %s", e)
+                return
+            time.sleep(0.1)
+        except Exception as e:  # noqa: BLE001 - best effort: the task may be gone already
+            log.debug("phalanx: shutdown request not delivered: %s", e)
+            return
 
 
 def _resolve(cluster_resolver: ClusterResolver | None) -> tuple[ClusterResolver, Any, str, int]:
