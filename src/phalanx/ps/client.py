@@ -79,6 +79,9 @@ class RemoteTask:
         self.rpc_timeout = rpc_timeout
         self._service = PS_SERVICE if job == "ps" else WORKER_SERVICE
         self._channel = transport.connect(address, self._service)
+        # Whether the task has answered a call: one that never did may still be starting, one that
+        # did and is unavailable now is gone (the chief's shutdown asks only the first again).
+        self.answered = False
 
     def reconnect(self) -> None:
         """A fresh channel (after the task died: no stale connection state is kept)."""
@@ -124,7 +127,9 @@ class RemoteTask:
     def decode(self, method: str, reply: Reply) -> wire.Message:
         """The verified reply (it must answer ``reply.call``)."""
         try:
-            return self._verifier.decode(method, reply.chunks, reply_to=reply.call.head)
+            message = self._verifier.decode(method, reply.chunks, reply_to=reply.call.head)
+            self.answered = True
+            return message
         except AuthenticationError as e:
             raise AuthenticationError(
                 f"{self.name} at {self.address}: its reply to {method!r} was refused: {e}",

@@ -517,19 +517,19 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 
 def _tell_to_stop(task: Any, per_call: float, deadline: float) -> None:
-    """Sends ``task`` the shutdown request until it is delivered or ``deadline`` passes.
+    """Sends ``task`` the shutdown request (best effort, bounded by ``deadline``).
 
-    A task that does not answer yet may still be starting (a worker warms torch.optim up before it
-    serves, 1.5 s or more on a busy host): it is asked again, so it never serves on until its
-    orphan timeout after the chief has ended the cluster. A task that is gone is given up on at
-    the deadline (best effort).
+    A task that never answered the chief may still be starting (a worker warms torch.optim up
+    before it serves, 1.5 s or more on a busy host): it is asked again until the deadline, so it
+    does not serve on until its orphan timeout after the chief has ended the cluster. One that
+    answered before and is unavailable now is gone (a killed parameter server): asked once.
     """
     while True:
         try:
             task.call("shutdown", timeout=min(per_call, max(0.1, deadline - time.monotonic())), attempts=1)
             return
         except TaskUnavailableError as e:
-            if time.monotonic() + 0.1 >= deadline:
+            if task.answered or time.monotonic() + 0.1 >= deadline:
                 log.debug("phalanx: shutdown request not delivered: %s", e)
                 return
             time.sleep(0.1)
