@@ -152,6 +152,17 @@ def test_listed_differences_name_real_cases():
     assert all(listed_differences().values()), "a listed conformance difference gives no reason"
 
 
+def test_the_readme_gives_each_strategys_count():
+    # "(223 of 228)": the cases a strategy runs, less those listed as differences for it.
+    porting = README.read_text().split("## Porting from TensorFlow", 1)[-1]
+    diffs = listed_differences()
+    for strategy in registry.ALL:
+        runs = [c for c, s in PAIRS if s == strategy]
+        listed = [c for c in runs if f"{c.id}[{strategy}]" in diffs or f"{c.id}[*]" in diffs]
+        count = f"({len(runs) - len(listed)} of {len(runs)})"
+        assert count in porting, f"README's porting section should give {strategy}'s count: {count}"
+
+
 def test_the_readme_shows_the_listed_differences():
     porting = README.read_text().split("## Porting from TensorFlow", 1)[-1]
     missing = sorted({k.split("[")[0] for k in listed_differences()} - set(re.findall(r"`([\w.]+)`", porting)))
