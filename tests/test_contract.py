@@ -144,28 +144,35 @@ def test_pickling_references_are_registered_not_hard_coded():
         pickling.resolve_reference((pickling.EXTENSION, __name__, "unknown-kind", None), None, None)
 
 
-def test_a_server_task_serves_until_shutdown_and_returns():
-    # The explicit serve entry point (TF's Server.join()): no process exit, control comes back.
-    import threading
-
+def _in_process_cluster():
+    """``(transport, task)``: ``task(job)`` builds the ParameterServerStrategy of ``job``:0 of one
+    in-process cluster (a chief, a parameter server and a worker), serving when asked to."""
     from phalanx.cluster import SimpleClusterResolver
-    from phalanx.errors import ContextError
     from phalanx.ps.transport import InProcessTransport
     from phalanx.strategies.parameter_server import ParameterServerStrategy
 
     transport = InProcessTransport()
     spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}
-    secret = "serve-test-secret-0123456789"
 
     def task(job: str) -> ParameterServerStrategy:
         return ParameterServerStrategy(
             SimpleClusterResolver(spec, task_type=job, task_id=0),
             rpc_timeout=2.0,
-            cluster_secret=secret,
+            cluster_secret="serve-test-secret-0123456789",
             transport=transport,
             serve_and_exit=False,
         )
 
+    return transport, task
+
+
+def test_a_server_task_serves_until_shutdown_and_returns():
+    # The explicit serve entry point (TF's Server.join()): no process exit, control comes back.
+    import threading
+
+    from phalanx.errors import ContextError
+
+    transport, task = _in_process_cluster()
     servers = [task("ps"), task("worker")]
     threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
     for t in threads:
@@ -188,23 +195,7 @@ def test_a_worker_still_starting_when_the_chief_ends_the_cluster_is_stopped_too(
     import threading
     import time
 
-    from phalanx.cluster import SimpleClusterResolver
-    from phalanx.ps.transport import InProcessTransport
-    from phalanx.strategies.parameter_server import ParameterServerStrategy
-
-    transport = InProcessTransport()
-    spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}
-    secret = "serve-test-secret-0123456789"
-
-    def task(job: str) -> ParameterServerStrategy:
-        return ParameterServerStrategy(
-            SimpleClusterResolver(spec, task_type=job, task_id=0),
-            rpc_timeout=2.0,
-            cluster_secret=secret,
-            transport=transport,
-            serve_and_exit=False,
-        )
-
+    transport, task = _in_process_cluster()
     ps = threading.Thread(target=task("ps").serve, daemon=True)
     ps.start()
     worker = task("worker")
