@@ -74,6 +74,9 @@ def test_python_numbers_are_not_per_replica_values(results):
     for got in parts:
         assert got["sum"] == {"raised": "AggregationError", "is_value_error": True}  # TF: ValueError
         assert got["mean"] == 1.0
+    n = len(parts)  # one record per replica process
+    for got in parts:
+        assert got["per_replica_numbers"] == sum(range(n)) / n, got  # the same mean on every replica
 
 
 def test_creation_broadcasts_and_refuses_what_tf_refuses(results):

@@ -330,7 +330,7 @@ class Variable(torch.nn.Parameter, DistributedValues):
         # same bytes, and nobody has written before everybody has read.
         old = None if kind == "assign" else self.detach().clone()
         if self._shared:
-            strategy.extended.barrier()  # a Python number needs no collective: wait here instead
+            strategy.extended.barrier()  # a zero Python number under SUM has no collective: wait here
         t = aggregate_update(strategy.extended, self._aggregation, t, python_value=value, name=self._name)
         self._apply(kind, t.to(self.dtype), old)
 
@@ -471,7 +471,7 @@ def aggregate_update(
 ) -> torch.Tensor:
     """What every replica applies for an ON_WRITE update made in replica context (TF's MirroredVariable).
 
-    Collective (except for a Python number under SUM / MEAN): every replica calls it with its own value.
+    Collective (except for a zero Python number under SUM): every replica calls it with its own value.
 
     Args:
         extended: the strategy's ``extended``.
@@ -491,15 +491,16 @@ def aggregate_update(
         first = value.clone()
         extended.broadcast([first], 0)
         return first
-    if isinstance(python_value, numbers.Number) and not isinstance(python_value, bool):
-        if aggregation is VariableAggregation.SUM and python_value != 0:
-            raise AggregationError(
-                f"A value that is not per-replica ({python_value!r}) cannot be SUM-aggregated into variable "
-                f"{name!r}: it is the same on every replica.",
-                variable=name,
-                hint="give a tensor computed by the replica (torch.tensor(...)), or aggregation=MEAN",
-            )
-        return value
+    number = isinstance(python_value, numbers.Number) and not isinstance(python_value, bool)
+    if number and aggregation is VariableAggregation.SUM and python_value != 0:
+        raise AggregationError(
+            f"A value that is not per-replica ({python_value!r}) cannot be SUM-aggregated into variable "
+            f"{name!r}: it is the same on every replica.",
+            variable=name,
+            hint="give a tensor computed by the replica (torch.tensor(...)), or aggregation=MEAN",
+        )
+    # A number under MEAN is still averaged: each replica runs its own Python, so a number computed
+    # from the replica (float(rank)) may differ; the mean of equal numbers is the number (TF's).
     op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
     return extended.all_reduce([value], op)[0].to(value.dtype)
 

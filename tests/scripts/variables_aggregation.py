@@ -86,7 +86,13 @@ def _():
         mean = px.Variable(0.0, aggregation=A.MEAN)
     error = caught(lambda: strategy.run(lambda: summed.assign_add(1.0)))
     strategy.run(lambda: mean.assign_add(1.0))
-    return {"sum": error, "mean": float(mean)}
+    # A number each replica's own Python computed differently (its rank) is averaged too, never
+    # applied as it is: the copies would differ silently.
+    with strategy.scope():
+        per_replica = px.Variable(0.0, aggregation=A.MEAN)
+    rid = strategy.extended.process_index
+    strategy.run(lambda: per_replica.assign_add(float(rid)))
+    return {"sum": error, "mean": float(mean), "per_replica_numbers": float(per_replica)}
 
 
 @check("creation")
