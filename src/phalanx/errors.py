@@ -266,6 +266,21 @@ class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
 
 
+class ReplicaFailedError(LaunchError):
+    """A replica this process started failed; raised where the program ends its replicas explicitly.
+
+    Where the host program runs no Python exit handlers (R through reticulate), replica 0 learns a
+    replica's failure when it closes its last strategy, and raises this there.
+    """
+
+    def __init__(self, replica: str, report: str) -> None:
+        self.replica = replica
+        self.report = report
+        super().__init__(
+            report.strip(), hint="the replica's log (named above) holds its whole output; fix its error and run again"
+        )
+
+
 class InputMismatchError(PhalanxError, RuntimeError):
     """Replicas that must read the same global batches were fed different ones."""
 

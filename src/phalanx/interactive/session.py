@@ -51,6 +51,7 @@ from phalanx.interactive import hooks
 from phalanx.interactive.channel import Channel, accept_authenticated
 from phalanx.interactive.control import Control
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica, die_with_parent, ipython_shell
+from phalanx.launch import host
 from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.launch.supervisor import new_run_id
 
@@ -71,9 +72,16 @@ class ReplicaCellError(PhalanxError):
 
 
 def interactive_mode() -> str | None:
-    """How this interpreter runs user code: "ipython", "repl", "program" (-c, stdin), or None (a script)."""
+    """How this interpreter runs user code: "ipython", "repl", "program" (-c, stdin), or None (a script).
+
+    None too for Python embedded in another program (R through reticulate): forking that program
+    would share its input and its exit clean-up, so its replicas are started as fresh copies of
+    the host program instead (:mod:`phalanx.launch.host`).
+    """
     if ipython_shell() is not None:
         return "ipython"
+    if host.embedded():
+        return None
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
     if script and os.path.exists(script):

@@ -19,6 +19,12 @@ Exit rules, the same as ``phalanx run``'s:
   others (SIGKILL after ``PHALANX_STOP_GRACE`` seconds) and exits as Python does (status 130);
 * when replica 0 finishes normally it waits for the others, saying so after a second; one still
   running after ``PHALANX_EXIT_TIMEOUT`` seconds is named with its stack, and replica 0 exits 1.
+
+Python embedded in another program (R through reticulate, :mod:`phalanx.launch.host`): the
+replicas are fresh host processes running the host's command line again (``Rscript script.R``).
+Such a host runs no Python exit handlers, so the end is explicit: closing the program's last
+multi-replica strategy (``strategy$close()``) waits for the replicas as the exit above does, and
+raises :class:`~phalanx.errors.ReplicaFailedError` (the replica and its error) if one failed.
 """
 
 from __future__ import annotations
@@ -29,18 +35,29 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
-from phalanx.errors import LaunchError
-from phalanx.launch import forkserver, settings
+from phalanx.errors import LaunchError, ReplicaFailedError
+from phalanx.launch import forkserver, host, settings
 from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.stdio import fill_closed, flush_quietly
-from phalanx.launch.supervisor import CAUSE_WAIT_S, RunDirectory, Supervisor, Task, wait_for_the_rest
+from phalanx.launch.supervisor import (
+    CAUSE_WAIT_S,
+    RunDirectory,
+    Supervisor,
+    Task,
+    format_failure,
+    root_cause,
+    wait_for_the_rest,
+)
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
 _job: ReplicaLauncher | None = None
 _job_lock = threading.Lock()
+_ended_job: ReplicaLauncher | None = None  # the job an embedded host ended by closing its last strategy
 
 
 def _report_bound() -> float:
@@ -57,6 +74,8 @@ def _script_command() -> list[str]:
             "A multi-replica strategy cannot start its replicas from inside pytest.",
             hint="run the training code as a script (python train.py) or with `phalanx run -n N train.py`",
         )
+    if host.embedded():  # R through reticulate: the replicas run the host's program again, not Python
+        return host.command()
     if spec is not None and spec.name and spec.name != "__main__":
         return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
     script = getattr(main, "__file__", None)
@@ -82,6 +101,13 @@ def launch(world_size: int) -> ReplicaLauncher:
     """
     global _job
     with _job_lock:
+        if _job is None and _ended_job is not None:
+            # Its replicas ran the host's program to its end: new ones would start it from the top.
+            raise LaunchError(
+                "This program's replicas have ended: closing its last multi-replica strategy ended "
+                "them, and a new strategy cannot start them again midway through the program.",
+                hint="close the strategies at the end of the program (create the next one before closing the last)",
+            )
         if _job is None:
             _job = ReplicaLauncher(world_size)
         elif _job.world_size != world_size:
@@ -110,13 +136,17 @@ class ReplicaLauncher:
         # The fork start pays one import of torch (and Keras) for all the replicas it starts: worth
         # it from two on; one replica pays the same itself, and starts sooner. A program that was
         # itself forked from a fork server (phalanx run's, a test suite's) forks from that one.
-        forking = world_size > 2 or forkserver.has_inherited_server()
+        # A host that is not Python (R) starts as itself: a Python fork server cannot run its program.
+        self.embedded = host.embedded()
+        forking = not self.embedded and (world_size > 2 or forkserver.has_inherited_server())
         self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn")
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._reported = threading.Event()  # ... and its failure reported (root cause, or interrupt)
         self._main_exiting = threading.Event()
         self._own_failure = False
         self._lock = threading.Lock()
+        self._strategies: list[weakref.ref] = []  # the open strategies that run on these replicas
+        self._finished = False  # the replicas were waited for (finish, or an embedded host's end)
         for rank in range(1, world_size):
             identity = ReplicaEnv(**{**self.env.__dict__, "rank": rank, "local_rank": rank})
             self.supervisor.start(
@@ -139,6 +169,53 @@ class ReplicaLauncher:
 
     def log_path(self, rank: int) -> str:
         return self.run.log_path(f"replica_{rank}")
+
+    # ------------------------------------------------------------------ strategies
+    def strategy_opened(self, strategy: Any) -> None:
+        """A strategy of this program runs on these replicas (its ``close`` may end the job)."""
+        self._strategies.append(weakref.ref(strategy))
+
+    def strategy_closed(self, strategy: Any) -> None:
+        """Called by ``strategy.close()``. In an embedded host, the last one closed ends the job.
+
+        Raises:
+            ReplicaFailedError: (embedded host) a replica failed.
+        """
+        self._strategies = [r for r in self._strategies if r() is not None and r() is not strategy]
+        if self.embedded and not self._strategies:
+            self.end()
+
+    def end(self) -> None:
+        """Waits (bounded, saying so) for the replicas to finish the program; for hosts without ``atexit``.
+
+        The exit rules of the module docstring, except that a failure is raised to the host
+        program (R halts with it, running its own clean-up) instead of ending this process.
+
+        Raises:
+            ReplicaFailedError: a replica failed (or was still running after ``PHALANX_EXIT_TIMEOUT``).
+        """
+        global _job, _ended_job
+        if self._finished:
+            return
+        self._main_exiting.set()
+        with self._lock:
+            failed_before = self._ended.is_set()
+            self._ended.set()
+        if failed_before:  # the watcher is stopping the others and naming the cause: let it finish
+            self._reported.wait(_report_bound())
+            code = 1
+        else:
+            code = self.supervisor.job_status(wait_for_the_rest(self.supervisor))
+        self.supervisor.close()
+        self._finished = True
+        with _job_lock:
+            if _job is self:
+                _job, _ended_job = None, self
+        if code != 0:
+            cause = root_cause(self.supervisor.exits)
+            if cause is None:
+                raise ReplicaFailedError("a replica", f"a replica of this program failed; see {self.log_dir}")
+            raise ReplicaFailedError(cause.task.name, format_failure(cause))
 
     # ------------------------------------------------------------------ failures
     def _install_excepthook(self) -> None:
@@ -232,6 +309,8 @@ class ReplicaLauncher:
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
         """At exit: waits (bounded, and saying so) for the replicas; any failure makes this process fail."""
+        if self._finished:  # ended by end(), which raised any failure to the program
+            return
         self._main_exiting.set()
         with self._lock:
             failed_before = self._ended.is_set()
