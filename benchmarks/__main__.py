@@ -13,7 +13,7 @@ Examples::
     python -m benchmarks --quick              # a smoke run, well under a minute
     python -m benchmarks --rounds 5 --out ./my-run
     python -m benchmarks --configs px_mirrored,px_mirrored_compiled,local2 --models cnn
-    python -m benchmarks --device cuda        # 2+ GPUs: phalanx against DDP with NCCL
+    python -m benchmarks --device cuda        # every GPU: phalanx against DDP with NCCL
 
 Overlap (``overlap`` in the report): the fraction of a step's communication hidden behind
 backward, ``1 - (step - ceiling step) / communication alone``, where the ceiling is the same two
@@ -23,7 +23,11 @@ for DDP). 1.0: the exchange costs the step nothing; 0.0: it adds its whole durat
 exchange also competes with backward for the cores, so there it measures the cost of
 communication rather than only waiting.
 
-Without 2 CUDA devices, ``--device cuda`` prints why and exits with status 77 (skipped).
+``--device cuda`` runs one replica per visible GPU (one process per GPU). On one GPU that is
+the distribution layer's own cost: Mirrored of one replica (no collective), Mirrored with its
+NCCL group built anyway (``px_mirrored_nccl``, PHALANX_SINGLE_REPLICA_COLLECTIVES=1) against DDP
+over NCCL at world size 1, and, paired in one process, OneDeviceStrategy and Mirrored against the
+raw loop. Without a CUDA device it prints why and exits with status 77 (skipped).
 """
 
 from __future__ import annotations
@@ -70,6 +74,17 @@ THROUGHPUT_CONFIGS = {  # name -> how to launch it
         s,
     ],
     "px_comm": lambda m, out, s: [sys.executable, "-m", "benchmarks.worker", "px_comm", m, out, "--seconds", s],
+    "px_mirrored_nccl": lambda m, out, s: _run2("px_mirrored_nccl", m, out, s),
+    "px_one_device": lambda m, out, s: [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        "px_one_device",
+        m,
+        out,
+        "--seconds",
+        s,
+    ],
     "torch_comm": lambda m, out, s: _run2("torch_comm", m, out, s),
     "px_mwms": lambda m, out, s: _run2("px_mwms", m, out, s),
     "ddp": lambda m, out, s: _run2("ddp", m, out, s),
@@ -83,6 +98,8 @@ if importlib.util.find_spec("tensorflow") is not None:  # optional reference: pi
         )(_tf)
 
 CUDA_CONFIGS = (  # one_process and the TF rows are CPU comparisons
+    "px_one_device",
+    "px_mirrored_nccl",
     "px_mirrored",
     "px_mirrored_compiled",
     "px_mirrored_bf16",
@@ -98,6 +115,8 @@ GLOBAL_BATCH = 256
 
 RATIOS = [
     ("px_mirrored", "ddp"),
+    ("px_mirrored_nccl", "ddp"),
+    ("px_one_device", "local2"),
     ("px_mwms", "ddp"),
     ("px_mirrored", "local2"),
     ("px_mwms", "local2"),
@@ -112,6 +131,9 @@ RATIOS = [
 ]
 
 
+REPLICAS = {"n": 2}  # replicas of the multi-process configurations: 2 CPU processes, or one per GPU
+
+
 def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
     return [
         sys.executable,
@@ -119,7 +141,7 @@ def _run2(config: str, model: str, out: str, seconds: str) -> list[str]:
         "phalanx.cli",
         "run",
         "-n",
-        "2",
+        str(REPLICAS["n"]),
         "-m",
         "benchmarks.worker",
         config,
@@ -162,19 +184,19 @@ def _overlaps(raw: dict) -> dict:
 
 
 def _cuda_devices_missing() -> Exception | None:
-    """Why ``--device cuda`` cannot run here (None if it can): it needs 2 CUDA devices."""
+    """Why ``--device cuda`` cannot run here (None if it can): it needs a CUDA device."""
     import torch
 
     from phalanx.errors import DeviceNotFoundError
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count >= 2:
+    if count >= 1:
         return None
     return DeviceNotFoundError(
-        "cuda:1",
+        "cuda:0",
         available=count,
-        hint="--device cuda compares phalanx with DDP over NCCL, one replica per GPU, on 2 GPUs; "
-        "run it on a machine with 2 or more GPUs, or leave --device out for the CPU suite",
+        hint="--device cuda compares phalanx with DDP over NCCL, one replica per GPU; "
+        "run it on a machine with a GPU, or leave --device out for the CPU suite",
     )
 
 
@@ -204,23 +226,21 @@ def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float, 
     return results
 
 
-def _overhead(models: list[str], rounds: int, seconds: float) -> dict:
-    """OneDeviceStrategy and the raw loop, paired within one process per model and round."""
-    results = {m: {"px_one_device": [], "raw": []} for m in models}
+def _overhead(models: list[str], rounds: int, seconds: float, device: str = "cpu") -> dict:
+    """OneDeviceStrategy (and on a GPU, Mirrored of one replica) and the raw loop, paired within
+    one process per model and round."""
+    sides = ("px_one_device", "px_mirrored", "raw") if device == "cuda" else ("px_one_device", "raw")
+    results: dict = {m: {c: [] for c in sides} for m in models}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for m in models:
                 out = os.path.join(tmp, f"overhead-{m}-{r}.json")
-                pair = _job(
-                    [sys.executable, "-m", "benchmarks.worker", "overhead_pair", m, out, "--seconds", str(seconds)], out
-                )
+                cmd = [sys.executable, "-m", "benchmarks.worker", "overhead_pair", m, out, "--seconds", str(seconds)]
+                pair = _job([*cmd, "--device", device], out)
                 for c in results[m]:
                     results[m][c].append(pair[c])
-                print(
-                    f"  round {r + 1}/{rounds} {m:<10} px_one_device {pair['px_one_device']:>9.0f}  "
-                    f"raw {pair['raw']:>9.0f} samples/s",
-                    flush=True,
-                )
+                shown = "  ".join(f"{c} {pair[c]:>9.0f}" for c in sides)
+                print(f"  round {r + 1}/{rounds} {m:<10} {shown} samples/s", flush=True)
     return results
 
 
@@ -297,6 +317,16 @@ def machine(device: str = "cpu") -> dict:
     info = {"cpus": os.cpu_count(), "cpu_model": cpu, "torch": torch.__version__}
     if device == "cuda":
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+        try:  # the driver, as nvidia-smi reports it
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
     return info
 
 
@@ -336,8 +366,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu (default): 2 CPU replicas; cuda: one replica per GPU on 2 GPUs, DDP with NCCL "
-        "(exits 77, skipped, without 2 GPUs)",
+        help="cpu (default): 2 CPU replicas; cuda: one replica per GPU, DDP with NCCL "
+        "(exits 77, skipped, without a GPU)",
     )
     parser.add_argument(
         "--configs",
@@ -396,7 +426,10 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         if missing is not None:
             print(f"phalanx bench --device cuda: skipped: {type(missing).__name__}: {missing}", file=sys.stderr)
             return SKIPPED
-        skip |= {"allreduce", "overhead"}  # CPU measurements: gloo against phalanx's shm, one thread
+        skip |= {"allreduce"}  # a CPU measurement: gloo against phalanx's shared memory
+        import torch
+
+        REPLICAS["n"] = torch.cuda.device_count()
     out_dir = (args.out or default_out_dir()).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"results go to {out_dir}", flush=True)
@@ -414,6 +447,12 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         names = tuple(chosen or (("px_mirrored", "ddp", "local2") if args.quick else THROUGHPUT_CONFIGS))
         if args.device == "cuda":
             names = tuple(c for c in names if c in CUDA_CONFIGS)
+        elif not chosen:  # the rows that only mean something on a GPU (a CPU has the overhead pair)
+            names = tuple(c for c in names if c not in ("px_one_device", "px_mirrored_nccl"))
+            if REPLICAS["n"] == 1:  # nothing to overlap, and Mirrored is already its one-process self
+                names = tuple(c for c in names if c not in ("px_comm", "torch_comm", "px_mwms"))
+            else:
+                names = tuple(c for c in names if c != "px_mirrored_nccl")
         configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
         raw = _interleaved(configs, models, args.rounds, args.seconds, args.device)
         ratios = {
@@ -452,12 +491,14 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
             )
     if "overhead" not in skip:
         print("OneDeviceStrategy overhead:", flush=True)
-        mlps = [m for m in models if m.endswith("mlp")]
-        raw = _overhead(mlps, args.rounds, args.seconds)
+        mlps = models if args.device == "cuda" else [m for m in models if m.endswith("mlp")]
+        raw = _overhead(mlps, args.rounds, args.seconds, args.device)
         report["overhead"] = {
             "samples_per_s": raw,
             "ratios": {m: _ratio(raw[m]["px_one_device"], raw[m]["raw"]) for m in mlps},
         }
+        if args.device == "cuda":
+            report["overhead"]["mirrored_ratios"] = {m: _ratio(raw[m]["px_mirrored"], raw[m]["raw"]) for m in mlps}
     report["elapsed_s"] = time.monotonic() - start
     (out_dir / "latest.json").write_text(json.dumps(report, indent=1))
     print(summary(report))
@@ -482,6 +523,8 @@ def summary(report: dict) -> str:
             lines.append(f"  {m:<10} {'overlap_' + c:<28} {fmt(r).replace('x', '')}")
     for m, r in report.get("overhead", {}).get("ratios", {}).items():
         lines.append(f"  {m:<10} {'px_one_device_vs_raw':<28} {fmt(r)}")
+    for m, r in report.get("overhead", {}).get("mirrored_ratios", {}).items():
+        lines.append(f"  {m:<10} {'px_mirrored_1gpu_vs_raw':<28} {fmt(r)}")
     lines.append(f"elapsed: {report['elapsed_s']:.0f} s")
     return "\n".join(lines)
 

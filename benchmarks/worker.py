@@ -49,10 +49,16 @@ def _timed(step, data, seconds: float, sync=lambda: None, any_done=lambda done: 
 def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu") -> dict:
     import phalanx as px
 
-    if kind.startswith("px_mirrored") or kind == "px_comm":
-        strategy = px.MirroredStrategy([f"{device}:0", f"{device}:1"])
+    if kind == "px_mirrored_nccl":  # under phalanx run -n <GPUs>; one GPU: NCCL at world size 1
+        os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
+        strategy = px.MirroredStrategy()
+    elif kind.startswith("px_mirrored") or kind == "px_comm":
+        gpus = torch.cuda.device_count()
+        strategy = px.MirroredStrategy([f"cuda:{i}" for i in range(gpus)] if device == "cuda" else ["cpu:0", "cpu:1"])
     elif kind == "px_mwms":
         strategy = px.MultiWorkerMirroredStrategy()
+    elif device == "cuda":
+        strategy = px.OneDeviceStrategy("cuda:0")
     else:
         torch.set_num_threads(1)
         strategy = px.OneDeviceStrategy("cpu")
@@ -111,7 +117,7 @@ def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -
         torch.cuda.set_device(here)
     elif kind in ("ddp", "local2", "raw", "torch_comm"):
         torch.set_num_threads(1)
-    if world > 1:
+    if world > 1 or kind == "ddp":  # DDP needs its group at world size 1 too (and all-reduces through it)
         dist.init_process_group(
             "nccl" if device == "cuda" else "gloo",
             init_method=f"tcp://{os.environ['PHALANX_MASTER_ADDR']}:{os.environ['PHALANX_MASTER_PORT']}",
@@ -159,13 +165,16 @@ def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -
         for x, y in batches(GLOBAL_BATCH, 20)
     ]
     steps, elapsed = _timed(step, data, seconds, sync, any_done)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return {"rank": rank, "steps": steps, "seconds": elapsed}
 
 
-def run_overhead_pair(model_name: str, seconds: float) -> dict:
+def run_overhead_pair(model_name: str, seconds: float, device: str = "cpu") -> dict:
     """OneDeviceStrategy against the raw loop in one process, one thread, alternating passes.
+
+    On a GPU (``device="cuda"``) also MirroredStrategy of one GPU, and each pass ends when the GPU
+    has finished it.
 
     Separate processes differ by +-5 % on this VM (core, memory placement, neighbours), far more
     than the ~10 us a ``strategy.run`` adds to a step; alternating passes over the same batches in
@@ -175,13 +184,16 @@ def run_overhead_pair(model_name: str, seconds: float) -> dict:
     """
     import phalanx as px
 
-    torch.set_num_threads(1)
-    strategy = px.OneDeviceStrategy("cpu")
+    cuda = device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    here = torch.device("cuda:0" if cuda else "cpu")
+    strategy = px.OneDeviceStrategy(str(here))
     torch.manual_seed(0)
     with strategy.scope():
         px_model = make_model(model_name)
     torch.manual_seed(0)
-    raw_model = make_model(model_name)
+    raw_model = make_model(model_name).to(here)
     px_opt = torch.optim.Adam(px_model.parameters(), lr=1e-3)
     raw_opt = torch.optim.Adam(raw_model.parameters(), lr=1e-3)
 
@@ -197,20 +209,31 @@ def run_overhead_pair(model_name: str, seconds: float) -> dict:
     def raw_step(x, y):
         train_step(raw_model, raw_opt, x, y)
 
-    raw_data = batches(GLOBAL_BATCH, 20)
-    px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(raw_data)]
+    raw_data = [(x.to(here), y.to(here)) for x, y in batches(GLOBAL_BATCH, 20)]
+    px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20))]
     runs = {"px_one_device": (px_step, px_data), "raw": (raw_step, raw_data)}
+    if cuda:
+        mirrored = px.MirroredStrategy(["cuda:0"])
+        torch.manual_seed(0)
+        with mirrored.scope():
+            m_model = make_model(model_name)
+        m_opt = torch.optim.Adam(m_model.parameters(), lr=1e-3)
+        m_data = [(b[0], b[1]) for b in mirrored.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20))]
+        runs["px_mirrored"] = (lambda x, y: mirrored.run(train_step, args=(m_model, m_opt, x, y)), m_data)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for step, data in runs.values():  # warm-up
         for x, y in data[:5]:
             step(x, y)
+    sync()
     spent, steps, order = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0), list(runs)
-    while sum(spent.values()) < 2 * seconds:
-        order.reverse()  # neither side always runs first
+    while sum(spent.values()) < len(runs) * seconds:
+        order.reverse()  # no side always runs first (or last)
         for name in order:
             step, data = runs[name]
             start = time.perf_counter()
             for x, y in data:
                 step(x, y)
+            sync()
             spent[name] += time.perf_counter() - start
             steps[name] += len(data)
     return {"rank": 0, **{name: steps[name] * GLOBAL_BATCH / spent[name] for name in runs}}
@@ -225,7 +248,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.config == "overhead_pair":
-        result = run_overhead_pair(args.model, args.seconds)
+        result = run_overhead_pair(args.model, args.seconds, args.device)
     else:
         run = run_phalanx if args.config.startswith("px_") else run_torch
         result = run(args.config, args.model, args.seconds, args.device)

@@ -6,10 +6,19 @@ CI has no GPU, so these skip there (with the reason); run them on a GPU machine 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
+from gpu_paths import check_shared_device, check_single_replica_collectives
 
 import phalanx as px
+
+try:  # at import, as test_notebook's own imports (they set variables the hygiene check would see)
+    from test_notebook import SETUP, STRATEGY, Kernel, _check_fit
+except pytest.skip.Exception:  # no Jupyter here
+    Kernel = None
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
@@ -83,6 +92,12 @@ def test_float16_grad_scaler_under_one_device_equals_plain_torch(monkeypatch, tm
 
 def test_compiled_step_on_gpu_matches_eager(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    # Inductor sets these for Triton at its first GPU compile; kept so that they are put back after.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    for name in ("TRITON_PTXAS_PATH",):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
     data = _data()
     finals = {}
     for compiled in (False, True):
@@ -132,3 +147,50 @@ def test_a_module_built_inside_run_lands_on_the_replica_gpu():
 
     out = strategy.run(step, args=(torch.ones(3, 4, device="cuda"),))
     assert built["layer"].weight.is_cuda and out.is_cuda
+
+
+def test_mirrored_and_central_storage_on_one_gpu_run_the_nccl_path(tmp_path):
+    """World size 1 with its process group built anyway: gradients, guard and reductions over NCCL."""
+    check_single_replica_collectives(tmp_path, backend="nccl", device="cuda")
+
+
+def test_two_replica_processes_share_one_gpu_over_gloo(tmp_path):
+    """The multi-process CUDA path without NCCL: equal to one device, the guard read one step late."""
+    check_shared_device(tmp_path, device="cuda", late_by=1)
+
+
+def test_notebook_with_cuda_initialised_spawns_its_replicas_and_trains_on_the_gpu(tmp_path):
+    """The seed notebook's path on a GPU machine: a kernel that used CUDA first cannot fork replicas.
+
+    phalanx must pick the spawn start by itself (nothing forces it here), the multi-replica fit
+    must equal one device, a GPU strategy in the same kernel trains on the GPU, and a cell that
+    fails leaves the kernel and its replicas usable.
+    """
+    # Found, not imported: importing Keras here (and what it imports on a GPU image) would change
+    # this process's environment; the kernel imports it.
+    if Kernel is None or importlib.util.find_spec("keras") is None:
+        pytest.skip("needs jupyter_client, ipykernel and keras")
+    out = tmp_path / "out"
+    out.mkdir()
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.ok(SETUP.format(out=str(out)), timeout=180)
+        kernel.ok("on_gpu = torch.ones(2, device='cuda') * 2; torch.cuda.synchronize()")
+        started = kernel.ok(STRATEGY, timeout=180)
+        assert "(spawn)" in started["stderr"], started["stderr"]
+        _check_fit(kernel, out)
+        trained = kernel.ok(
+            "gpu = phalanx.OneDeviceStrategy('gpu:0')\n"
+            "with gpu.scope():\n"
+            "    gpu_model = build()\n"
+            "gpu_model.fit(X, Y, epochs=1, batch_size=32, shuffle=False, verbose=0)\n"
+            "print('DEVICE', gpu_model.trainable_weights[0].value.device)"
+        )
+        assert "DEVICE cuda" in trained["stdout"], trained
+        failed = kernel.run("strategy.run(lambda: 1 / 0)")
+        assert failed["status"] == "error" and failed["error"][0] == "ZeroDivisionError", failed
+        after = kernel.ok("strategy.reduce('sum', strategy.run(lambda: torch.ones(1)), axis=None)")
+        assert "tensor([2.])" in after["results"][0], after
+        kernel.ok("strategy.close()")
+    finally:
+        kernel.shutdown()

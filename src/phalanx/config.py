@@ -74,6 +74,9 @@ class Settings:
         orphan_timeout: PHALANX_ORPHAN_TIMEOUT, seconds a server waits for its coordinator.
         worker_recovery_timeout: PHALANX_WORKER_RECOVERY_TIMEOUT, seconds without any worker.
         central_copy: PHALANX_CENTRAL_COPY=1 forces CentralStorageStrategy's copy mode (tests).
+        single_replica_collectives: PHALANX_SINGLE_REPLICA_COLLECTIVES=1 makes a one-replica
+            synchronous strategy build its process group anyway (NCCL on a GPU), as DDP does at world
+            size 1, so that one GPU runs the real collective path (tests, benchmarks).
         shm: PHALANX_SHM=0 turns the shared-memory all-reduce off.
         host_id: PHALANX_HOST_ID, what makes processes "the same host" (default: the hostname).
         bind_address: PHALANX_BIND_ADDRESS, overrides the host a parameter-server task listens on.
@@ -106,6 +109,7 @@ class Settings:
         default=WORKER_RECOVERY_TIMEOUT, metadata={"env": "PHALANX_WORKER_RECOVERY_TIMEOUT"}
     )
     central_copy: bool = field(default=False, metadata={"env": "PHALANX_CENTRAL_COPY"})
+    single_replica_collectives: bool = field(default=False, metadata={"env": "PHALANX_SINGLE_REPLICA_COLLECTIVES"})
     shm: bool = field(default=True, metadata={"env": "PHALANX_SHM"})
     host_id: str | None = field(default=None, metadata={"env": "PHALANX_HOST_ID"})
     bind_address: str | None = field(default=None, metadata={"env": "PHALANX_BIND_ADDRESS"})
@@ -145,6 +149,8 @@ class Settings:
                 values[f.name] = _flag(
                     name, raw, "1 forces CentralStorageStrategy's copy mode on CPU replicas (for tests)"
                 )
+            elif f.name == "single_replica_collectives":
+                values[f.name] = _flag(name, raw, "1 builds the process group of a one-replica job (tests, benchmarks)")
             elif f.name == "shm":
                 values[f.name] = raw != "0"
             elif f.type == "int":

@@ -142,12 +142,16 @@ class StrategyExtended:
         # all-reduce when they are unfrozen (fine-tuning), checked at every `run`.
         self._frozen: list[torch.nn.Parameter] = []
         self._checked_first_run = comm.world_size == 1
+        # Whether gradients, guard, extended.all_reduce and barriers go through the communicator:
+        # with several replicas, or with one whose process group was built anyway
+        # (PHALANX_SINGLE_REPLICA_COLLECTIVES=1: one GPU runs the real NCCL path, as DDP does).
+        self._collectives = comm.world_size > 1 or not isinstance(comm, LocalCommunicator)
         # Every collective carries the replicas' step, batch and (first step, after a restore, then
         # every PHALANX_FINGERPRINT_EVERY steps) parameter fingerprint, so replicas that drifted
         # apart fail within one step, and replicas whose updates differ within that many steps.
         self._guard = (
             ReplicaGuard(comm, self._guard_fields, self._guarded_params, config.settings().fingerprint_every)
-            if comm.world_size > 1
+            if self._collectives
             else None
         )
         # Modules that registered a variable under this strategy's capture since the last sweep: what
@@ -243,6 +247,13 @@ class StrategyExtended:
         return self._comm
 
     @property
+    def consistency_checks(self) -> int:
+        """How many collectives the consistency guard has checked so far (0 with one replica, or
+        with the guard off), for tools and tests."""
+        guard = self._guard if self._guard is not None else self._disabled_guard
+        return guard.checks if guard is not None else 0
+
+    @property
     def mirrored_buffers(self) -> tuple[torch.Tensor, ...]:
         """The floating-point buffers (BatchNorm statistics) re-broadcast from replica 0 before each step."""
         return tuple(self._buffers)
@@ -275,7 +286,7 @@ class StrategyExtended:
 
     def barrier(self) -> None:
         """Returns once every process of the job has called it."""
-        if self._comm.world_size > 1:
+        if self._collectives:
             self._comm.barrier()
 
     def adopt_variables(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -368,7 +379,7 @@ class StrategyExtended:
             self._mark_owned(t)
         self._buffers += [b for b in buffers if b.is_floating_point()]
         self._frozen += [p for p in params if not p.requires_grad]
-        if self._comm.world_size > 1:
+        if self._collectives:
             self._attach_gradient_sync(params)
 
     def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
@@ -379,7 +390,7 @@ class StrategyExtended:
         meets buckets of another size: a typed error, not silent drift.
         """
         self.mark_parameters_changed()
-        if self._comm.world_size > 1:
+        if self._collectives:
             self._attach_gradient_sync(params)
 
     def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
@@ -607,7 +618,7 @@ class StrategyExtended:
     ) -> list[torch.Tensor]:
         """One all-reduce per dtype. ``structure``: the last ``run`` result's description, compared
         across replicas by a digest in each replica's slot of the first message that can carry it."""
-        if self._comm.world_size == 1:
+        if not self._collectives:
             return list(tensors)
         out: list[torch.Tensor | None] = [None] * len(tensors)
         groups: dict[torch.dtype, list[int]] = {}
@@ -839,9 +850,28 @@ class StrategyExtended:
         """Marks ``tensor`` as this strategy's variable, for a Checkpoint made outside ``scope()``."""
         _OWNERS[tensor] = weakref.ref(self)
 
+    def check_consistency(self) -> None:
+        """Checks the consistency guard's last unread result now (GPU replicas read it one step late).
+
+        On CUDA replicas the guard's part of a step's gradient sum is read at the next step, so
+        that the host never waits for the GPU; a checkpoint calls this before it writes. Collective
+        only when a divergence is found (every replica finds it alike).
+
+        Raises:
+            ReplicaDivergenceError: the replicas disagreed at the last synchronised step.
+        """
+        reducer = getattr(self, "_reducer", None)  # a parameter-server strategy has none
+        if reducer is not None:
+            reducer.check_pending()
+
     def _close(self) -> None:
         if self._reducer is not None:
-            self._reducer.remove()
+            try:
+                self.check_consistency()
+            finally:
+                self._reducer.remove()
+                self._comm.close()
+            return
         self._comm.close()
 
 
@@ -959,6 +989,34 @@ def scope_enter_hooks() -> tuple[ScopeEnterHook, ...]:
     return tuple(_SCOPE_ENTER_HOOKS)
 
 
+DeviceContext = Callable[["Strategy"], "contextlib.AbstractContextManager[Any] | None"]
+_DEVICE_CONTEXTS: list[DeviceContext] = []
+
+
+def register_device_context(factory: DeviceContext) -> None:
+    """Enters ``factory(strategy)`` (unless it returns None) around ``scope()`` and every ``run``.
+
+    For a framework that places tensors on a default device of its own, so that what it makes
+    inside the strategy lands on the replica's device, as TF places a replica's ops: Keras on the
+    torch backend uses the GPU whenever one exists, also for CPU replicas. ``phalanx.keras``
+    registers one; the factory should return None fast where nothing needs changing (it is
+    called at every step). Registering a factory twice has no effect.
+    """
+    with _SCOPE_HOOKS_LOCK:
+        if factory not in _DEVICE_CONTEXTS:
+            _DEVICE_CONTEXTS.append(factory)
+
+
+@contextlib.contextmanager
+def _device_contexts(strategy: "Strategy") -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for factory in _DEVICE_CONTEXTS:
+            cm = factory(strategy)
+            if cm is not None:
+                stack.enter_context(cm)
+        yield
+
+
 class Strategy:
     """Base class of all strategies; see the module docstring for the execution model."""
 
@@ -998,7 +1056,7 @@ class Strategy:
         _integrations.activate_loaded()  # tf.keras needs no extra import; neither does Keras here
         for hook in _SCOPE_ENTER_HOOKS:
             hook(self)
-        with context.enter_scope(self):
+        with context.enter_scope(self), _device_contexts(self):
             with self._extended._variable_scope(self):
                 yield self
             if context.in_cross_replica_context():
@@ -1053,6 +1111,7 @@ class Strategy:
                 ext._variable_scope(self, default_device=False),
                 global_batch.using(info),
                 loss_scale_watch(ext._reducer, ext._comm.world_size),
+                _device_contexts(self) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
             ):  # friend
                 # friend: the first step watches for parameters no scope synchronised
                 result = fn(*args, **kwargs) if ext._checked_first_run else ext._first_run(fn, args, kwargs)

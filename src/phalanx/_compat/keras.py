@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "count_optimizer_step",
+    "current_device",
     "direct_sublayers",
     "initial_epoch",
     "is_uninitialized",
@@ -73,3 +74,14 @@ def is_uninitialized(variable: Any) -> bool:
 def set_initializer(variable: Any, initializer: Any) -> None:
     """Replaces the initializer an uninitialized variable will be given its value from (``_initializer``)."""
     variable._initializer = initializer
+
+
+def current_device() -> Any:
+    """The device Keras (torch backend) puts new tensors on now: its default (the GPU whenever
+    one exists) or the innermost ``keras.device`` scope's.
+
+    ``keras.src.backend.torch.core.get_device`` (Keras 3.0 to 3.15); Keras has no public getter.
+    """
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()

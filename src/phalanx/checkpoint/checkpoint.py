@@ -201,6 +201,8 @@ class Checkpoint:
         objects = self._all_objects()
         owners = {name: _owner(obj) for name, obj in objects.items()}
         who = Participants.resolve(self._strategy, _owning_strategy(owners.values()))
+        # GPU replicas check the consistency guard one step late: never write a diverged state.
+        who.strategy.extended.check_consistency()
         path = os.path.abspath(os.fspath(file_prefix))
         writes = who.writes(path)
         manifest_objects: dict[str, Any] = {}

@@ -112,8 +112,8 @@ class Communicator(Protocol):
     def store(self) -> Any:
         """The job's key-value store, for small out-of-band exchanges."""
 
-    def subgroup(self, ranks: list[int], tag: str) -> Any:
-        """A process group of ``ranks`` (this rank among them)."""
+    def subgroup(self, ranks: list[int], tag: str, *, cuda: bool = False) -> Any:
+        """A process group of ``ranks`` (this rank among them); NCCL for CUDA tensors where the job has it."""
 
     def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:
         """Translates transport failures inside the block into typed errors naming the peer."""
@@ -210,7 +210,7 @@ class LocalCommunicator:
             self._store = InMemoryStore()
         return self._store
 
-    def subgroup(self, ranks: list[int], tag: str) -> Any:
+    def subgroup(self, ranks: list[int], tag: str, *, cuda: bool = False) -> Any:
         raise NotImplementedError("a single-replica job has no subgroups")
 
     def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:
@@ -286,6 +286,7 @@ class ProcessGroupCommunicator:
         self._subgroups: list[Any] = []
         self._host_ranks: list[int] = []  # the global ranks of this host, in shared-memory rank order
         # gloo's threads start here; peers have all checked in above, so this is short.
+        self.backend = backend
         with self.errors_for("process group creation"), helper_threads_ignore_stop_signals():
             self.pg = process_group.make_group(
                 backend,
@@ -295,7 +296,21 @@ class ProcessGroupCommunicator:
                 timeout=spec.timeout,
                 bind_addr=spec.bind_addr,
             )
-        self._shm, self._cross = self._fast_path(backend)
+            # NCCL reduces CUDA tensors only; the job's CPU tensors (the guard's control values, a
+            # host tensor passed to strategy.reduce, the input's end-of-data agreement, barriers)
+            # go through a gloo group beside it, as DDP's users do with a second group.
+            self._cpu_pg = (
+                self.pg
+                if backend == "gloo"
+                else process_group.gloo_group(
+                    dist.PrefixStore("cpu-pg", self._store),
+                    self.rank,
+                    self.world_size,
+                    timeout=spec.timeout,
+                    bind_addr=spec.bind_addr,
+                )
+            )
+        self._shm, self._cross = self._fast_path()
         self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL)
         # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
         # this object alive, and a daemon thread still inside a store call when the interpreter
@@ -304,15 +319,16 @@ class ProcessGroupCommunicator:
         atexit.register(self.close)
 
     # ----------------------------------------------------------------------------- set up
-    def _fast_path(self, backend: str) -> tuple[Any, Any]:
-        """Shared memory among the ranks of each host, gloo between hosts (hierarchical).
+    def _fast_path(self) -> tuple[Any, Any]:
+        """Shared memory among the ranks of each host, gloo between hosts (hierarchical), for CPU tensors.
 
         Within a host, all-reduces go through a shared-memory segment: no sockets, no thread
         hand-offs. Across hosts, after the local sum, the ranks with the same local index
         all-reduce over gloo, so each host's sum crosses the network once per local rank and
-        every rank ends with the same bits. ``PHALANX_SHM=0`` turns the fast path off.
+        every rank ends with the same bits. ``PHALANX_SHM=0`` turns the fast path off. CUDA
+        tensors never take it: they go through the main group (NCCL, or gloo's CUDA path).
         """
-        if backend != "gloo" or os.environ.get("PHALANX_SHM", "1") == "0":
+        if os.environ.get("PHALANX_SHM", "1") == "0":
             return None, None
         from phalanx.comm.shm import ShmAllReduce
 
@@ -395,7 +411,9 @@ class ProcessGroupCommunicator:
         if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
             return self._hierarchical_all_reduce(tensor, op, native)
         with self.errors_for("all-reduce"):
-            work = self.pg.allreduce([tensor], native)
+            # NCCL's work.wait() only orders the current CUDA stream after the collective: the
+            # host goes on, and backward overlaps the gradient buckets as DDP's do.
+            work = self._group_for(tensor).allreduce([tensor], native)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" else None
         return Handle(tensor, lambda: self._wait(work, "all-reduce"), post)
 
@@ -443,30 +461,42 @@ class ProcessGroupCommunicator:
         with self.errors_for(operation):
             work.wait()
 
+    def _group_for(self, tensor: torch.Tensor) -> Any:
+        """The group that reduces ``tensor``: NCCL for CUDA tensors of an NCCL job, gloo otherwise."""
+        return self.pg if tensor.is_cuda else self._cpu_pg
+
     def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = dst, dist.ReduceOp.SUM
+        group = self._group_for(tensor)
         with self.errors_for("reduce"):
-            self.pg.reduce([tensor], opts).wait()
+            if tensor.is_cuda and group is self._cpu_pg:
+                # gloo reduces CUDA tensors only in all-reduce and broadcast: stage through the host.
+                host = tensor.cpu()
+                group.reduce([host], opts).wait()
+                tensor.copy_(host)
+            else:
+                group.reduce([tensor], opts).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         with self.errors_for("broadcast"):
-            self.pg.broadcast([tensor], opts).wait()
+            self._group_for(tensor).broadcast([tensor], opts).wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Returns every rank's ``tensor`` (all of the same shape), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self.errors_for("all-gather"):
-            self.pg.allgather([out], [tensor.contiguous()]).wait()
+            self._group_for(tensor).allgather([out], [tensor.contiguous()]).wait()
         return out
 
     def barrier(self) -> None:
+        # Through gloo even in an NCCL job: NCCL's barrier is an all-reduce on a guessed device.
         with self.errors_for("barrier"):
-            self.pg.barrier().wait()
+            self._cpu_pg.barrier().wait()
 
     def name(self, rank: int) -> str:
         return self.spec.name(rank)
@@ -479,11 +509,16 @@ class ProcessGroupCommunicator:
         """The job's key-value store (rendezvous), for small out-of-band exchanges."""
         return self._store
 
-    def subgroup(self, ranks: list[int], tag: str) -> Any:
-        """A gloo group of ``ranks`` (this rank among them); only its members construct it."""
+    def subgroup(self, ranks: list[int], tag: str, *, cuda: bool = False) -> Any:
+        """A group of ``ranks`` (this rank among them); only its members construct it.
+
+        gloo, or NCCL with ``cuda=True`` in an NCCL job (for CUDA tensors).
+        """
+        nccl = cuda and self.backend == "nccl"
         with self.errors_for(f"creating group {tag}"):
-            group = process_group.gloo_group(
-                dist.PrefixStore(f"sub/{tag}", self._store),
+            group = process_group.make_group(
+                "nccl" if nccl else "gloo",
+                dist.PrefixStore(f"sub/{tag}{'/nccl' if nccl else ''}", self._store),
                 ranks.index(self.rank),
                 len(ranks),
                 timeout=self.spec.timeout,
@@ -503,11 +538,12 @@ class ProcessGroupCommunicator:
         self._heartbeat.stop()
         # Shut the groups down while the interpreter is whole: gloo's worker threads may still hold
         # work objects whose tensors need the GIL to be freed.
-        for group in [*self._subgroups, self.pg]:
+        groups = [*self._subgroups, self.pg] + ([self._cpu_pg] if self._cpu_pg is not self.pg else [])
+        for group in groups:
             with contextlib.suppress(Exception):
                 group.shutdown()
         self._subgroups.clear()
-        self.pg = None
+        self.pg = self._cpu_pg = None
 
 
 GlooCommunicator = ProcessGroupCommunicator  # the former name (it builds NCCL groups too)

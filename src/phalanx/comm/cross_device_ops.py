@@ -101,21 +101,36 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             groups = [groups[0][:half], groups[0][half:]]
         return groups
 
-    def _setup(self, comm: Communicator) -> tuple[list[int], Any, Any]:
-        key = id(comm)
+    def _setup(self, comm: Communicator, cuda: bool) -> tuple[list[int], Any, Any]:
+        key = (id(comm), cuda)
         if key not in self._groups:
             groups = self._layout(comm)
             leaders = [g[0] for g in groups]
             mine = next(g for g in groups if comm.rank in g)
-            # Every rank builds the groups it belongs to; gloo groups need only their members.
-            local = comm.subgroup(mine, tag=f"hier-local-{leaders.index(mine[0])}") if len(mine) > 1 else None
-            top = comm.subgroup(leaders, tag="hier-leaders") if comm.rank in leaders and len(leaders) > 1 else None
+            # Every rank builds the groups it belongs to; gloo groups need only their members. CUDA
+            # tensors of an NCCL job get NCCL groups (the communicator decides).
+            kind = "-cuda" if cuda else ""
+            local = (
+                comm.subgroup(mine, tag=f"hier-local-{leaders.index(mine[0])}{kind}", cuda=cuda)
+                if len(mine) > 1
+                else None
+            )
+            top = (
+                comm.subgroup(leaders, tag=f"hier-leaders{kind}", cuda=cuda)
+                if comm.rank in leaders and len(leaders) > 1
+                else None
+            )
             self._groups[key] = (mine, local, top)
         return self._groups[key]
 
     def all_reduce(self, comm: Any, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        if comm.world_size > 1 and tensor.is_cuda and getattr(comm, "backend", "nccl") != "nccl":
+            # gloo reduces CUDA tensors only in all-reduce and broadcast: the whole tree runs on a host copy.
+            host = tensor.cpu()
+            self.all_reduce(comm, host, op).wait()
+            return Handle(tensor.copy_(host))
         if comm.world_size > 1:
-            members, local, top = self._setup(comm)
+            members, local, top = self._setup(comm, tensor.is_cuda)
             if local is not None:
                 opts = dist.ReduceOptions()
                 opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM

@@ -85,7 +85,12 @@ class FieldGuard:
         out = [0] * (self.world_size * len(mine))
         at = self.rank * len(mine)
         out[at : at + len(mine)] = mine
-        return torch.tensor(out, dtype=dtype, device=device)
+        host = torch.tensor(out, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            # From pinned memory without waiting: a plain copy to the GPU would stall the host until
+            # the GPU reached this point of the step (backward so far), on every step.
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
 
     def decode(self, summed: torch.Tensor) -> list[list[int]]:
         """Every replica's values, one row per replica."""

@@ -96,6 +96,10 @@ class GradientReducer:
         self._base: dict[int, torch.Tensor] = {}
         self._dirty: set[int] = set()  # params whose .grad holds unsynchronised local gradient
         self._guard_len = 0
+        # On a GPU, the guard's part of a pass's sum, copied to pinned host memory without waiting,
+        # and checked at the next pass (or by check_pending): reading it at once would stall the
+        # host until the GPU finished the step, every step.
+        self._pending_check: tuple[torch.Tensor, Any] | None = None
         self.add(params, bucket_bytes, num_packs)
 
     def add(
@@ -196,6 +200,31 @@ class GradientReducer:
         bucket.flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         bucket.handle = self._all_reduce(bucket.flat)
 
+    def _verify_guard(self, summed: torch.Tensor) -> None:
+        if not summed.is_cuda:
+            self.guard.verify(summed)
+            return
+        host = torch.empty(summed.shape, dtype=summed.dtype, pin_memory=True)
+        host.copy_(summed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending_check = (host, done)
+
+    def check_pending(self) -> None:
+        """Checks the guard of the last pass if it is still unread (GPU replicas; see ``_verify_guard``).
+
+        A divergence in pass k on a GPU is raised during pass k + 1's backward, on every replica
+        alike, or here: the strategy calls this before a checkpoint is written and when it closes.
+
+        Raises:
+            ReplicaDivergenceError: the replicas disagreed in that pass.
+        """
+        pending, self._pending_check = self._pending_check, None
+        if pending is not None:
+            host, done = pending
+            done.synchronize()
+            self.guard.verify(host)
+
     def _finish_local(self) -> None:
         """End of a backward pass under no_sync(): nothing to send."""
         with self._lock:
@@ -212,10 +241,11 @@ class GradientReducer:
                 while self._next < len(self._buckets):
                     self._launch(self._buckets[self._next])
                     self._next += 1
+            self.check_pending()  # the previous pass's guard, on a GPU (long finished by now)
             for index, bucket in enumerate(self._buckets):
                 flat = bucket.handle.wait()
                 if index == 0 and self._guard_len:
-                    self.guard.verify(flat[flat.numel() - self._guard_len :])
+                    self._verify_guard(flat[flat.numel() - self._guard_len :])
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()

@@ -147,7 +147,7 @@ class ThreadedCommunicator:
     def store(self) -> InMemoryStore:
         return self._world.store
 
-    def subgroup(self, ranks: list[int], tag: str) -> Any:
+    def subgroup(self, ranks: list[int], tag: str, *, cuda: bool = False) -> Any:
         raise NotImplementedError("ThreadedCommunicator has no subgroups; use a process-level test")
 
     def errors_for(self, operation: str) -> contextlib.AbstractContextManager[None]:

@@ -52,6 +52,7 @@ Semantics (tf.keras under tf.distribute):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -65,6 +66,7 @@ import torch
 
 from phalanx import context, hooks, nest
 from phalanx._compat.keras import count_optimizer_step
+from phalanx._compat.keras import current_device as keras_device
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
@@ -73,7 +75,7 @@ from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery
 from phalanx.keras.discovery import distributed_model
 from phalanx.nn import mark_loss_scaled
-from phalanx.strategy import RUN_OBSERVERS, register_scope_enter_hook
+from phalanx.strategy import RUN_OBSERVERS, register_device_context, register_scope_enter_hook
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -170,9 +172,28 @@ def _on_scope_enter(strategy: "Strategy") -> None:
     hooks.install("phalanx.keras.model.discovery", "module_module_registration", _on_module_registered)
 
 
+def _replica_device(strategy: "Strategy") -> Any:
+    """Keras' device scope for the replica's device, where Keras would put its tensors elsewhere.
+
+    On the torch backend Keras makes every tensor (variables, the batches it converts, metric
+    state) on its default device: the GPU whenever one exists, also for CPU replicas (a notebook
+    testing MirroredStrategy(["cpu:0", "cpu:1"]) after using its GPU got GPU metrics beside CPU
+    weights). TF places a replica's ops on the replica's device; the core enters this around
+    ``scope()`` and every ``run`` (None, at once, where Keras already uses that device).
+    """
+    wanted = strategy.extended.device
+    if wanted.type == "cuda" and wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    current = torch.device(keras_device())
+    if current.type == "cuda" and current.index is None:
+        current = torch.device("cuda", torch.cuda.current_device())
+    return None if current == wanted else keras.device(str(wanted))
+
+
 # The core calls this at every scope entry; it imports this package only by name, when Keras is
 # loaded (phalanx._integrations). Imported inside an open scope (Keras imported there), it joins now.
 register_scope_enter_hook(_on_scope_enter)
+register_device_context(_replica_device)
 if context.has_strategy():
     _on_scope_enter(context.get_strategy())
 
@@ -484,7 +505,13 @@ class SyncAdapter(DistributedModel):
             arguments["verbose"] = 0
         self._prepare()
         self._stat_vars = None
-        return call(arguments)
+        with self._on_replica_device():
+            return call(arguments)
+
+    def _on_replica_device(self) -> Any:
+        """Keras' device scope for the replica's device, around fit, evaluate and predict (the
+        batches Keras converts before each step, too): see :func:`_replica_device`."""
+        return _replica_device(self.strategy) or contextlib.nullcontext()
 
     def _run_inference(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         call, arguments = self._bind(method, self.model, args, kwargs)
@@ -495,7 +522,8 @@ class SyncAdapter(DistributedModel):
             if not self.is_chief:
                 arguments["verbose"] = 0
         self._prepare()
-        return call(arguments)
+        with self._on_replica_device():
+            return call(arguments)
 
     # ------------------------------------------------------------------------------ step functions
     def _prepare(self) -> None:

@@ -185,6 +185,9 @@ class CentralStorageExtended(SyncExtended):
             env,
             names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
             fingerprint=(("central_storage_copy_mode", copy_mode),),
+            # Copy mode reduces on the central CPU variables (shared memory, gloo); NCCL serves the
+            # GPU tensors a user reduces (strategy.reduce of a loss on the replica's GPU).
+            backend=self._backend_for(compute[local_rank]),
         )
         self._configure_cpu_threads(comm, compute[local_rank].type)
         super().__init__(

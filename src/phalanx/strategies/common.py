@@ -24,7 +24,7 @@ from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
 from phalanx.launch.cores import cpu_oversubscription_warning
-from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.strategy import StrategyExtended
 
 # Kept for code that imported them from here; the values live in phalanx.config.
@@ -130,6 +130,12 @@ class SyncExtended(StrategyExtended):
                 # Once per program: a later multi-replica strategy runs on the replicas started for the first.
                 self._launcher = launch(len(devices))
                 env = self._launcher.env
+        elif env is not None and not in_session:
+            from phalanx.launch.self_launch import current_job
+
+            job = current_job()
+            if job is not None and env is job.env:  # a later strategy on the replicas this process started
+                self._launcher = job
         if env is not None and env.local_world_size != len(devices):
             raise ClusterSpecError(
                 what,
@@ -137,7 +143,17 @@ class SyncExtended(StrategyExtended):
                 f"the launcher started {env.local_world_size} replica processes on this host",
                 hint="pass as many devices as `phalanx run -n` starts, or none",
             )
+        if hasattr(self._launcher, "strategy_opened"):  # self-launch: the last one closed may end the job
+            self._launcher.strategy_opened(self)
         return env
+
+    @staticmethod
+    def _backend_for(device: LogicalDevice) -> str:
+        """NCCL where the replicas are GPUs (as TF's MirroredStrategy defaults to NcclAllReduce), gloo on CPUs.
+
+        The communicator routes CPU tensors (control values, host tensors) through gloo beside it.
+        """
+        return "nccl" if device.type == "cuda" else "gloo"
 
     @staticmethod
     def _select_device(device: LogicalDevice) -> None:
@@ -166,12 +182,15 @@ class SyncExtended(StrategyExtended):
         same processes; every process creates its strategies in the same order, so they agree on k.
         """
         replica_hooks.install()
+        settings = config.settings()
         if env is None or env.world_size == 1:
-            return LocalCommunicator()
+            if not settings.single_replica_collectives:
+                return LocalCommunicator()  # one replica: every collective is the identity, for free
+            if env is None:  # a job of one, not launched: it serves its own store
+                env = ReplicaEnv(0, 1, 0, 1, "127.0.0.1", free_port())
         job = (env.master_addr, env.master_port)
         generation = _generations.get(job, 0)
         _generations[job] = generation + 1
-        settings = config.settings()
         spec = GroupSpec(
             rank=env.rank,
             world_size=env.world_size,

@@ -39,7 +39,11 @@ class MirroredExtended(SyncExtended):
         local_rank = env.local_rank if env is not None else 0
         self._select_device(local[local_rank])
         names = tuple(tf_device_name(d) for d in local)
-        comm = self._build_communicator(env, names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else ())
+        comm = self._build_communicator(
+            env,
+            names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
+            backend=self._backend_for(local[local_rank]),
+        )
         self._configure_cpu_threads(comm, local[local_rank].type)
         super().__init__(comm, local[local_rank], names, names, cross_device_ops)
         self._close_at_exit()

@@ -133,13 +133,19 @@ class MultiWorkerMirroredExtended(SyncExtended):
             raise ClusterSpecError(
                 "task.type", placement.task_type, "MultiWorkerMirroredStrategy runs only on 'chief' and 'worker' tasks"
             )
-        use_gpu = torch.cuda.device_count() >= placement.local_world_size
+        gpus = torch.cuda.device_count()
+        # RING asked for explicitly on a host with fewer GPUs than local replicas: the replicas share
+        # the GPUs (gloo reduces CUDA tensors through the host), the way to run several replicas on
+        # one GPU (a notebook's single GPU, a test). NCCL cannot share a GPU between ranks.
+        ring = options.implementation is CommunicationImplementation.RING
+        use_gpu = gpus >= placement.local_world_size or (ring and gpus > 0)
         if options.implementation is CommunicationImplementation.NCCL and not use_gpu:
             raise InvalidDeviceError(
                 "NCCL", hint="NCCL needs one GPU per local replica; use CommunicationImplementation.RING (gloo) on CPUs"
             )
         backend = "nccl" if use_gpu and options.implementation is not CommunicationImplementation.RING else "gloo"
-        device = LogicalDevice("cuda" if use_gpu else "cpu", placement.local_rank)
+        index = placement.local_rank % gpus if use_gpu else placement.local_rank
+        device = LogicalDevice("cuda" if use_gpu else "cpu", index)
         self._select_device(device)
         if placement.world_size > 1 and placement.master_port == 0:
             raise ClusterSpecError(
