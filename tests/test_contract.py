@@ -148,8 +148,8 @@ def _in_process_cluster():
     """``(transport, task)``: ``task(job)`` builds the ParameterServerStrategy of ``job``:0 of one
     in-process cluster (a chief, a parameter server and a worker), serving when asked to."""
     from phalanx.cluster import SimpleClusterResolver
+    from phalanx.ps.strategy import ParameterServerStrategy
     from phalanx.ps.transport import InProcessTransport
-    from phalanx.strategies.parameter_server import ParameterServerStrategy
 
     transport = InProcessTransport()
     spec = {"chief": ["127.0.0.1:1000"], "ps": ["127.0.0.1:1100"], "worker": ["127.0.0.1:1200"]}

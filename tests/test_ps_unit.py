@@ -337,7 +337,7 @@ def test_chief_writes_reach_the_servers_and_a_restarted_coordinator_reuses_varia
         assert seen == 3 * 8
         counts = [len(ps.keys) for ps in cluster.ps]
         # A second chief (a restarted coordinator) on the same servers: same variables, their values kept.
-        from phalanx.strategies.parameter_server import ParameterServerStrategy
+        from phalanx.ps.strategy import ParameterServerStrategy
 
         chief2 = ParameterServerStrategy(
             SimpleClusterResolver(cluster.spec, task_type="chief", task_id=0),

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
     )
     from phalanx.options import RunOptions
     from phalanx.process import barrier, is_chief, num_processes, process_index
+    from phalanx.ps.strategy import ParameterServerStrategy
     from phalanx.server import Server
     from phalanx.strategies.central_storage import CentralStorageStrategy
     from phalanx.strategies.mirrored import MirroredStrategy
@@ -55,7 +56,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         MultiWorkerMirroredStrategy,
     )
     from phalanx.strategies.one_device import OneDeviceStrategy
-    from phalanx.strategies.parameter_server import ParameterServerStrategy
     from phalanx.strategies.tpu import TPUStrategy
     from phalanx.strategy import Strategy, StrategyExtended
     from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
@@ -100,7 +100,7 @@ _ATTRIBUTES = {
     "CommunicationOptions": "phalanx.strategies.multi_worker_mirrored",
     "MultiWorkerMirroredStrategy": "phalanx.strategies.multi_worker_mirrored",
     "OneDeviceStrategy": "phalanx.strategies.one_device",
-    "ParameterServerStrategy": "phalanx.strategies.parameter_server",
+    "ParameterServerStrategy": "phalanx.ps.strategy",
     "TPUStrategy": "phalanx.strategies.tpu",
     "Strategy": "phalanx.strategy",
     "StrategyExtended": "phalanx.strategy",

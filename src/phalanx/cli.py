@@ -65,6 +65,27 @@ def _run(args: argparse.Namespace) -> int:
     warning = _oversubscription_warning(args.nproc)
     if warning:
         print(warning, file=sys.stderr)
+    start_method = args.start_method or ""
+    preload = tuple(m.strip() for m in args.preload.split(",") if m.strip())
+    if args.ps > 0:
+        # The parameter-server wing plans its cluster (roles, addresses, TLS material) and runs it
+        # on launch/'s Supervisor; launch/ itself knows nothing of parameter servers.
+        from phalanx.launch import settings
+        from phalanx.ps.launcher import ClusterJob, run_cluster
+
+        return run_cluster(
+            ClusterJob(
+                command,
+                args.ps,
+                args.workers,
+                args.max_restarts,
+                args.log_dir or "",
+                tee=args.tee,
+                tls=args.tls,
+                start_method=start_method or settings.start_method(),
+                preload=preload,
+            )
+        )
     spec = JobSpec(
         command=command,
         nproc=args.nproc,
@@ -74,12 +95,9 @@ def _run(args: argparse.Namespace) -> int:
         master_port=port,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir or "",
-        ps=args.ps,
-        workers=args.workers,
         tee=args.tee,
-        tls=args.tls,
-        start_method=args.start_method or "",
-        preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
+        start_method=start_method,
+        preload=preload,
     )
     return run_job(spec)
 

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from phalanx._compat.torch import compile_falls_back_per_frame
+from phalanx._compat.torch import COMPILE_FRAME_LOGGER, compile_falls_back_per_frame
 from phalanx.errors import PhalanxError
 
 _ACTIVE: contextvars.ContextVar["_Compiler | None"] = contextvars.ContextVar("phalanx_compiled", default=None)
@@ -103,7 +103,7 @@ def _first_line(text: str) -> str:
 def _falling_back_per_frame(recorder: _FallbackRecorder) -> Iterator[None]:
     # suppress_errors makes torch.compile run a frame it cannot compile eagerly instead of raising,
     # before the frame runs: no work is done twice, unlike a retry after an exception would.
-    logger = logging.getLogger("torch._dynamo.convert_frame")
+    logger = logging.getLogger(COMPILE_FRAME_LOGGER)
     logger.addFilter(recorder)
     try:
         with compile_falls_back_per_frame():

@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -36,8 +36,28 @@ from phalanx import nest
 from phalanx.errors import ContextError, NotCallableError, StrategyScopeError
 from phalanx.values import DistributedValues, ReduceOp, local_results
 
-if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+
+class Strategy(Protocol):
+    """What the scope stack needs of a strategy (``phalanx.Strategy`` provides it): this module
+    sits below the strategy module, which imports it, so it names the members it uses."""
+
+    _is_default: bool
+
+    @property
+    def extended(self) -> Any: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any: ...
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any: ...
+
+    def gather(self, value: Any, axis: int) -> Any: ...
+
+    def _wrap_local(self, structure: Any) -> Any: ...
 
 
 @dataclass(frozen=True)

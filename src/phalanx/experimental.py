@@ -6,6 +6,7 @@ from phalanx import coordinator
 from phalanx.checkpoint.preemption import PreemptionCheckpointHandler, TerminationConfig
 from phalanx.input.context import InputOptions, ValueContext
 from phalanx.ps import partitioners
+from phalanx.ps.strategy import ParameterServerStrategy
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.multi_worker_mirrored import (
     CollectiveCommunication,
@@ -13,7 +14,6 @@ from phalanx.strategies.multi_worker_mirrored import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
-from phalanx.strategies.parameter_server import ParameterServerStrategy
 from phalanx.strategies.tpu import TPUStrategy
 from phalanx.values import ReduceOp
 

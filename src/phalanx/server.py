@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from phalanx._compat.python import register_before_thread_pools_exit
 from phalanx.cluster import ClusterSpec, SimpleClusterResolver
 from phalanx.errors import ClusterSpecError
 
@@ -55,7 +56,7 @@ class Server:
         *,
         cluster_secret: str | bytes | None = None,
     ) -> None:
-        from phalanx.strategies.parameter_server import ParameterServerStrategy
+        from phalanx.ps.strategy import ParameterServerStrategy
 
         if protocol not in (None, "grpc"):
             raise ClusterSpecError("protocol", protocol, "phalanx servers speak gRPC only", hint='use protocol="grpc"')
@@ -99,9 +100,7 @@ class Server:
             self._thread.start()
             # At exit, stop serving before Python shuts down the thread pools gRPC answers from
             # (concurrent.futures' exit hook); later requests would fail noisily in gRPC's threads.
-            register = getattr(threading, "_register_atexit", None)
-            if register is not None:
-                register(self.stop)
+            register_before_thread_pools_exit(self.stop)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops serving (what the coordinator's shutdown request does) and waits for it."""

@@ -1284,7 +1284,7 @@ class Strategy:
         """Releases the communicator (also done at interpreter exit)."""
         self._closed = True
         self._extended._close()
-        launcher = getattr(self._extended, "_launcher", None)
+        launcher = getattr(self._extended, "_launcher", None)  # friend: SyncExtended's launcher, if any
         if launcher is not None and hasattr(launcher, "strategy_closed"):
             launcher.strategy_closed(self._extended)  # an interactive session ends with its last strategy
 

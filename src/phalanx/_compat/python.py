@@ -1,11 +1,20 @@
-"""CPython's private APIs phalanx relies on, each behind one function (checked on CPython 3.10 to 3.13)."""
+"""CPython's and IPython's private APIs phalanx relies on, each behind one function (checked on
+CPython 3.10 to 3.13, IPython 8.0 to 9.x)."""
 
 from __future__ import annotations
 
 import atexit
 import runpy
+import threading
+from typing import Any, Callable
 
-__all__ = ["run_exit_handlers", "run_module_as_main"]
+__all__ = [
+    "register_before_thread_pools_exit",
+    "run_exit_handlers",
+    "run_module_as_main",
+    "set_traceback_printer",
+    "show_traceback",
+]
 
 
 def run_exit_handlers() -> None:
@@ -26,3 +35,29 @@ def run_module_as_main(name: str) -> None:
     ``__main__`` is not the module's own (pickling a class defined there fails).
     """
     runpy._run_module_as_main(name, alter_argv=True)
+
+
+def register_before_thread_pools_exit(fn: Callable[[], None]) -> bool:
+    """Runs ``fn`` at exit before ``concurrent.futures`` shuts its thread pools down
+    (``threading._register_atexit``, CPython 3.9 to 3.13); returns False where it does not exist.
+
+    :mod:`atexit` handlers run after those pools are gone: a gRPC server still answering then
+    fails noisily in its threads.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(fn)
+    return True
+
+
+def show_traceback(shell: Any, etype: type, value: BaseException, stb: list[str]) -> None:
+    """Shows ``stb`` as IPython shows a traceback (``InteractiveShell._showtraceback``, IPython
+    8.0 to 9.x): the display a custom exception handler is left to do by itself."""
+    shell._showtraceback(etype, value, stb)
+
+
+def set_traceback_printer(shell: Any, printer: Callable[[type, BaseException, list[str]], None]) -> None:
+    """Replaces how ``shell`` shows tracebacks (``InteractiveShell._showtraceback``, IPython 8.0 to
+    9.x): a notebook replica prints them to its log rather than sending them to a front end."""
+    shell._showtraceback = printer

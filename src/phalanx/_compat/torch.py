@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.nest walks structures with it
 
 __all__ = [
+    "COMPILE_FRAME_LOGGER",
     "compile_falls_back_per_frame",
     "gloo_options",
     "nccl_options",
@@ -24,6 +25,11 @@ __all__ = [
     "untraced",
     "version_counter",
 ]
+
+
+# The logger torch.compile reports a frame it could not compile on (``torch._dynamo.convert_frame``,
+# torch 2.1 to 2.15); phalanx.compiled listens to it to name the frame that ran eagerly.
+COMPILE_FRAME_LOGGER = "torch._dynamo.convert_frame"
 
 
 def version_counter(tensor: torch.Tensor) -> int:

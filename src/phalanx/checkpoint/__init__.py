@@ -5,7 +5,7 @@ phalanx. A checkpoint saved under one strategy restores under any other, with an
 replicas, or in plain PyTorch (:func:`load_state`); it is written once, by the chief, and
 atomically; loading it never runs code from the file.
 
-Example (every process runs this; see README "Checkpoints and fault tolerance")::
+Example (every process runs this; see docs/checkpoints.md)::
 
     import phalanx as px
     from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, InputPosition

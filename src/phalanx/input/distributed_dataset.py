@@ -46,7 +46,7 @@ import contextlib
 import random
 import secrets
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -61,8 +61,20 @@ from phalanx.values import local_results
 CHECKED_BATCHES = 2
 _END = object()
 
-if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+
+class Strategy(Protocol):
+    """What a distributed dataset needs of its strategy (``phalanx.Strategy`` provides it): input/
+    depends on this much, not on the strategy module, which imports input/."""
+
+    @property
+    def extended(self) -> Any: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any: ...
+
+    def _wrap_local(self, structure: Any) -> Any: ...
 
 
 class UnbatchedElementError(PhalanxError, IndexError, ValueError):

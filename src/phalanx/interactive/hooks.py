@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from phalanx._compat.python import show_traceback
+
 session: Any = None  # the Session of this process, set while one is active
 
 
@@ -26,7 +28,7 @@ class InterruptedAtStep(KeyboardInterrupt):
 def short_traceback(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
     """IPython's display of an :class:`InterruptedAtStep`: one line (a full Keras stack takes seconds)."""
     stb = [f"{etype.__name__}: {value}"]
-    shell._showtraceback(etype, value, stb)  # IPython leaves showing a custom exception to its handler
+    show_traceback(shell, etype, value, stb)  # IPython leaves showing a custom exception to its handler
     return stb
 
 

@@ -25,6 +25,7 @@ import sys
 import traceback
 from typing import Any
 
+from phalanx._compat.python import set_traceback_printer
 from phalanx.errors import LaunchError
 from phalanx.interactive import hooks
 from phalanx.interactive.channel import Channel
@@ -171,7 +172,7 @@ def quiet_shell(shell: Any) -> None:
     shell.system = lambda cmd: print(f"[replica: skipped shell command] {cmd}")
     shell.getoutput = lambda *a, **k: SList()
     shell.display_pub = DisplayPublisher(shell=shell)  # prints text/plain to stdout: the log
-    shell._showtraceback = lambda etype, evalue, stb: print("\n".join(stb), file=sys.stderr)
+    set_traceback_printer(shell, lambda etype, evalue, stb: print("\n".join(stb), file=sys.stderr))
     run_cell_magic = shell.run_cell_magic
 
     def cell_magic(name: str, line: str, cell: str) -> Any:

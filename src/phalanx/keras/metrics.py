@@ -207,19 +207,12 @@ def resolve_metric(service: Any, pid: tuple, run: Any) -> Any:
 def place_on_parameter_servers(metric: Any, extended: Any) -> None:
     """Creates ``metric``'s variables on the parameter servers (once); ``result()`` reads them from there.
 
-    Called on the chief when a scheduled function that uses ``metric`` is pickled.
-
-    Raises:
-        UnsupportedMetricError: the metric was not created in the strategy's scope.
+    Called on the chief when a scheduled function that uses ``metric`` is pickled. A metric made
+    outside ``strategy.scope()`` is placed too: its variables are adopted by the servers here.
     """
     if metric.__dict__.get(_ATTR) is not None:
         return
     strategy = extended.container_strategy
-    if not getattr(metric, "_phalanx_in_scope", True):
-        raise UnsupportedMetricError(
-            f"The Keras metric {metric.name!r} was not created in strategy.scope().",
-            hint="create it inside `with strategy.scope():`",
-        )
     tensors = [v.value for v in metric.variables if extended.variable_json(v.value) is None]
     if tensors:
         extended.adopt_variables(tensors)  # creates them on the servers (chief only)

@@ -67,7 +67,7 @@ def install_error_recorder() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     previous = sys.excepthook
-    if getattr(previous, "_phalanx", False):
+    if getattr(previous, "_phalanx_recorder_", False):
         return
 
     def hook(kind, value, tb):
@@ -79,7 +79,7 @@ def install_error_recorder() -> None:
         finally:
             _record_atomically(ErrorHandler(), value)
 
-    hook._phalanx = True  # type: ignore[attr-defined]
+    hook._phalanx_recorder_ = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 

@@ -46,13 +46,9 @@ class JobSpec:
         command: the program and its arguments (``["train.py", "--epochs", "3"]``, or ``["-m", "pkg"]``).
         nproc: replica processes on this host.
         nnodes, node_rank, master_addr, master_port: the multi-host layout (1 node by default).
-        max_restarts: how many times the whole group is restarted after a failure (with ``ps``:
-            how many times each failed worker is restarted).
+        max_restarts: how many times the whole group is restarted after a failure.
         log_dir: the log root (run directories go inside); default ``PHALANX_LOG_ROOT`` or a temp dir.
-        ps, workers: when ``ps > 0``, start a parameter-server cluster instead (one chief,
-            ``workers`` workers, ``ps`` parameter servers; see :mod:`phalanx.ps.launcher`).
         tee: show every replica's output on this terminal, each line prefixed with its name.
-        tls: with ``ps``: TLS between the cluster's tasks, with throwaway certificates (:mod:`phalanx.ps.tls`).
         start_method: ``fork`` or ``spawn`` (:mod:`phalanx.launch.forkserver`); default
             :func:`phalanx.launch.settings.start_method`.
         preload: with ``fork``, modules to import once besides those found in the script (a
@@ -67,10 +63,7 @@ class JobSpec:
     master_port: int = 0
     max_restarts: int = 0
     log_dir: str = ""
-    ps: int = 0
-    workers: int = 0
     tee: bool = False
-    tls: bool = False
     start_method: str = ""
     preload: tuple[str, ...] = ()
 
@@ -78,22 +71,6 @@ class JobSpec:
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
     start_method = spec.start_method or settings.start_method()
-    if spec.ps > 0:
-        from phalanx.ps.launcher import ClusterJob, run_cluster
-
-        return run_cluster(
-            ClusterJob(
-                spec.command,
-                spec.ps,
-                spec.workers,
-                spec.max_restarts,
-                spec.log_dir,
-                tee=spec.tee,
-                tls=spec.tls,
-                start_method=start_method,
-                preload=spec.preload,
-            )
-        )
     run = RunDirectory(spec.log_dir or None).create()
     sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload)
     here = (

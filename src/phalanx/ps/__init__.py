@@ -80,7 +80,7 @@ def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Pa
     Raises:
         ContextError: this task is the chief.
     """
-    from phalanx.strategies.parameter_server import ParameterServerStrategy
+    from phalanx.ps.strategy import ParameterServerStrategy
 
     return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
 

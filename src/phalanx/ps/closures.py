@@ -13,12 +13,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from phalanx.ps.errors import CancelledError
 
-if TYPE_CHECKING:
-    from phalanx.ps.coordinator import ClusterCoordinator
+
+class ClusterCoordinator(Protocol):
+    """What closures and remote values need of their coordinator (``phalanx.ps.coordinator``
+    provides it; that module imports this one)."""
+
+    def _check_progress(self) -> None: ...
+
+    def _dumps(self, obj: Any, resources: list[Any]) -> bytes: ...
 
 
 class RemoteValue:

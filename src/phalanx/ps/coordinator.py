@@ -60,7 +60,7 @@ from phalanx.ps.errors import (
 from phalanx.ps.transport import TransportError
 
 if TYPE_CHECKING:
-    from phalanx.strategies.parameter_server import ParameterServerStrategy
+    from phalanx.ps.strategy import ParameterServerStrategy
 
 log = logging.getLogger("phalanx.ps")
 
@@ -294,7 +294,7 @@ class ClusterCoordinator:
     def __init__(self, strategy: ParameterServerStrategy) -> None:
         if getattr(self, "_initialized", False):
             return
-        from phalanx.strategies.parameter_server import ParameterServerExtended
+        from phalanx.ps.strategy import ParameterServerExtended
 
         ext = getattr(strategy, "extended", None)
         if not isinstance(ext, ParameterServerExtended):

@@ -35,7 +35,7 @@ class InProcessCluster:
     def __init__(
         self, num_ps: int = 2, num_workers: int = 2, *, variable_partitioner: Any = None, rpc_timeout: float = 2.0
     ) -> None:
-        from phalanx.strategies.parameter_server import ParameterServerStrategy
+        from phalanx.ps.strategy import ParameterServerStrategy
 
         self.transport = InProcessTransport()
         self.spec = {
@@ -60,7 +60,7 @@ class InProcessCluster:
         return service
 
     def _start_worker(self, i: int) -> WorkerService:
-        from phalanx.strategies.parameter_server import ParameterServerStrategy
+        from phalanx.ps.strategy import ParameterServerStrategy
 
         strategy = ParameterServerStrategy(
             SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
