@@ -34,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "r" / "seed_000.R"
 REPLICAS = ROOT / "tests" / "scripts" / "r_replicas.R"
-STRATEGIES = ("one_device", "central_storage", "mirrored")
+STRATEGIES = ("one_device", "central_storage", "mirrored", "multiworker_mirrored")
 TIMEOUT_S = 240.0
 
 

@@ -5,7 +5,7 @@
 #   KERAS_BACKEND=torch RETICULATE_PYTHON=/path/to/venv/bin/python Rscript examples/r/seed_000.R
 #
 # Options (after the script, or after `--args` with `Rscript -e 'source(...)'`):
-#   --strategies=one_device,central_storage,mirrored   which of the seed's strategies to train under
+#   --strategies=one_device,central_storage,mirrored,multiworker_mirrored   which of the seed's strategies
 #   --epochs=N (default 10)   --dropout=R (default: the seed's 0.4 and 0.3; 0 makes runs comparable)
 #   --samples=N (default 4096)
 #
@@ -13,8 +13,10 @@
 # * `tf <- import("tensorflow")` is `phalanx <- import("phalanx")`, and Keras 3 (torch backend) is
 #   called through reticulate (`keras$layers$Dense(...)`) instead of the R keras package;
 # * the strategies get their devices: two CPU processes stand in for two GPUs
-#   (`list("cpu:0", "cpu:1")`; leave it out on a machine with GPUs). MultiWorkerMirrored and
-#   ParameterServer need a cluster (TF_CONFIG) and are not created here;
+#   (`list("cpu:0", "cpu:1")`; leave it out on a machine with GPUs). MultiWorkerMirrored, created
+#   without TF_CONFIG as in the seed, runs on the replicas the strategies before it started (one
+#   worker with two replicas; alone it would be one worker with one). ParameterServer needs a
+#   cluster of tasks (TF_CONFIG, `phalanx run --ps`), which an R program cannot be yet: not created;
 # * MNIST is replaced by random data of MNIST's shape (784 features, 10 classes; no download);
 # * every model is trained and its weights compared with the one-device model's: with dropout 0
 #   they match (|difference| < 1e-5), as the replicas split each batch of 128 and sum the gradients;
@@ -27,7 +29,7 @@
 
 library(reticulate)
 
-options <- list(strategies = "one_device,central_storage,mirrored", epochs = "10", dropout = "", samples = "4096")
+options <- list(strategies = "one_device,central_storage,mirrored,multiworker_mirrored", epochs = "10", dropout = "", samples = "4096")
 for (arg in commandArgs(trailingOnly = TRUE)) {
   kv <- regmatches(arg, regexec("^--([a-z_]+)=(.*)$", arg))[[1]]
   if (length(kv) != 3 || !(kv[2] %in% names(options))) stop("unknown argument: ", arg)
@@ -48,6 +50,9 @@ if ("central_storage" %in% wanted) {
 }
 if ("mirrored" %in% wanted) {
   strategy$mirrored <- phalanx$MirroredStrategy(list("cpu:0", "cpu:1"))
+}
+if ("multiworker_mirrored" %in% wanted) {
+  strategy$multiworker_mirrored <- phalanx$experimental$MultiWorkerMirroredStrategy()
 }
 replica <- phalanx$interactive$replica_id()
 
@@ -92,7 +97,7 @@ for (name in names(strategy)) {
   h <- results[[name]]$history
   difference <- max(mapply(function(a, b) max(abs(a - b)), results[[name]]$weights, results$one_device$weights))
   cat(sprintf(
-    "replica %d: %-15s replicas %d  %5.1f s  loss %.4f  val_accuracy %.4f  max |w - w_one_device| %.3g\n",
+    "replica %d: %-20s replicas %d  %5.1f s  loss %.4f  val_accuracy %.4f  max |w - w_one_device| %.3g\n",
     replica, name, strategy[[name]]$num_replicas_in_sync, as.numeric(Sys.time() - started, units = "secs"),
     tail(h$loss, 1), tail(h$val_accuracy, 1), difference
   ))
