@@ -32,7 +32,7 @@ import torch
 
 from phalanx import _integrations, compiled, config, context, global_batch, hooks, nest, regroup, variables
 from phalanx._sidetable import IdentityTable
-from phalanx.comm.communicator import LocalCommunicator
+from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard, digits_for
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
@@ -115,7 +115,7 @@ class StrategyExtended:
 
     def __init__(
         self,
-        comm: Any,
+        comm: Communicator,
         local_device: LogicalDevice,
         worker_devices: tuple[str, ...],
         parameter_devices: tuple[str, ...],

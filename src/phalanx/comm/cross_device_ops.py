@@ -39,7 +39,7 @@ class CrossDeviceOps:
             raise ValueError(f"num_packs must be a positive int; received {num_packs!r}")
         self.num_packs = num_packs
 
-    def all_reduce(self, comm: Any, tensor: torch.Tensor, op: str = "sum") -> Handle:
+    def all_reduce(self, comm: Communicator, tensor: torch.Tensor, op: str = "sum") -> Handle:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -49,7 +49,7 @@ class CrossDeviceOps:
 class NcclAllReduce(CrossDeviceOps):
     """The backend's native all-reduce (the default)."""
 
-    def all_reduce(self, comm: Any, tensor: torch.Tensor, op: str = "sum") -> Handle:
+    def all_reduce(self, comm: Communicator, tensor: torch.Tensor, op: str = "sum") -> Handle:
         return comm.all_reduce(tensor, op)
 
 
@@ -73,7 +73,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
             self.root = canonicalize(reduce_to_device).index
 
-    def all_reduce(self, comm: Any, tensor: torch.Tensor, op: str = "sum") -> Handle:
+    def all_reduce(self, comm: Communicator, tensor: torch.Tensor, op: str = "sum") -> Handle:
         root = self.root if self.root < comm.world_size else 0
         if comm.world_size > 1:
             comm.reduce(tensor, dst=root)
@@ -88,10 +88,10 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1) -> None:
         super().__init__(num_packs)
-        self._groups: dict[int, tuple[list[int], Any, Any]] = {}
+        self._groups: dict[tuple[int, bool], tuple[list[int], Any, Any]] = {}  # (communicator, CUDA) -> groups
 
     @staticmethod
-    def _layout(comm: Any) -> list[list[int]]:
+    def _layout(comm: Communicator) -> list[list[int]]:
         hosts: dict[str, list[int]] = {}
         for r in range(comm.world_size):
             hosts.setdefault(comm.host_of(r), []).append(r)
@@ -123,7 +123,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             self._groups[key] = (mine, local, top)
         return self._groups[key]
 
-    def all_reduce(self, comm: Any, tensor: torch.Tensor, op: str = "sum") -> Handle:
+    def all_reduce(self, comm: Communicator, tensor: torch.Tensor, op: str = "sum") -> Handle:
         if comm.world_size > 1 and tensor.is_cuda and getattr(comm, "backend", "nccl") != "nccl":
             # gloo reduces CUDA tensors only in all-reduce and broadcast: the whole tree runs on a host copy.
             host = tensor.cpu()

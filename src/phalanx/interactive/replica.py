@@ -83,6 +83,12 @@ class ReplicaSession:
             )
         return ReplicaEnv(**{**self.env.__dict__, "master_port": int(reply["port"])})
 
+    def check_peers(self) -> None:
+        """Replica 0 watches the session's replicas; nothing to raise here."""
+
+    def strategy_opened(self, strategy: Any) -> None:
+        """Replica 0 counts the session's strategies; nothing to do here."""
+
     def strategy_closed(self, strategy: Any) -> None:
         """Replica 0 decides when the session ends; nothing to do here."""
 

@@ -346,6 +346,9 @@ class Session:
         self.strategies.append(weakref.ref(strategy))
         return ReplicaEnv(**{**self.env.__dict__, "master_port": port})
 
+    def strategy_opened(self, strategy: Any) -> None:
+        """A strategy runs on this session's replicas (:meth:`env_for` has counted it already)."""
+
     def strategy_closed(self, strategy: Any) -> None:
         """Called by ``strategy.close()``; the session ends after the cell once none is left."""
         self.strategies = [r for r in self.strategies if r() is not None and r() is not strategy]

@@ -171,6 +171,9 @@ class ReplicaLauncher:
         return self.run.log_path(f"replica_{rank}")
 
     # ------------------------------------------------------------------ strategies
+    def check_peers(self) -> None:
+        """Nothing to raise: this launcher's watcher thread ends the program when a replica dies."""
+
     def strategy_opened(self, strategy: Any) -> None:
         """A strategy of this program runs on these replicas (its ``close`` may end the job)."""
         self._strategies.append(weakref.ref(strategy))

@@ -89,7 +89,8 @@ from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
-from phalanx.strategies.common import SyncExtended, job_env, local_devices
+from phalanx.launch.api import job_env
+from phalanx.strategies.common import SyncExtended, local_devices
 from phalanx.strategy import Strategy, by_dtype, tf_device_name
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping

@@ -19,10 +19,11 @@ import torch
 
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
-from phalanx.comm.communicator import GroupSpec, LocalCommunicator, ProcessGroupCommunicator
+from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator, ProcessGroupCommunicator
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
+from phalanx.launch.api import Launcher, replicas
 from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.strategy import StrategyExtended
@@ -86,17 +87,6 @@ def _warn_if_cpu_oversubscribed(strategy: str, devices: list[LogicalDevice]) -> 
 _generations: dict[tuple[str, int], int] = {}  # (master address, port) -> communicators created
 
 
-def job_env() -> ReplicaEnv | None:
-    """This process's replica identity: from its launcher, or as replica 0 of the replicas it started."""
-    env = ReplicaEnv.from_environ()
-    if env is None:
-        from phalanx.launch.self_launch import current_job
-
-        job = current_job()
-        env = job.env if job is not None else None
-    return env
-
-
 class SyncExtended(StrategyExtended):
     """Base of the synchronous strategies' machinery; subclasses call its steps in ``__init__``.
 
@@ -105,37 +95,19 @@ class SyncExtended(StrategyExtended):
     :meth:`_configure_cpu_threads`, ``StrategyExtended.__init__``, :meth:`_close_at_exit`.
     """
 
-    _launcher: Any = None  # the self-launcher of the other replicas, kept alive with the strategy
+    _launcher: Launcher | None = None  # what started the other replicas, kept alive with the strategy
 
     def _replica_env(self, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
-        """This process's identity: from the launcher, or by starting the other replicas now.
+        """This process's identity: from the launcher, or by starting the other replicas now
+        (:func:`phalanx.launch.api.replicas` chooses how).
 
         Raises:
             ClusterSpecError: the launcher started a different number of replicas than ``devices``.
         """
-        from phalanx import interactive
-
-        in_session = interactive.hooks.session is not None
-        env = None if in_session else job_env()
-        if env is None and len(devices) > 1:
-            if not in_session:  # this process starts the replicas now (once per program, or per session)
-                _warn_if_cpu_oversubscribed(type(self).__name__.removesuffix("Extended") + "Strategy", devices)
-            if in_session or interactive.interactive_main():  # a notebook, the REPL, -c, stdin: no script to rerun
-                from phalanx.interactive.session import start
-
-                self._launcher, env = start(self, len(devices))
-            else:
-                from phalanx.launch.self_launch import launch
-
-                # Once per program: a later multi-replica strategy runs on the replicas started for the first.
-                self._launcher = launch(len(devices))
-                env = self._launcher.env
-        elif env is not None and not in_session:
-            from phalanx.launch.self_launch import current_job
-
-            job = current_job()
-            if job is not None and env is job.env:  # a later strategy on the replicas this process started
-                self._launcher = job
+        name = type(self).__name__.removesuffix("Extended") + "Strategy"
+        self._launcher, env = replicas(
+            self, len(devices), before_start=lambda: _warn_if_cpu_oversubscribed(name, devices)
+        )
         if env is not None and env.local_world_size != len(devices):
             raise ClusterSpecError(
                 what,
@@ -143,7 +115,7 @@ class SyncExtended(StrategyExtended):
                 f"the launcher started {env.local_world_size} replica processes on this host",
                 hint="pass as many devices as `phalanx run -n` starts, or none",
             )
-        if hasattr(self._launcher, "strategy_opened"):  # self-launch: the last one closed may end the job
+        if self._launcher is not None:  # the last strategy closed may end the session or the job
             self._launcher.strategy_opened(self)
         return env
 
@@ -208,12 +180,12 @@ class SyncExtended(StrategyExtended):
             store_prefix=f"strategy{generation}/" if generation else "",
             # A launcher that can tell a dead local replica (an interactive session) ends the
             # rendezvous with that replica's error as soon as it knows.
-            peer_check=getattr(self._launcher, "check_peers", None),
+            peer_check=self._launcher.check_peers if self._launcher is not None else None,
         )
         return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod
-    def _configure_cpu_threads(comm: Any, device_type: str) -> None:
+    def _configure_cpu_threads(comm: Communicator, device_type: str) -> None:
         """Gives each CPU replica its share of the cores, unless the user chose (OMP_NUM_THREADS).
 
         Counts every process of the job on this host (after rendezvous), so two TF_CONFIG workers

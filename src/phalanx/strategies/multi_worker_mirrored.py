@@ -32,8 +32,9 @@ from phalanx.comm.cross_device_ops import NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
+from phalanx.launch.api import job_env
 from phalanx.launch.env import ReplicaEnv
-from phalanx.strategies.common import SyncExtended, job_env
+from phalanx.strategies.common import SyncExtended
 from phalanx.strategy import InputSharding, Strategy, tf_device_name
 
 
