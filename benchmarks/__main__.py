@@ -13,6 +13,7 @@ Examples::
     python -m benchmarks --quick              # a smoke run, well under a minute
     python -m benchmarks --rounds 5 --out ./my-run
     python -m benchmarks --configs px_mirrored,px_mirrored_compiled,local2 --models cnn
+    python -m benchmarks --configs px_mirrored,ddp,local2 --models large_mlp --skip allreduce,overhead --load
     python -m benchmarks --device cuda        # every GPU: phalanx against DDP with NCCL
 
 Overlap (``overlap`` in the report): the fraction of a step's communication hidden behind
@@ -22,6 +23,11 @@ the model's gradient size each step with the same library (``px_comm`` for phala
 for DDP). 1.0: the exchange costs the step nothing; 0.0: it adds its whole duration. On a CPU the
 exchange also competes with backward for the cores, so there it measures the cost of
 communication rather than only waiting.
+
+``--load`` adds the same throughput jobs under a background load (``benchmarks/load.py``: one busy
+process per core and a DataLoader with 2 workers, started before each such job and ended after
+it), shuffled into the same rounds as the idle jobs; the report's ``loaded`` part has their
+figures and ratios beside the idle ones.
 
 ``--device cuda`` runs one replica per visible GPU (one process per GPU). On one GPU that is
 the distribution layer's own cost: Mirrored of one replica (no collective), Mirrored with its
@@ -33,6 +39,7 @@ raw loop. Without a CUDA device it prints why and exits with status 77 (skipped)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,6 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.load import DESCRIPTION as LOAD_DESCRIPTION
+from benchmarks.load import BackgroundLoad
 from benchmarks.models import EXTRA_MODELS, MODELS
 
 HERE = Path(__file__).resolve().parent
@@ -210,19 +219,33 @@ def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled co
         return json.load(f)
 
 
-def _interleaved(configs: dict, models: list[str], rounds: int, seconds: float, device: str = "cpu") -> dict:
-    """samples/s per model, config and round; config order shuffled in every round."""
+def _interleaved(
+    configs: dict, models: list[str], rounds: int, seconds: float, device: str = "cpu", loaded: dict | None = None
+) -> dict:
+    """samples/s per model, config and round; config order shuffled in every round.
+
+    ``loaded``: a dict that receives the same figures taken under the background load
+    (``benchmarks/load.py``, started before each of those jobs and ended after it); those jobs are
+    shuffled into the same rounds, so idle and loaded figures of a round share the machine's drift.
+    """
     extra = ["--device", device] if device != "cpu" else []
     results = {m: {c: [] for c in configs} for m in models}
+    conditions = {"idle": results}
+    if loaded is not None:
+        loaded.update({m: {c: [] for c in configs} for m in models})
+        conditions["loaded"] = loaded
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for m in models:
-                order = list(configs)
+                order = [(c, cond) for cond in conditions for c in configs]
                 random.Random(r * 31 + len(m)).shuffle(order)
-                for c in order:
-                    out = os.path.join(tmp, f"{c}-{m}-{r}.json")
-                    results[m][c].append(_job([*configs[c](m, out, str(seconds)), *extra], out)["samples_per_s"])
-                    print(f"  round {r + 1}/{rounds} {m:<10} {c:<14} {results[m][c][-1]:>10.0f} samples/s", flush=True)
+                for c, cond in order:
+                    out = os.path.join(tmp, f"{c}-{m}-{r}-{cond}.json")
+                    with BackgroundLoad() if cond == "loaded" else contextlib.nullcontext():
+                        value = _job([*configs[c](m, out, str(seconds)), *extra], out)["samples_per_s"]
+                    conditions[cond][m][c].append(value)
+                    label = f"{c} (loaded)" if cond == "loaded" else c
+                    print(f"  round {r + 1}/{rounds} {m:<10} {label:<23} {value:>10.0f} samples/s", flush=True)
     return results
 
 
@@ -242,6 +265,14 @@ def _overhead(models: list[str], rounds: int, seconds: float, device: str = "cpu
                 shown = "  ".join(f"{c} {pair[c]:>9.0f}" for c in sides)
                 print(f"  round {r + 1}/{rounds} {m:<10} {shown} samples/s", flush=True)
     return results
+
+
+def _ratios(raw: dict, models: list[str]) -> dict:
+    """Per model, the paired-round ratio of every pair in RATIOS that was measured."""
+    return {
+        m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
+        for m in models
+    }
 
 
 def _ratio(a: list[float], b: list[float]) -> dict:
@@ -377,6 +408,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument("--skip", default="", help="comma list of: throughput,allreduce,overhead (default: none)")
     parser.add_argument(
+        "--load",
+        action="store_true",
+        help=f"also time every throughput configuration under a background load ({LOAD_DESCRIPTION}), "
+        "started before and ended after each such job, interleaved with the idle jobs; the report's "
+        "'loaded' part",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -454,12 +492,16 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
             else:
                 names = tuple(c for c in names if c != "px_mirrored_nccl")
         configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
-        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device)
-        ratios = {
-            m: {f"{a}_vs_{b}": _ratio(raw[m][a], raw[m][b]) for a, b in RATIOS if a in raw[m] and b in raw[m]}
-            for m in models
-        }
-        report["throughput"] = {"samples_per_s": raw, "ratios": ratios, "overlap": _overlaps(raw)}
+        loaded: dict | None = {} if args.load else None
+        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device, loaded)
+        report["throughput"] = {"samples_per_s": raw, "ratios": _ratios(raw, models), "overlap": _overlaps(raw)}
+        if loaded is not None:
+            report["loaded"] = {
+                "load": LOAD_DESCRIPTION,
+                "samples_per_s": loaded,
+                "ratios": _ratios(loaded, models),
+                "overlap": _overlaps(loaded),
+            }
     if "allreduce" not in skip:
         print("all-reduce:", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -515,9 +557,12 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
 def summary(report: dict) -> str:
     lines = ["", "ratios (median of paired rounds, [min, max]):"]
     fmt = lambda r: f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"  # noqa: E731
-    for m, rs in report.get("throughput", {}).get("ratios", {}).items():
-        for k, r in rs.items():
-            lines.append(f"  {m:<10} {k:<28} {fmt(r)}")
+    for part, label in (("throughput", "idle"), ("loaded", "loaded")):
+        for m, rs in report.get(part, {}).get("ratios", {}).items():
+            for k, r in rs.items():
+                lines.append(f"  {m:<10} {k:<28} {label:<7} {fmt(r)}")
+    if "loaded" in report:
+        lines.append(f"  (loaded: {report['loaded']['load']}, during each job)")
     for m, by_config in report.get("throughput", {}).get("overlap", {}).items():
         for c, r in by_config.items():
             lines.append(f"  {m:<10} {'overlap_' + c:<28} {fmt(r).replace('x', '')}")

@@ -212,6 +212,36 @@ def scenario_stall(comm, rank, world, store, sleep):
     return {"type": None}
 
 
+def scenario_sleepy_peer(comm, rank, world, store, sleep, rounds):
+    """The last rank arrives ``sleep`` s late, ``rounds`` times; the others record what waiting cost them.
+
+    CPU time and voluntary context switches are the whole process's (``getrusage``), from just
+    before the call to just after it: a wait that sleeps in the kernel costs neither, one that
+    spins, yields or naps in a loop costs CPU time or a wake-up per nap. ``late`` is how long the
+    waiter took to leave after the late rank arrived (CLOCK_MONOTONIC is system-wide).
+    """
+    import resource
+
+    t = torch.ones(1000)
+    comm.all_reduce(t)  # both ranks set up
+    out = {"cpu": [], "wakeups": [], "waited": [], "arrived": [], "left": []}
+    for _ in range(rounds):
+        if rank == world - 1:
+            time.sleep(sleep)
+            out["arrived"].append(time.monotonic())
+            comm.all_reduce(t)
+            continue
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        comm.all_reduce(t)
+        left, after = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        out["left"].append(left)
+        out["waited"].append(left - start)
+        out["cpu"].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        out["wakeups"].append(after.ru_nvcsw - before.ru_nvcsw)
+    out["value"] = t[0].item()
+    return out
+
+
 def scenario_mismatch(comm, rank, world, store):
     from phalanx.errors import DistributedRuntimeError
 
@@ -541,6 +571,23 @@ def test_stalled_peer_raises_collective_timeout(tmp_path):
     # Rank 0 has exited by the time rank 1 arrives: rank 1 sees a dead peer, not a hang.
     assert results[1]["type"] == "PeerUnavailableError", results
     assert results[1]["peers"] == ["rank 0"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_waiting_rank_sleeps_in_the_kernel_and_wakes_at_once(tmp_path, world):
+    # Issue 33: a rank that waits for a late peer gives its core back (a peer that lost its core
+    # to a busy neighbour must get it) and is woken by the peer's arrival, not by polling.
+    results = _launch(tmp_path, world, "sleepy_peer", params={"sleep": 1.0, "rounds": 2})
+    late = results[-1]
+    for rank, r in enumerate(results[:-1]):
+        assert r["value"] == world**3, r  # setup + 2 rounds, each multiplying by ``world``
+        for i in range(2):
+            assert 0.9 < r["waited"][i] < 3.0, r
+            # Spinning, yielding or napping for 1 s costs tens of ms of CPU and a wake-up per nap.
+            assert r["cpu"][i] < 0.015, f"rank {rank} used {r['cpu'][i] * 1e3:.1f} ms of CPU waiting 1 s: {r}"
+            assert r["wakeups"][i] < 40, f"rank {rank} woke {r['wakeups'][i]} times waiting 1 s: {r}"
+            # ... and it leaves promptly once the late rank arrives (a futex wake, not a timeout).
+            assert r["left"][i] - late["arrived"][i] < 0.05, (rank, r, late)
 
 
 def test_mismatched_tensors_raise_instead_of_corrupting(shared):

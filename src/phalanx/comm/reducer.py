@@ -2,11 +2,16 @@
 
 Parameters are grouped into buckets in reverse creation order (roughly the order backward
 produces their gradients). When every gradient of a bucket is ready, and every earlier bucket has
-been launched, the bucket is flattened and its all-reduce starts while backward goes on. A
-callback queued on the autograd engine launches whatever is left (gradients of parameters this
-replica did not use count as zeros), waits for all buckets and writes the sums back into
-``.grad``. Buckets are always launched in index order, so every replica issues the same
-collectives in the same order whatever order its gradients arrive in.
+been launched, its all-reduce starts while backward goes on. A callback queued on the autograd
+engine launches whatever is left (gradients of parameters this replica did not use count as
+zeros) and waits for all buckets. Buckets are always launched in index order, so every replica
+issues the same collectives in the same order whatever order its gradients arrive in.
+
+Gradients live in the buckets (DDP's ``gradient_as_bucket_view``). Each bucket has one flat buffer,
+kept from pass to pass; as a gradient arrives it is moved into its place there and ``.grad``
+becomes a view of it, so the all-reduce works on the buffer itself and its sum *is* ``.grad``: no
+flattening copy, no copy back, and passes under ``no_sync`` accumulate in place. Parameters that
+are not contiguous (channels_last) keep autograd's layout: their gradients are copied in and out.
 
 The sum, not the mean, is written back: :func:`phalanx.nn.compute_average_loss` has already
 divided each replica's loss by the global batch size, so the sum equals the gradient of the
@@ -48,7 +53,39 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.ready: set[int] = set()
         self.handle: Any = None
-        self.flat: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # the persistent buffer: gradients, then the guard's room
+        # Per parameter: its gradient's place in `flat`, shaped as the parameter; None for a
+        # parameter that is not contiguous (channels_last): its .grad keeps autograd's layout.
+        self.views: list[torch.Tensor | None] = []
+
+    def buffer(self, room: int = 0) -> torch.Tensor:
+        """The bucket's flat buffer with ``room`` elements after the gradients; made on first use.
+
+        Made again, bigger, when the guard first needs room (bucket 0's first pass): gradients
+        already moved in are carried over, and their parameters' ``.grad`` follow.
+        """
+        flat = self.flat
+        if flat is not None and flat.numel() - self.numel >= room:
+            return flat
+        first = self.params[0]
+        grown = torch.empty(self.numel + room, dtype=first.dtype, device=first.device)
+        views: list[torch.Tensor | None] = []
+        offset = 0
+        for i, p in enumerate(self.params):
+            n = p.numel()
+            view = grown[offset : offset + n].view(p.shape) if p.is_contiguous() else None
+            if view is not None and flat is not None and p.grad is not None and _aliases(p.grad, self.views[i]):
+                view.copy_(p.grad)
+                p.grad = view
+            views.append(view)
+            offset += n
+        self.flat, self.views = grown, views
+        return grown
+
+
+def _aliases(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
+    """Whether ``grad`` is ``view`` (the same memory, the same layout)."""
+    return view is not None and grad.data_ptr() == view.data_ptr() and grad.is_contiguous()
 
 
 class GradientReducer:
@@ -65,6 +102,10 @@ class GradientReducer:
         guard_collective: ``(guard) -> None``, exchanging and checking the guard in a collective of
             its own just before the first bucket of every pass; for a ``all_reduce`` that does not
             give every replica the sum (a reduce to one replica). None: the guard rides on the bucket.
+        persistent: keep each bucket's buffer from pass to pass, so ``.grad`` stays a view of it
+            (DDP's ``gradient_as_bucket_view``; it holds one gradient-sized buffer even after
+            ``zero_grad(set_to_none=True)``, as DDP's buckets do). False: a new buffer every pass,
+            freed with the last ``.grad`` that views it (CentralStorage, whose point is memory).
     """
 
     def __init__(
@@ -76,8 +117,10 @@ class GradientReducer:
         keep_grads: bool = True,
         guard: Any = None,
         guard_collective: Callable[[Any], None] | None = None,
+        persistent: bool = True,
     ) -> None:
         self._all_reduce = all_reduce
+        self._persistent = persistent
         self._guard_collective = guard_collective
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
         # dropping .grad frees its memory and makes the optimizer skip the parameter.
@@ -145,10 +188,35 @@ class GradientReducer:
             self._dirty.add(key)
             if p.grad is not None:
                 # Summed in an earlier pass: keep it out of this pass's all-reduce, add it back after.
-                self._base[key] = p.grad
+                # A copy if it lives in the bucket, which this pass's gradient is about to fill.
+                self._base[key] = p.grad.clone() if self._in_bucket(p) else p.grad
                 p.grad = None
 
         return hook
+
+    def _in_bucket(self, p: torch.nn.Parameter) -> bool:
+        b, pos = self._where[id(p)]
+        views = self._buckets[b].views
+        return bool(views) and p.grad is not None and _aliases(p.grad, views[pos])
+
+    def _move_in(self, bucket: _Bucket, pos: int) -> None:
+        """Moves a parameter's new gradient into its place in the bucket and points ``.grad`` there.
+
+        Autograd gives a parameter without ``.grad`` a fresh tensor (``zero_grad()`` sets ``.grad``
+        to None); once ``.grad`` is the bucket's view, later passes of the same synchronisation
+        (under ``no_sync``) accumulate into the bucket in place, and the all-reduce works on it
+        with no copy. Done as each gradient arrives, as DDP's reducer does: the gradient is still
+        in the caches, and its memory is freed for the rest of backward.
+        """
+        p = bucket.params[pos]
+        if p.grad is None:
+            return
+        bucket.buffer()
+        view = bucket.views[pos]
+        grad = p.grad
+        if view is not None and grad.layout == torch.strided and grad.dtype == view.dtype and not _aliases(grad, view):
+            view.copy_(p.grad)
+            p.grad = view
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The synchronised parameters, in bucket order (the same on every replica)."""
@@ -169,9 +237,10 @@ class GradientReducer:
             if not self._pending:
                 self._pending = True
                 queue_backward_callback(self._finish if self.sync else self._finish_local)
+            b, pos = self._where[id(param)]
+            self._move_in(self._buckets[b], pos)
             if not self.sync:
                 return
-            b, pos = self._where[id(param)]
             self._buckets[b].ready.add(pos)
             try:
                 while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
@@ -188,17 +257,39 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is not None:
             self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
-        dirty = self._dirty
-        # Only this synchronisation's local gradient is summed: an unused parameter adds zeros.
-        grads = [p.grad if p.grad is not None and id(p) in dirty else torch.zeros_like(p) for p in bucket.params]
-        pieces = [g.reshape(-1) for g in grads]
+        # The guard rides in room after bucket 0's gradients: one collective per bucket, as before,
+        # rather than a second small one (a wait more per pass on every replica).
+        extra, room = None, 0
         if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is None:
-            extra = self.guard.encode(pieces[0].dtype, pieces[0].device)
-            self._guard_len = 0 if extra is None else extra.numel()
-            if extra is not None:
-                pieces.append(extra)
-        bucket.flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-        bucket.handle = self._all_reduce(bucket.flat)
+            first = bucket.params[0]
+            extra = self.guard.encode(first.dtype, first.device)
+            self._guard_len = room = 0 if extra is None else extra.numel()
+        flat = bucket.buffer(room)
+        dirty, offset = self._dirty, 0
+        for pos, p in enumerate(bucket.params):
+            n, key = p.numel(), id(p)
+            place = flat[offset : offset + n]
+            offset += n
+            if not p.requires_grad:
+                # Frozen since registered: adds zeros, and its .grad is left as it is (see _finish),
+                # so moved out of the bucket first if it was frozen after a pass put it there.
+                if self._in_bucket(p):
+                    p.grad = p.grad.clone()
+                place.zero_()
+                continue
+            if key not in dirty:
+                # Not reached by this pass: it adds zeros; an earlier sum in .grad is kept aside.
+                if p.grad is not None:
+                    self._base[key] = p.grad.clone() if self._in_bucket(p) else p.grad
+                    p.grad = None
+                place.zero_()
+            elif p.grad is None:
+                place.zero_()
+            elif not _aliases(p.grad, bucket.views[pos]):
+                place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
+        if extra is not None:
+            flat[bucket.numel : bucket.numel + room].copy_(extra)
+        bucket.handle = self._all_reduce(flat if flat.numel() == bucket.numel + room else flat[: bucket.numel + room])
 
     def _verify_guard(self, summed: torch.Tensor) -> None:
         if not summed.is_cuda:
@@ -255,20 +346,19 @@ class GradientReducer:
                         # optimizer's momentum or weight decay would still apply.
                         offset += n
                         continue
-                    chunk = flat[offset : offset + n].view_as(p)
+                    chunk = flat[offset : offset + n].view(p.shape)
                     key = id(p)
-                    # What .grad held before this synchronisation: set aside by the hook, or (a
-                    # parameter this pass did not reach) still in place.
-                    prior = self._base.pop(key, None) if key in self._dirty else p.grad
+                    # What .grad held before this synchronisation, set aside by the hook or at launch.
+                    prior = self._base.pop(key, None)
                     if not self._keep_grads:
                         p.grad = None
+                    elif p.is_contiguous():
+                        # The summed gradient is the bucket's view (DDP's gradient_as_bucket_view): no
+                        # copy back, and the next pass finds .grad in place. a + b == b + a in IEEE
+                        # arithmetic, so adding the earlier sum here gives the bits prior + chunk gave.
+                        p.grad = chunk if prior is None else chunk.add_(prior)
                     elif prior is not None:
                         p.grad = prior.add_(chunk)
-                    elif p.is_contiguous() and (p.grad is None or p.grad.is_contiguous()):
-                        # The summed gradient becomes a view of the bucket (DDP's gradient_as_bucket_view):
-                        # copying it back cost a read and a write of every gradient byte per step,
-                        # about 2 % of a large MLP's step on 2 CPU cores. The bucket is new every pass.
-                        p.grad = chunk
                     elif p.grad is None or key not in self._dirty:
                         p.grad = chunk.clone()
                     else:
@@ -282,7 +372,9 @@ class GradientReducer:
         """Ends a pass, finished or failed: clears its state and puts set-aside gradients back."""
         for bucket in self._buckets:
             bucket.ready.clear()
-            bucket.handle = bucket.flat = None
+            bucket.handle = None
+            if not self._persistent:  # .grad keeps this pass's buffer alive as long as the user keeps .grad
+                bucket.flat, bucket.views = None, []
         self._next = 0
         self._pending = False
         self._guard_len = 0

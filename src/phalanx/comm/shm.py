@@ -21,11 +21,15 @@ bits and SUM equals the rank-order sum computed with torch.
 Threads. Nothing here uses torch's intra-op thread pool (see ``_STORAGE``), so results and speed
 do not depend on ``torch.set_num_threads``, and no global setting is touched.
 
-Failure. Every wait has a deadline and polls the peers' liveness every few milliseconds, so a
-dead peer raises :class:`~phalanx.errors.PeerUnavailableError` and a stalled one
-:class:`~phalanx.errors.CollectiveTimeoutError`; the instance is then closed. The segment file is
-unlinked as soon as every rank has mapped it, so nothing is left in ``/dev/shm`` even if every
-process is killed with SIGKILL.
+Waiting. A rank that waits for its peers spins for a while, then sleeps in the kernel on a
+futex over the awaited counter, which the publishing rank wakes (see ``_Spin`` for when it
+spins); it gives its core back to a peer that needs it, as gloo's waits do.
+
+Failure. Every wait has a deadline and checks the peers' liveness (every 5 ms, backing off to
+100 ms in a long wait), so a dead peer raises :class:`~phalanx.errors.PeerUnavailableError` and a
+stalled one :class:`~phalanx.errors.CollectiveTimeoutError`; the instance is then closed. The
+segment file is unlinked as soon as every rank has mapped it, so nothing is left in ``/dev/shm``
+even if every process is killed with SIGKILL.
 
 Example (run in each of the ``world_size`` processes of a job)::
 
@@ -38,10 +42,12 @@ Example (run in each of the ``world_size`` processes of a job)::
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
 import secrets
+import sys
 import tempfile
 import time
 import weakref
@@ -92,6 +98,10 @@ _MAGIC = 0x3178_6E61_6C61_6870  # b"phalanx1", little-endian
 # `reduced` sits 128 bytes further so the adjacent-line prefetcher does not couple the two.
 _RANK_BYTES = 256
 _ARRIVED, _SIG, _TAG, _REDUCED = 0, 1, 3, 16  # _SIG + parity, _TAG + parity
+# Non-zero while the rank sleeps on a peer's counter (a futex on the counter's low 32 bits): a
+# rank that publishes makes the wake-up system call only then. On its own cache line.
+_SLEEPING = 8
+_LOW_WORD = 0 if sys.byteorder == "little" else 4  # the byte offset of an int64's low 32 bits
 _NO_TAG = -(1 << 63)  # the tag slot of a call made without a tag
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
 
@@ -103,10 +113,20 @@ _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector
 _SMALL_MAX_BYTES = 256 << 10
 _MAX_CHUNK_BYTES = 1 << 20
 
-# Waiting: spin (lowest latency when peers arrive together), then yield the core, then sleep
-# with back-off so a waiting rank does not starve a computing one on a small box.
-_SPIN_S, _YIELD_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 5e-6, 2e-3, 50e-6, 1e-3
-_LIVENESS_S = 5e-3
+# Waiting (Linux): spin, then sleep in the kernel on a futex that the arriving rank wakes, as
+# gloo's waits do. The old wait spun, yielded the core for 2 ms, then napped 50 us-1 ms in a loop:
+# a rank waiting for a peer that lost its core (a busy neighbour, a DataLoader worker, hypervisor
+# steal) polled for as long as the peer was away. Short waits still spin: in the middle of a
+# chunked all-reduce the ranks run in step and a peer publishes within microseconds, and a sleep
+# costs a wake-up (on a 2-core Firecracker VM a woken vCPU took 20-300 us to run again, 0.28 ms a
+# step at 2 ms of imbalance between replicas; on a crowded host, a scheduler slice). So a wait
+# polls for 5 us, then yields the core to a peer that may share it for as long as the old yield
+# phase did, and then sleeps (see `_Spin`). Without futexes: spin, yield, then nap.
+_PURE_SPIN_S, _SPIN_S = 5e-6, 2e-3
+_YIELD_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 2e-3, 50e-6, 1e-3  # the fallback without futexes
+# Liveness checks while waiting: every 5 ms at first, backing off to 100 ms for a long wait, so a
+# rank asleep for a late peer wakes ~20 times a second and a dead peer is still named at once.
+_LIVENESS_S, _MAX_LIVENESS_S = 5e-3, 0.1
 
 # x86-64 is TSO: a store is never seen before an earlier store, so a peer that sees a counter
 # sees the data written before it. Elsewhere use sched_yield as a fence: the kernel's
@@ -117,6 +137,76 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 # The /proc readers are shared with the communicator's diagnosis of failed collectives.
 _start_time, _alive = start_time, alive
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE (futex(2)) on 32-bit words of a shared mapping, through ctypes.
+
+    Not FUTEX_PRIVATE: the waiters are other processes. ``available`` is False off Linux or on an
+    architecture whose syscall number is not known here; the waits then poll.
+    """
+
+    _NUMBERS = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+    _WAIT, _WAKE = 0, 1
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def __init__(self) -> None:
+        number = self._NUMBERS.get(platform.machine().lower()) if sys.platform.startswith("linux") else None
+        self._syscall: Any = None
+        if number is not None:
+            try:
+                syscall = ctypes.CDLL(None, use_errno=True).syscall
+            except (OSError, AttributeError):
+                syscall = None
+            if syscall is not None:
+                syscall.restype = ctypes.c_long
+                self._syscall, self._number = syscall, ctypes.c_long(number)  # a long: all 64 bits set
+        self.available = self._syscall is not None
+        self._timeout = self._Timespec()
+        self._timeout_ref = ctypes.byref(self._timeout)
+
+    def wait(self, address: int, expected: int, timeout: float) -> None:
+        """Sleeps while the word at ``address`` equals ``expected`` (int32), at most ``timeout`` s.
+
+        Returns at a wake-up, on a value that already differs, at the timeout or on a signal; the
+        caller re-reads what it waits for in every case.
+        """
+        self._timeout.tv_sec = int(timeout)
+        self._timeout.tv_nsec = int((timeout - int(timeout)) * 1e9)
+        self._syscall(
+            self._number, ctypes.c_void_p(address), self._WAIT, ctypes.c_int(expected), self._timeout_ref, None, 0
+        )
+
+    def wake(self, address: int) -> None:
+        """Wakes every process sleeping on the word at ``address``."""
+        self._syscall(self._number, ctypes.c_void_p(address), self._WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+
+
+_FUTEX = _Futex()
+
+
+class _Spin:
+    """How long a wait spins (polling, then yielding the core) before it sleeps on the futex.
+
+    ``_SPIN_S``, unless the job itself has more replicas on this host than there are cores: then a
+    spinning rank holds the very core a peer it waits for needs, and it sleeps at once.
+
+    Not shortened when other tasks crowd the host. Measured with one busy process per core and a
+    DataLoader with 2 workers beside the 2 replicas of a 2-core VM, sleeping after 50 us instead
+    left the large MLP at 0.13-1.04x of the old spin-yield-nap wait (median 0.70x, 5 rounds; noisy):
+    a woken replica can wait behind the busy processes for a slice at each of the all-reduce's
+    chunk waits, where one that yields keeps its turn. Sleeping pays for the long waits (a peer
+    that lost its core for a slice, or is seconds late), where the old wait polled with naps.
+    """
+
+    def __init__(self, replicas: int) -> None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        self.budget = 0.0 if replicas > cores else _SPIN_S
 
 
 class _Segment:
@@ -254,6 +344,8 @@ class ShmAllReduce:
         size = self._header + 2 * world_size * chunk
         self._seg, self._peers = self._rendezvous(store, prefix, size)
         self._finalizer = weakref.finalize(self, self._seg.release)  # also runs at exit
+        self._address = self._seg.bytes.ctypes.data  # of the mapping, for the futex calls
+        self._spin = _Spin(world_size)
 
     # ------------------------------------------------------------------ setup
     def _rendezvous(self, store: Any, prefix: str, size: int) -> tuple[_Segment, dict]:
@@ -379,11 +471,18 @@ class ShmAllReduce:
     def _publish(self, field: int, step: int, sig: int | None = None) -> None:
         if _NEEDS_FENCE:
             os.sched_yield()
-        words, at = self._seg.words, (self.rank + 1) * self._stride
+        words, stride = self._seg.words, self._stride
+        at = (self.rank + 1) * stride
         if sig is not None:
             words[at + _SIG + (step & 1)] = sig
             words[at + _TAG + (step & 1)] = self._tag
         words[at + field] = step
+        # A peer that sleeps on this counter is woken; one that is about to sleep sees the new
+        # value in the kernel's compare and does not (its bounded sleep covers a lost race).
+        for j in range(1, self.world_size + 1):
+            if words[j * stride + _SLEEPING] and j != self.rank + 1:
+                _FUTEX.wake(self._address + (at + field) * 8 + _LOW_WORD)
+                break
 
     def _small(self, flat: np.ndarray, reduce: _Reduction, sig: int) -> None:
         """Every rank publishes its whole tensor, then reduces all of them in rank order."""
@@ -427,20 +526,27 @@ class ShmAllReduce:
         pending = [j for j in ranks if words[j * stride + field] < step]
         if pending:
             start = time.perf_counter()
-            spin_end, yield_end = start + _SPIN_S, start + _YIELD_S
-            check, deadline, nap = start + _LIVENESS_S, start + self.timeout, _MIN_SLEEP_S
+            spin_end = start + self._spin.budget
+            yield_end = start + _YIELD_S
+            every = _LIVENESS_S
+            check, deadline, nap = start + every, start + self.timeout, _MIN_SLEEP_S
             while pending:
                 pending = [j for j in pending if words[j * stride + field] < step]
                 if not pending:
                     break
                 now = time.perf_counter()
                 if now < spin_end:
+                    if now - start >= _PURE_SPIN_S:
+                        os.sched_yield()  # lets a peer that shares our core run
                     continue
                 if now >= check:
                     self._check_peers(pending, now >= deadline)
-                    check = now + _LIVENESS_S
-                if now < yield_end:
-                    os.sched_yield()  # lets a peer that shares our core run
+                    every = min(2 * every, _MAX_LIVENESS_S)
+                    check = now + every
+                if _FUTEX.available:
+                    self._sleep(pending[0] * stride + field, step, min(check, deadline) - now)
+                elif now < yield_end:
+                    os.sched_yield()
                 else:
                     time.sleep(nap)
                     nap = min(2 * nap, _MAX_SLEEP_S)
@@ -451,6 +557,18 @@ class ShmAllReduce:
             bad = [j for j in ranks if words[j * stride + slot] != sig]
             if bad:
                 self._mismatch(bad, sig, step)
+
+    def _sleep(self, slot: int, step: int, timeout: float) -> None:
+        """Sleeps until the counter in ``slot`` changes (a peer's wake-up) or ``timeout`` passes."""
+        words, mine = self._seg.words, (self.rank + 1) * self._stride + _SLEEPING
+        words[mine] = 1
+        try:
+            value = words[slot]
+            if value < step:  # re-read after raising the flag: a publish before it is not missed
+                low = value & 0xFFFFFFFF
+                _FUTEX.wait(self._address + slot * 8 + _LOW_WORD, low - (1 << 32) if low >> 31 else low, timeout)
+        finally:
+            words[mine] = 0
 
     def _mismatch(self, bad: list[int], sig: int, step: int) -> None:
         """Raises the error of calls that do not match, naming every rank's call.

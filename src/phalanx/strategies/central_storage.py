@@ -133,7 +133,7 @@ class _CopyModeReducer(GradientReducer):
     ) -> None:
         self._on_reduced = on_reduced
         self._launched: list[tuple[list[torch.nn.Parameter], Any]] = []
-        super().__init__(params, reduce, bucket_bytes, keep_grads=False, **guarding)
+        super().__init__(params, reduce, bucket_bytes, keep_grads=False, persistent=False, **guarding)
 
     def _launch(self, bucket: Any) -> None:
         super()._launch(bucket)
@@ -331,8 +331,10 @@ class CentralStorageExtended(SyncExtended):
                 params, reduce_to_chief, self._bucket_bytes, self._adopt_reduced if comm.rank == 0 else None, **guarding
             )
         else:
+            # A bucket buffer per pass, not kept: a persistent one would hold a gradient-sized buffer
+            # on every replica, against this strategy's point of one copy of the model's state.
             self._reducer = GradientReducer(
-                params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0, **guarding
+                params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0, persistent=False, **guarding
             )
 
     def _exchange_guard(self, guard: Any, with_parameters: bool = True) -> None:
