@@ -6,7 +6,7 @@
 #     bash benchmarks/gpu/run.sh [OUT_DIR]        # default: $OUT, else ./gpu-results
 #
 # What the machine lacks travels as wheels in .whl/ (keras and the Jupyter kernel stack for
-# Python 3.12; see benchmarks/gpu/README.md for the download command): they are installed into
+# Python 3.12; docs/gpu.md gives the download command): they are installed into
 # a private directory, never over the machine's own packages. phalanx itself runs from src/.
 # Each part has its own time limit so that the whole stays under 8 minutes on one H100;
 # everything it finds goes to OUT_DIR: nvidia-smi.txt, env.txt, tests.log (+ tests.xml),
