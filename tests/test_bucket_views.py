@@ -16,38 +16,14 @@ import sys
 import pytest
 import torch
 
+# The threaded tests' model, data, initial weights and one-thread strategy (their collection-time
+# warm-up of torch's compiler stack included): both files check the same reducer.
+from test_consistency_threaded import GLOBAL, INITIAL, batches, model_fn, strategy_for  # noqa: E402
+
 import phalanx as px
 from phalanx.comm.threaded import run_threaded
-from phalanx.devices import LogicalDevice
-from phalanx.strategy import Strategy, StrategyExtended
 
 from conftest import run_job
-
-GLOBAL, FEATURES = 12, 6
-
-# The first optimizer step imports torch's compiler stack (seconds; it sets TORCHINDUCTOR_CACHE_DIR):
-# done here, at collection, so no test's time bound or environment check pays for it.
-_warm = torch.nn.Parameter(torch.ones(1))
-_warm.grad = torch.ones(1)
-torch.optim.SGD([_warm], lr=0.1).step()
-
-
-def strategy_for(comm) -> Strategy:
-    names = (f"/job:localhost/replica:0/task:0/device:CPU:{comm.rank}",)
-    return Strategy(StrategyExtended(comm, LogicalDevice("cpu", 0), names, names))
-
-
-def model_fn() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(GLOBAL, FEATURES, generator=g), torch.randn(GLOBAL, 1, generator=g)) for _ in range(n)]
-
-
-torch.manual_seed(0)
-INITIAL = model_fn().state_dict()  # the RNG is process-wide: threads must not draw from it concurrently
 
 
 def one_device(data: list, *, micro: int = 1, frozen: str | None = None) -> dict:
