@@ -23,7 +23,7 @@ def _device_env(device: str) -> dict[str, str]:
 
 
 def check_single_replica_collectives(tmp_path: Path, *, backend: str, device: str) -> dict:
-    """MirroredStrategy and CentralStorageStrategy of one replica, with the process group built anyway."""
+    """Mirrored, CentralStorage and FullySharded strategies of one replica, with the process group built anyway."""
     res = run_job(
         [sys.executable, str(JOB), "nccl1", str(tmp_path)],
         timeout=240,
@@ -33,8 +33,9 @@ def check_single_replica_collectives(tmp_path: Path, *, backend: str, device: st
     )
     assert res.returncode == 0, res.output
     result = json.loads((tmp_path / "nccl1_0.json").read_text())
-    for kind in ("mirrored", "central_storage"):
+    for kind in ("mirrored", "central_storage", "fully_sharded"):
         r = result[kind]
+        assert r["sharded"] == (kind == "fully_sharded"), r
         assert (r["communicator"], r["backend"], r["world_size"]) == ("ProcessGroupCommunicator", backend, 1), r
         assert r["param_device"].startswith(device), r
         assert r["error"] is None, r

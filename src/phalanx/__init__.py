@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
     from phalanx.ps.strategy import ParameterServerStrategy
     from phalanx.server import Server
     from phalanx.strategies.central_storage import CentralStorageStrategy
+    from phalanx.strategies.fully_sharded import FullyShardedStrategy
     from phalanx.strategies.mirrored import MirroredStrategy
     from phalanx.strategies.multi_worker_mirrored import (
         CommunicationImplementation,
@@ -95,6 +96,7 @@ _ATTRIBUTES = {
     "process_index": "phalanx.process",
     "Server": "phalanx.server",
     "CentralStorageStrategy": "phalanx.strategies.central_storage",
+    "FullyShardedStrategy": "phalanx.strategies.fully_sharded",
     "MirroredStrategy": "phalanx.strategies.mirrored",
     "CommunicationImplementation": "phalanx.strategies.multi_worker_mirrored",
     "CommunicationOptions": "phalanx.strategies.multi_worker_mirrored",

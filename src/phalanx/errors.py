@@ -262,6 +262,18 @@ class KerasIntegrationError(PhalanxError, RuntimeError):
         )
 
 
+class ShardingError(PhalanxError, ValueError):
+    """FullyShardedStrategy cannot shard what it was given.
+
+    Attributes:
+        value: the value refused (a parameter's label, a module's class, an argument).
+    """
+
+    def __init__(self, value: Any, reason: str, *, hint: str | None = None) -> None:
+        self.value = value
+        super().__init__(f"{reason} (received {value!r}).", hint=hint)
+
+
 class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
 

@@ -85,7 +85,8 @@ class CheckpointParticipant(Protocol):
 
     :class:`phalanx.checkpoint.Checkpoint` asks the ``extended`` of the strategy that owns an
     object: the parameter servers' strategy gathers their optimizer state for a save and sends
-    it back after a restore. The base :class:`StrategyExtended` implements both as no-ops.
+    it back after a restore; the sharded strategy gathers each shard for a save and cuts the whole
+    tensors for a restore. The base :class:`StrategyExtended` implements them as no-ops.
     """
 
     def state_to_save(self, obj: Any) -> Any:
@@ -93,6 +94,9 @@ class CheckpointParticipant(Protocol):
 
     def after_restore(self, obj: Any) -> None:
         """Called after a checkpoint restored ``obj`` in place."""
+
+    def state_to_restore(self, obj: Any, saved: Any) -> Any:
+        """``saved`` in the form ``obj.load_state_dict`` takes (a sharded strategy cuts it to its shard)."""
 
 
 class StrategyExtended:
@@ -310,6 +314,11 @@ class StrategyExtended:
         """Called after a checkpoint restored ``obj`` in place."""
         self._after_restore(obj)
 
+    def state_to_restore(self, obj: Any, saved: Any) -> Any:
+        """``saved`` (as a checkpoint holds it) in the form ``obj.load_state_dict`` takes under this
+        strategy; a strategy that shards ``obj`` cuts each whole tensor to this replica's shard."""
+        return self._state_to_restore(obj, saved)
+
     @property
     def _torch_device(self) -> torch.device:
         return self._local_device.torch_device
@@ -320,8 +329,23 @@ class StrategyExtended:
 
     def _capture_spec(self, owner: object) -> variables.Capture:
         return variables.Capture(
-            owner, self._torch_device, self._on_new_parameter, self._on_new_buffer, self._on_new_module, self._tag
+            owner,
+            self._torch_device,
+            self._on_new_parameter,
+            self._on_new_buffer,
+            self._on_new_module,
+            self._tag,
+            self._on_new_container,
         )
+
+    # A strategy that works on whole models (FullyShardedStrategy) is told of each container a
+    # module was registered on in scope; the others need not pay the call.
+    _on_new_container: Callable[[torch.nn.Module], None] | None = None
+
+    def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
+        """Whether another library keeps ``module``'s parameters consistent (FSDP2 swaps in its
+        own gathered parameters during forward): the first step's watch leaves it alone."""
+        return False
 
     def _on_new_module(self, module: torch.nn.Module, deep: bool) -> None:
         known = self._new_modules.get(id(module))
@@ -575,6 +599,8 @@ class StrategyExtended:
             if threading.get_ident() != me or id(module) in checked:
                 return
             checked.add(id(module))
+            if self._module_synchronized_elsewhere(module):
+                return
             pending = {id(p) for p in self._new_params}  # created in this run: synchronised at the next
             if variables.copied_from_scope(module, self._tag) and any(
                 isinstance(p, torch.nn.Parameter) and id(p) not in self._synced and id(p) not in pending
@@ -841,6 +867,10 @@ class StrategyExtended:
 
     def _after_restore(self, obj: Any) -> None:
         """Called after a checkpoint restored ``obj`` in place."""
+
+    def _state_to_restore(self, obj: Any, saved: Any) -> Any:
+        """``saved`` in the form ``obj.load_state_dict`` takes (here: as saved)."""
+        return saved
 
     def _container_strategy(self) -> Any:
         """TF's name for :attr:`container_strategy`."""

@@ -22,11 +22,12 @@ are left alone until they are materialised.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -53,6 +54,9 @@ class Capture:
     # The one fact phalanx writes on a user's object rather than in a side table (_sidetable): a
     # side table, keyed by identity, does not follow the object into its copy.
     tag: int = 0
+    # Told of each container a module is registered on under the capture (a model whose __init__
+    # runs in scope): a strategy that works on whole models (FullyShardedStrategy) finds its roots.
+    on_container: Callable[[torch.nn.Module], None] | None = None
 
 
 MARK = "_phalanx_scope_tag"
@@ -187,6 +191,8 @@ def _on_module(module: torch.nn.Module, name: str, submodule: torch.nn.Module | 
         # The container (a model whose __init__ runs in scope) keeps what it is given later, as
         # a module that registered a tensor does (a parameter added after the scope).
         _remember(module, cap, deep=None)
+        if cap.on_container is not None:
+            cap.on_container(module)
     return None
 
 
@@ -262,6 +268,17 @@ def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch
             setattr(module, name, buffer)
         cap.on_buffer(buffer)
     return meta
+
+
+@contextlib.contextmanager
+def not_captured() -> Iterator[None]:
+    """Registrations inside are not new variables of any scope (a library re-registering the
+    variables of a model already captured, as FSDP2's ``fully_shard`` does)."""
+    token = _SWEEPING.set(True)
+    try:
+        yield
+    finally:
+        _SWEEPING.reset(token)
 
 
 class capture:  # lower case: used like a function, ``with capture(spec):``

@@ -2,9 +2,10 @@
 
 Usage: ``python gpu_job.py MODE OUT_DIR``, MODE one of:
 
-* ``nccl1``: one process with PHALANX_SINGLE_REPLICA_COLLECTIVES=1: MirroredStrategy and
-  CentralStorageStrategy on the GPU build their NCCL group at world size 1 and train like
-  plain torch; CPU tensors and barriers go through the gloo group beside it.
+* ``nccl1``: one process with PHALANX_SINGLE_REPLICA_COLLECTIVES=1: MirroredStrategy,
+  CentralStorageStrategy and FullyShardedStrategy on the GPU build their NCCL group at world
+  size 1 and train like plain torch; CPU tensors and barriers go through the gloo group beside
+  it (FullyShardedStrategy: FSDP2 on torch's default group, ``cpu:gloo,cuda:nccl``).
 * ``shared``: under ``phalanx run -n 2``: two replica processes on one GPU
   (MultiWorkerMirroredStrategy with RING: gloo reduces the CUDA buckets through the host); the
   training equals one device on the global batch; a replica that changes its weights is named
@@ -101,12 +102,18 @@ def write(name: str, result: dict) -> None:
 def nccl1() -> None:
     reference = plain_torch()
     result: dict = {"device": DEVICE}
-    for kind in ("mirrored", "central_storage"):
+    for kind in ("mirrored", "central_storage", "fully_sharded"):
         devices = [f"{'gpu' if CUDA else 'cpu'}:0"]
-        strategy = px.MirroredStrategy(devices) if kind == "mirrored" else px.CentralStorageStrategy(devices)
+        strategy = {
+            "mirrored": px.MirroredStrategy,
+            "central_storage": px.CentralStorageStrategy,
+            "fully_sharded": lambda d: px.FullyShardedStrategy(d, min_params_to_shard=64),
+        }[kind](devices)
         comm = strategy.extended.communicator
         model, losses, error = train(strategy)
-        params = [p.detach().cpu() for p in model.parameters()]
+        # FullyShardedStrategy's parameters are DTensors (sharded over the one rank): whole tensors.
+        params = [getattr(p, "full_tensor", p.detach)().detach().cpu() for p in model.parameters()]
+        sharded = all(hasattr(p, "full_tensor") for p in model.parameters())
         cpu_sum = strategy.reduce("SUM", strategy.run(lambda: torch.ones(2)), axis=None)  # the gloo group
         gpu_sum = strategy.reduce("SUM", strategy.run(lambda: torch.ones(2, device=DEVICE)), axis=None)
         strategy.extended.barrier()
@@ -121,6 +128,7 @@ def nccl1() -> None:
             "guard_checks": strategy.extended.consistency_checks,
             "cpu_sum": cpu_sum.tolist(),
             "gpu_sum": gpu_sum.cpu().tolist(),
+            "sharded": sharded,
         }
         strategy.close()
     write("nccl1_0.json", result)

@@ -275,6 +275,8 @@ class Checkpoint:
                 unmatched += unused
                 replacement = _IN_PLACE
             else:
+                # A strategy that shards the object cuts each whole tensor to this replica's part.
+                state = (owners[name] or extended).state_to_restore(live[name], state)
                 replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement

@@ -179,6 +179,17 @@ def check_bind_address(host: str, task: str = "task", address: str = "") -> None
     listen_socket(host, 0, task, configured=int(port) if port.isdigit() else None).close()
 
 
+def _agent_serves(master_addr: str, master_port: int) -> bool:
+    """Whether torchrun's agent serves the store this job's master address names
+    (``TORCHELASTIC_USE_AGENT_STORE``, set by torchrun for its workers since torch 1.9)."""
+    env = os.environ
+    return (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and env.get("MASTER_ADDR") == master_addr
+        and env.get("MASTER_PORT") == str(master_port)
+    )
+
+
 def connect_store(
     *,
     rank: int,
@@ -201,6 +212,14 @@ def connect_store(
             (nobody listening, or another program holding the port); names the port and task.
     """
     delta = datetime.timedelta(seconds=timeout)
+    if _agent_serves(master_addr, master_port):
+        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT (as for torch's own
+        # env:// groups): rank 0 connects to it like the others, and phalanx's keys get a prefix
+        # of their own beside the agent's.
+        rank = max(rank, 1)
+        wrap: Callable[[Any], Any] = lambda store: dist.PrefixStore("phalanx/", store)  # noqa: E731
+    else:
+        wrap = lambda store: store  # noqa: E731
     if rank == 0:
         sock = listen_socket(bind_addr or master_addr, master_port, task)
         with helper_threads_ignore_stop_signals():  # the store's server thread: a Ctrl-C is for the main one
@@ -244,7 +263,7 @@ def connect_store(
     if not probe.quiet:  # the user asked for torch's logs: its client's last lines come first
         helper.join(_LOGS_GRACE_S)
     if "store" in box:
-        return box["store"]
+        return wrap(box["store"])
     error = box.get("error")
     if isinstance(probe.last_error, socket.gaierror) or (probe.last_error is None and _unresolvable(master_addr)):
         reason = probe.last_error or socket.gaierror("no address")

@@ -1,0 +1,468 @@
+"""FullyShardedStrategy: data parallelism with parameters, gradients and optimizer state split across replicas.
+
+Every other synchronous strategy keeps a whole copy of the model and its optimizer state on each
+replica. This one keeps 1/N of each on each of N replicas, on torch's FSDP2 (``fully_shard``) and
+DTensor: a module's parameters are gathered for its forward and backward, and its gradients are
+summed and scattered back to their owners (reduce-scatter), so each replica's optimizer updates only
+its own shard. The program is the one MirroredStrategy runs, strategy object aside.
+
+What phalanx adds to FSDP2, so that the program needs no change:
+
+* **When to shard.** Modules built in ``scope()`` are sharded when their variables are synchronised
+  (scope exit, or the next ``run``): broadcast from replica 0 first, so every replica cuts the same
+  tensor, then ``fully_shard`` on each module that holds at least ``min_params_to_shard`` parameter
+  elements of its own, then on each root module (FSDP2's per-layer recipe).
+* **The optimizer built before.** FSDP2 replaces each parameter by a sharded one; an optimizer built
+  in scope from ``model.parameters()`` still holds the old ones, and its first step would update
+  tensors nobody uses. An optimizer step pre-hook puts the sharded parameters in their place first.
+* **Sums, as everywhere in phalanx.** ``compute_average_loss`` divides by the global batch, so the
+  replicas' gradients are summed (FSDP2 averages by default).
+* **Checkpoints that move.** A save gathers each sharded tensor into the ordinary, whole
+  ``state_dict`` (restorable under any strategy, any replica count, or plain PyTorch); a restore
+  cuts each replica's shard out of the whole tensor, with no communication.
+* **The guard.** Sharded parameters differ by design, so there is no fingerprint to compare; the
+  first forward of a sharded model in each step begins with one small all-reduce of the
+  consistency guard's fields, so replicas that are out of step (which FSDP2's equal-sized
+  collectives would otherwise mix silently) fail with a typed error.
+
+Example (``train.py``; two CPU replicas)::
+
+    strategy = phalanx.FullyShardedStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters())
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from phalanx import context, hooks, variables
+from phalanx._compat.torch import untraced
+from phalanx.cluster import resolve_from_environment
+from phalanx.comm import process_group
+from phalanx.errors import ClusterSpecError, ShardingError
+from phalanx.strategies.mirrored import MirroredExtended
+from phalanx.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended
+from phalanx.strategy import Strategy, StrategyExtended
+
+# Parameters a module holds itself (not through sub-modules) from which it is sharded as its own
+# group: about 4 MiB of float32, so a transformer block or a wide Linear is gathered on its own
+# and the rest of a model goes with its root.
+DEFAULT_MIN_PARAMS_TO_SHARD = 1 << 20
+
+# The parameter fully_shard replaced -> its sharded successor, for optimizers built before the
+# sharding (weak on the old tensor: once no optimizer holds it, the entry goes).
+_SUCCESSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _fsdp() -> Any:
+    """torch's FSDP2 module (``torch.distributed.fsdp``, public since torch 2.6).
+
+    Raises:
+        ShardingError: this torch has no FSDP2.
+    """
+    try:
+        from torch.distributed import fsdp
+        from torch.distributed.tensor import distribute_tensor  # noqa: F401 - checked here, used below
+    except ImportError as e:  # pragma: no cover - torch 2.4/2.5
+        raise ShardingError(
+            torch.__version__, f"FullyShardedStrategy needs torch's FSDP2 ({e})", hint="install torch >= 2.6"
+        ) from None
+    if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch 2.4/2.5
+        raise ShardingError(
+            torch.__version__, "FullyShardedStrategy needs torch.distributed.fsdp.fully_shard", hint="torch >= 2.6"
+        )
+    return fsdp
+
+
+def use_sharded_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Puts in ``optimizer`` the sharded parameters of those FSDP2 replaced (an optimizer step pre-hook).
+
+    Idempotent, and a few dictionary lookups per parameter: it runs before every step of every
+    optimizer once a FullyShardedStrategy sharded something.
+
+    Raises:
+        ShardingError: the optimizer already holds state for a parameter that was sharded since
+            (it stepped, or was restored, before the sharding): whether the replicas' states agree
+            is unknown, so it cannot be cut to the shard this replica owns.
+    """
+    if not _SUCCESSORS:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = _SUCCESSORS.get(p)
+            if new is None:
+                continue
+            if optimizer.state.get(p):
+                raise ShardingError(
+                    variables.label_of(p),
+                    "the optimizer holds state for this parameter from before FullyShardedStrategy sharded it",
+                    hint="build the model and optimizer in strategy.scope(), restore a checkpoint after the scope, "
+                    "and take the first step in strategy.run",
+                )
+            params[i] = new
+
+
+def _check_min_params(min_params_to_shard: Any) -> int:
+    if isinstance(min_params_to_shard, bool) or not isinstance(min_params_to_shard, int) or min_params_to_shard < 1:
+        raise ShardingError(min_params_to_shard, "min_params_to_shard must be a positive integer")
+    return min_params_to_shard
+
+
+class ShardedVariables(StrategyExtended):
+    """What sharding changes in a synchronous strategy's machinery, on one host or many: the
+    variables of modules built in scope are sharded instead of all-reduced (see the module's
+    docstring). Mixed in before :class:`MirroredExtended` or :class:`MultiWorkerMirroredExtended`,
+    which say who the replicas are; :meth:`_init_sharding` runs after their ``__init__``."""
+
+    def _init_sharding(self, min_params_to_shard: int, reshard_after_forward: bool) -> None:
+        self._fsdp = _fsdp()
+        self._min_params_to_shard = min_params_to_shard
+        self._reshard_after_forward = bool(reshard_after_forward)
+        self._pending: list[torch.nn.Parameter] = []  # synchronised, not yet sharded
+        # Every module seen registering a variable or a sub-module in scope (weak): the roots to
+        # shard are those no other one holds.
+        self._seen: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+        self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # sharded root modules
+        self._mesh: Any = None
+        self._owns_default_group = False
+        self._on_new_container = self._remember_module
+        if self._collectives:
+            hooks.install("phalanx.fully_sharded.optimizer", "optimizer_step_pre", use_sharded_parameters)
+
+    # ---------------------------------------------------------------- what FSDP2 runs on
+    def _device_mesh(self) -> Any:
+        """A one-dimensional mesh over every replica, on torch's default process group.
+
+        torch's DeviceMesh (and so FSDP2 and DTensor) works on the default group only. A program
+        that made one (``dist.init_process_group`` under torchrun) keeps it, if it is this job's;
+        otherwise phalanx makes it from the job's store, its gloo sockets on the task's own address.
+
+        Raises:
+            ClusterSpecError: the program's default group is not this job's (another size or rank).
+        """
+        if self._mesh is not None:
+            return self._mesh
+        comm = self._comm
+        if dist.is_initialized():
+            if (dist.get_world_size(), dist.get_rank()) != (comm.world_size, comm.rank):
+                raise ClusterSpecError(
+                    "torch.distributed default group",
+                    f"rank {dist.get_rank()} of {dist.get_world_size()}",
+                    f"this strategy's replica is rank {comm.rank} of {comm.world_size}",
+                    hint="call dist.destroy_process_group() first, or let phalanx make the group",
+                )
+        else:
+            spec = comm.spec  # type: ignore[attr-defined] # a ProcessGroupCommunicator: _collectives is true
+            device = self._torch_device.type
+            process_group.init_default_group(
+                "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+                dist.PrefixStore("fsdp/", comm.store),
+                comm.rank,
+                comm.world_size,
+                timeout=datetime.timedelta(seconds=spec.timeout),
+                bind_addr=spec.bind_addr,
+            )
+            self._owns_default_group = True
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._mesh = init_device_mesh(self._torch_device.type, (comm.world_size,))
+        return self._mesh
+
+    # ---------------------------------------------------------------- variables
+    def _on_new_module(self, module: torch.nn.Module, deep: bool) -> None:
+        super()._on_new_module(module, deep)
+        self._seen[id(module)] = module
+
+    def _remember_module(self, module: torch.nn.Module) -> None:
+        self._seen[id(module)] = module
+
+    def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
+        # FSDP2's reduce-scatter sums the gradients: no bucket all-reduce. Sharded at the end of
+        # _sync_new_variables, once every new variable is identical everywhere.
+        self._pending += params
+
+    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
+        self.mark_parameters_changed()  # FSDP2 reduces whatever has a gradient; nothing to attach
+
+    def _sync_new_variables(self) -> None:
+        if self._new_params and context.get_replica_context() is not None:
+            p = self._new_params[0]
+            raise ShardingError(
+                variables.label_of(p),
+                "a parameter was created inside strategy.run, where FullyShardedStrategy cannot shard it",
+                hint="build (or call once) the model in strategy.scope() before the first step",
+            )
+        super()._sync_new_variables()
+        self._frozen = []  # frozen or not, every parameter is sharded; FSDP2 reduces what has a gradient
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._shard(pending)
+
+    def _shard(self, params: list[torch.nn.Parameter]) -> None:
+        """Shards the modules that hold ``params`` (identical on every replica by now)."""
+        wanted = {id(p) for p in params}
+        modules = [m for m in list(self._seen.values()) if any(id(p) in wanted for p in m.parameters())]
+        children = {id(c) for m in modules for c in m.modules() if c is not m}
+        roots = [m for m in modules if id(m) not in children and not isinstance(m, self._fsdp.FSDPModule)]
+        owned = {id(p) for m in roots for p in m.parameters()}
+        loose = [p for p in params if id(p) not in owned]
+        if loose:
+            raise ShardingError(
+                variables.label_of(loose[0]),
+                "a parameter created in scope belongs to no module, and FullyShardedStrategy shards modules",
+                hint="register it on a torch.nn.Module (module.register_parameter) built in the same scope",
+            )
+        for root in roots:
+            if any(c.__module__.split(".")[0] == "keras" for c in type(root).__mro__):
+                # Keras reads each variable through its own reference, not the module's parameter
+                # FSDP2 swaps: sharding would train tensors the model never uses.
+                raise ShardingError(
+                    type(root).__name__,
+                    "Keras models are not sharded yet (Keras keeps its own reference to each variable)",
+                    hint="use MirroredStrategy for Keras models; FullyShardedStrategy for torch modules",
+                )
+        mesh = self._device_mesh()
+        shard = self._fsdp.fully_shard
+        with variables.not_captured():  # FSDP2's own registrations are not new variables
+            for root in roots:
+                before = dict(root.named_parameters())
+                for sub in list(root.modules())[1:]:
+                    own = sum(p.numel() for p in sub.parameters(recurse=False))
+                    if own >= self._min_params_to_shard and not isinstance(sub, self._fsdp.FSDPModule):
+                        shard(sub, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+                shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+                for m in root.modules():
+                    if isinstance(m, self._fsdp.FSDPModule):
+                        # phalanx sums gradients (compute_average_loss divides by the global batch);
+                        # FSDP2 averages unless told. Forced SUM: gloo has no PREMUL_SUM.
+                        m.set_gradient_divide_factor(1.0)
+                        force_sum = getattr(m, "set_force_sum_reduction_for_comms", None)
+                        if force_sum is not None:
+                            force_sum(True)
+                for name, new in root.named_parameters():
+                    old = before.get(name)
+                    if old is not None and old is not new:
+                        _SUCCESSORS[old] = new
+                    self._created[id(new)] = new
+                    self._synced.add(id(new))
+                    self._mark_owned(new)
+                self._roots.add(root)
+                root.register_forward_pre_hook(untraced(self._check_in_step), prepend=True)
+
+    def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
+        # During forward FSDP2 swaps each sharded parameter for a gathered one of its own, which
+        # no scope saw: the first step's watch must not take it for an unsynchronised parameter.
+        return any(m is module for root in list(self._roots) for m in root.modules())
+
+    # ---------------------------------------------------------------- the step
+    def _before_run(self) -> None:
+        super()._before_run()
+        self._guard_checked = False
+
+    _guard_checked = False
+
+    def _check_in_step(self, module: torch.nn.Module, args: Any) -> None:
+        """The consistency guard, at the first forward of a sharded model in each ``run``.
+
+        Sharded parameters differ by design (nothing to fingerprint), and FSDP2's collectives are
+        all of one size: replicas out of step would gather each other's shards silently. One small
+        all-reduce of the guard's fields (step, global batch, batch ordinal) before the first
+        gather of a step makes that a typed error. Here rather than at the start of ``run``: the
+        step's batch is known only inside it.
+        """
+        if self._guard is None or self._guard_checked or context.get_replica_context() is None:
+            return
+        self._guard_checked = True
+        contribution = self._guard.encode(torch.float64, with_parameters=False)
+        if contribution is not None:
+            # A copy: encode reuses its buffer, and the all-reduce sums in place.
+            self._guard.verify(self._comm.all_reduce(contribution.clone(), "sum").wait())
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate whole gradients locally (FSDP2's
+        ``set_requires_gradient_sync(False)``); the first backward after the block reduce-scatters
+        the sum."""
+        return self._gradient_sync(False)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        modules = [m for root in self._roots for m in root.modules() if isinstance(m, self._fsdp.FSDPModule)]
+        for m in modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _state_to_save(self, obj: Any) -> Any:
+        """The whole state of a sharded module or optimizer: each shard gathered (collective, in
+        the same order on every replica), so the checkpoint is the ordinary ``state_dict``."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, torch.nn.Module):
+            state = obj.state_dict()
+            if not any(isinstance(v, DTensor) for v in state.values()):
+                return None
+            return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if isinstance(obj, torch.optim.Optimizer):
+            state = obj.state_dict()
+            per_param = state["state"]
+            if not any(isinstance(v, DTensor) for s in per_param.values() for v in s.values()):
+                return None
+            whole = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+            state["state"] = {i: {k: whole(v) for k, v in sorted(per_param[i].items())} for i in sorted(per_param)}
+            return state
+        return None
+
+    def _state_to_restore(self, obj: Any, saved: Any) -> Any:
+        """``saved`` (whole tensors) with each tensor of a sharded parameter cut to this replica's
+        shard: local, no communication."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        def cut(value: Any, like: Any) -> Any:
+            if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return value
+            if tuple(value.shape) != tuple(like.shape):
+                return value  # load_state_dict names the mismatch
+            return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+        if isinstance(obj, torch.nn.Module) and isinstance(saved, dict):
+            live = obj.state_dict()
+            return {k: cut(v, live.get(k)) for k, v in saved.items()}
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict) and "state" in saved:
+            use_sharded_parameters(obj)
+            params = [p for group in obj.param_groups for p in group["params"]]
+            state = {
+                index: {
+                    k: cut(v, params[index]) if index < len(params) and getattr(v, "dim", lambda: 0)() > 0 else v
+                    for k, v in entry.items()
+                }
+                for index, entry in saved["state"].items()
+            }
+            return {**saved, "state": state}
+        return saved
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            if self._owns_default_group and dist.is_initialized():
+                self._owns_default_group = False
+                dist.destroy_process_group()
+
+
+class FullyShardedExtended(ShardedVariables, MirroredExtended):
+    """The machinery of :class:`FullyShardedStrategy` on one host: one replica per local device.
+
+    Args:
+        devices, min_params_to_shard, reshard_after_forward: as :class:`FullyShardedStrategy`'s.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[Any] | None = None,
+        *,
+        min_params_to_shard: int = DEFAULT_MIN_PARAMS_TO_SHARD,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        min_params_to_shard = _check_min_params(min_params_to_shard)
+        _fsdp()  # before any replica starts
+        MirroredExtended.__init__(self, devices)
+        self._init_sharding(min_params_to_shard, reshard_after_forward)
+
+
+class MultiWorkerFullyShardedExtended(ShardedVariables, MultiWorkerMirroredExtended):
+    """The machinery of :class:`FullyShardedStrategy` over a cluster (TF_CONFIG, torchrun, Slurm,
+    ``phalanx run --nnodes``): every device of every worker, as MultiWorkerMirrored's.
+
+    Args:
+        cluster_resolver, communication_options: as :class:`MultiWorkerMirroredStrategy`'s.
+        min_params_to_shard, reshard_after_forward: as :class:`FullyShardedStrategy`'s.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: Any = None,
+        communication_options: Any = None,
+        *,
+        min_params_to_shard: int = DEFAULT_MIN_PARAMS_TO_SHARD,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        min_params_to_shard = _check_min_params(min_params_to_shard)
+        _fsdp()
+        MultiWorkerMirroredExtended.__init__(self, cluster_resolver, communication_options)
+        self._init_sharding(min_params_to_shard, reshard_after_forward)
+
+
+class FullyShardedStrategy(Strategy):
+    """Synchronous data parallelism with parameters, gradients and optimizer state sharded across replicas.
+
+    Each of N replicas keeps 1/N of every sharded module's parameters, gradients and optimizer
+    state (torch FSDP2), so a model whose optimizer state does not fit one device trains on N.
+    The training program is MirroredStrategy's: ``scope()``, ``run``, ``compute_average_loss``,
+    ``experimental_distribute_dataset``, checkpoints; one replica per device of this host, or per
+    process of ``phalanx run`` / torchrun / Slurm on many hosts.
+
+    Args:
+        devices: the replicas' devices on this host, as :class:`MirroredStrategy`'s
+            (``["cpu:0", "cpu:1"]``). None: the cluster that ``cluster_resolver`` or the
+            environment (TF_CONFIG, torchrun, Slurm) describes, as MultiWorkerMirroredStrategy
+            runs it; without one, this host's devices.
+        cluster_resolver: as :class:`MultiWorkerMirroredStrategy`'s.
+        communication_options: as :class:`MultiWorkerMirroredStrategy`'s (timeout, implementation).
+        min_params_to_shard: a sub-module holding at least this many parameter elements itself is
+            gathered and freed as a group of its own (a layer); the rest goes with its root module.
+        reshard_after_forward: free each group's gathered parameters after its forward pass, and
+            gather them again for backward (FSDP2's default: least memory); False keeps them
+            gathered from forward to backward (less communication).
+
+    Raises:
+        InvalidDeviceError: a device is malformed, absent or repeated.
+        ShardingError: torch has no FSDP2, or ``min_params_to_shard`` is not a positive integer.
+
+    Limits: Keras models are refused with a :class:`~phalanx.errors.ShardingError` (use
+    MirroredStrategy); parameters must be built in ``scope()``, not inside ``run``.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[Any] | None = None,
+        *,
+        cluster_resolver: Any = None,
+        communication_options: Any = None,
+        min_params_to_shard: int = DEFAULT_MIN_PARAMS_TO_SHARD,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        options = {"min_params_to_shard": min_params_to_shard, "reshard_after_forward": reshard_after_forward}
+        if devices is not None and (cluster_resolver is not None or communication_options is not None):
+            raise ClusterSpecError(
+                "devices",
+                devices,
+                "FullyShardedStrategy takes the devices of one host, or a cluster, not both",
+                hint="drop `devices` for a multi-worker job (each worker runs one replica per local device)",
+            )
+        # Devices named: one host, as MirroredStrategy. Otherwise a cluster the environment (or the
+        # resolver) describes runs as MultiWorkerMirroredStrategy does; else this host's devices.
+        if devices is None and (
+            cluster_resolver is not None or communication_options is not None or resolve_from_environment() is not None
+        ):
+            extended: StrategyExtended = MultiWorkerFullyShardedExtended(
+                cluster_resolver, communication_options, **options
+            )
+            super().__init__(extended, cluster_resolver=extended.cluster_resolver)  # type: ignore[attr-defined]
+        else:
+            super().__init__(FullyShardedExtended(devices, **options))
