@@ -218,3 +218,14 @@ def test_bench_quick_writes_where_asked_and_keeps_the_committed_results(tmp_path
     assert f"results: {tmp_path / 'mine' / 'latest.json'}" in result.output
     assert hashlib.sha256(committed.read_bytes()).hexdigest() == before
     print(f"\nphalanx bench --quick --rounds 1: {result.elapsed:.0f} s")
+
+
+def test_options_after_run_m_module_are_the_modules():
+    """`phalanx run -n 2 -m pkg.mod --worker x` failed: argparse took --worker for run's --workers."""
+    from phalanx.cli import build_parser, parse
+
+    args = parse(build_parser(), ["run", "-n", "2", "-m", "pkg.mod", "--worker", "x", "-n", "5"])
+    assert (args.module, args.command, args.nproc) == ("pkg.mod", ["--worker", "x", "-n", "5"], 2)
+    # A script named first keeps its own -m.
+    args = parse(build_parser(), ["run", "-n", "2", "train.py", "-m", "z", "--worker", "x"])
+    assert (args.module, args.command) == (None, ["train.py", "-m", "z", "--worker", "x"])

@@ -214,6 +214,18 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; for ``run -m MODULE``, everything after MODULE is the module's, as after
+    ``python -m``: argparse alone would read ``--worker`` there as ``run``'s ``--workers``."""
+    if argv[:1] == ["run"] and "-m" in argv[:-1]:
+        at = argv.index("-m") + 2
+        args = parser.parse_args(argv[:at])
+        if not args.command:  # "-m" was run's own, not an argument of a script named before it
+            args.command = argv[at:]
+            return args
+    return parser.parse_args(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx",
@@ -348,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # forward everything verbatim: argparse would reorder or reject options
         return _bench(argparse.Namespace(forwarded=argv[1:]))
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.cmd is None:
         parser.print_help(sys.stderr)
         print(

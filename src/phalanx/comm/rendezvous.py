@@ -212,15 +212,12 @@ def connect_store(
             (nobody listening, or another program holding the port); names the port and task.
     """
     delta = datetime.timedelta(seconds=timeout)
-    if _agent_serves(master_addr, master_port):
-        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT (as for torch's own
-        # env:// groups): rank 0 connects to it like the others, and phalanx's keys get a prefix
-        # of their own beside the agent's.
-        rank = max(rank, 1)
-        wrap: Callable[[Any], Any] = lambda store: dist.PrefixStore("phalanx/", store)  # noqa: E731
-    else:
-        wrap = lambda store: store  # noqa: E731
-    if rank == 0:
+    # torchrun's agent may already serve a store at MASTER_ADDR:MASTER_PORT (as for torch's own
+    # env:// groups): then rank 0 connects to it like the others, and phalanx's keys get a prefix
+    # of their own beside the agent's.
+    agent = _agent_serves(master_addr, master_port)
+    wrap: Callable[[Any], Any] = (lambda store: dist.PrefixStore("phalanx/", store)) if agent else (lambda store: store)
+    if rank == 0 and not agent:
         sock = listen_socket(bind_addr or master_addr, master_port, task)
         with helper_threads_ignore_stop_signals():  # the store's server thread: a Ctrl-C is for the main one
             return dist.TCPStore(

@@ -255,6 +255,11 @@ class ShardedVariables(StrategyExtended):
                     old = before.get(name)
                     if old is not None and old is not new:
                         _SUCCESSORS[old] = new
+                        # An optimizer built in scope holds the whole tensor until its first step
+                        # swaps in the shard: give the memory back now (FSDP2 frees its own
+                        # gathered tensors the same way). The old parameter is dead from here.
+                        with torch.no_grad():
+                            old.data = old.data.new_empty(0)
                     self._created[id(new)] = new
                     self._synced.add(id(new))
                     self._mark_owned(new)
@@ -313,17 +318,19 @@ class ShardedVariables(StrategyExtended):
         the same order on every replica), so the checkpoint is the ordinary ``state_dict``."""
         from torch.distributed.tensor import DTensor
 
+        # One whole tensor at a time, each moved to the host at once: a GPU never holds more than
+        # one gathered tensor beyond its shards.
+        whole = lambda v: v.full_tensor().cpu() if isinstance(v, DTensor) else v  # noqa: E731
         if isinstance(obj, torch.nn.Module):
             state = obj.state_dict()
             if not any(isinstance(v, DTensor) for v in state.values()):
                 return None
-            return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+            return {k: whole(v) for k, v in state.items()}
         if isinstance(obj, torch.optim.Optimizer):
             state = obj.state_dict()
             per_param = state["state"]
             if not any(isinstance(v, DTensor) for s in per_param.values() for v in s.values()):
                 return None
-            whole = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
             state["state"] = {i: {k: whole(v) for k, v in sorted(per_param[i].items())} for i in sorted(per_param)}
             return state
         return None
@@ -338,7 +345,8 @@ class ShardedVariables(StrategyExtended):
                 return value
             if tuple(value.shape) != tuple(like.shape):
                 return value  # load_state_dict names the mismatch
-            return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+            local = value.to(device=like.device, dtype=like.dtype)
+            return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
 
         if isinstance(obj, torch.nn.Module) and isinstance(saved, dict):
             live = obj.state_dict()
