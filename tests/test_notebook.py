@@ -369,3 +369,58 @@ def test_notebook_root_cause_is_shown_once_whatever_the_order(tmp_path):
         assert len(outcomes) == 50
     finally:
         kernel.shutdown()
+
+
+SHARDED = """
+import torch, phalanx
+torch.manual_seed(0)
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+X, Y = torch.randn(64, 20), torch.randn(64, 4)
+reference = build()
+with torch.no_grad():
+    reference_start = [p.clone() for p in reference.parameters()]
+opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+for i in range(0, 64, 16):
+    ((reference(X[i:i+16]) - Y[i:i+16]) ** 2).sum().div(16).backward(); opt.step(); opt.zero_grad()
+
+def train(strategy):
+    with strategy.scope():
+        model = build()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), reference_start):
+                p.copy_(q)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    def step(x, y):
+        loss = phalanx.nn.compute_average_loss(((model(x) - y) ** 2).sum(1), global_batch_size=16)
+        loss.backward(); opt.step(); opt.zero_grad()
+        return loss
+    batches = [(X[i:i+16], Y[i:i+16]) for i in range(0, 64, 16)]
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+    whole = [p.full_tensor() for p in model.parameters()]  # a collective: every replica takes part
+    return max(float((a - b).abs().max()) for a, b in zip(whole, reference.parameters()))
+"""
+
+
+def test_notebook_fully_sharded_strategy_trains_and_a_second_one_reuses_the_session(tmp_path):
+    """FullyShardedStrategy in a real kernel: its replicas shard the model built in a cell and train
+    like one device; closed, it gives back the default process group it made, so a second one in
+    the same session makes its own."""
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.ok(SHARDED, timeout=120)
+        for name in ("first", "second"):
+            out = kernel.ok(
+                f"{name} = phalanx.FullyShardedStrategy(['cpu:0', 'cpu:1'], min_params_to_shard=16)\n"
+                f"print('WORST', train({name}), phalanx.interactive.num_replicas())\n"
+                f"{name}.close()\n"
+                "print('GROUP', torch.distributed.is_initialized())",
+                timeout=180,
+            )
+            assert out["stdout"].count("WORST") == 1, out  # replica 0's output only
+            worst, replicas = re.search(r"WORST (\S+) (\d)", out["stdout"]).groups()
+            assert float(worst) < 1e-5 and replicas == "2", out["stdout"]
+            assert "GROUP False" in out["stdout"], out["stdout"]
+    finally:
+        kernel.shutdown()
