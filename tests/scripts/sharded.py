@@ -2,6 +2,7 @@
 
 Usage: python sharded.py OUT_DIR N VARIANT [VARIANT ...]
        torchrun --nproc-per-node N sharded.py OUT_DIR env {sharded,mwms} [init]
+       TF_CONFIG=... python sharded.py OUT_DIR env sharded       (one per worker)
 
 Each VARIANT trains a fresh model with a fresh strategy on the same N processes (one job, many
 variants: start-up is most of a run's cost); the chief writes OUT_DIR/VARIANT/params.pt (whole
@@ -204,7 +205,8 @@ def from_environment(out, kind, init):
     strategy = (
         px.FullyShardedStrategy(min_params_to_shard=64) if kind == "sharded" else px.MultiWorkerMirroredStrategy()
     )
-    assert strategy.num_replicas_in_sync == int(os.environ["WORLD_SIZE"]), strategy.num_replicas_in_sync
+    expected = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's, or the two TF_CONFIG workers
+    assert strategy.num_replicas_in_sync == expected, strategy.num_replicas_in_sync
     try:
         train(strategy, "adam", [], out)
     finally:
