@@ -124,3 +124,21 @@ def test_compile_falls_back_per_frame_runs_an_uncompilable_frame_eagerly(monkeyp
     finally:
         logger.removeHandler(handler)
     assert any(r.getMessage().startswith("WON'T CONVERT") for r in records)
+
+
+def test_untraced_runs_eagerly_when_first_called_while_compiling(monkeypatch, tmp_path):
+    """The shim's contract: a function wrapped before torch.compile was imported runs outside the
+    trace, every call. (Its failure with a graph break around the call, 'NoneType' object is not
+    callable, is reproduced by tests/test_fully_sharded.py's step under @phalanx.function.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch.compile would set it otherwise
+    seen = []
+
+    def hook(x):
+        seen.append(torch.compiler.is_compiling())  # a side effect dynamo cannot put in a graph
+        return x
+
+    wrapped = compat_torch.untraced(hook)
+    f = torch.compile(lambda x: wrapped(x * 2) + 1, backend="eager")
+    for _ in range(2):
+        assert torch.equal(f(torch.ones(2)), torch.full((2,), 3.0))
+    assert seen == [False, False]  # run eagerly, outside the trace, every time

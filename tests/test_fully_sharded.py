@@ -2,10 +2,11 @@
 
 K steps under the sharded strategy equal K steps on one device (plain PyTorch) and under
 MirroredStrategy, for SGD with momentum, Adam and AdamW, with gradient clipping, accumulation
-(``no_sync``), bfloat16 autocast and a compiled model; each replica holds 1/N of the state; a
-checkpoint written sharded on N replicas restores sharded on M, under Mirrored, on one device and in
-plain PyTorch, and one written under Mirrored restores sharded; what cannot be sharded is refused
-with a typed error, and replicas out of step are named by the guard.
+(``no_sync``), bfloat16 autocast, a compiled model and a step under ``@phalanx.function``; each
+replica holds 1/N of the state; a checkpoint written sharded on N replicas restores sharded on M,
+under Mirrored, on one device and in plain PyTorch, and one written under Mirrored restores
+sharded; what cannot be sharded is refused with a typed error, and replicas out of step are named
+by the guard.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ TWO = [
     "sharded,adam,bf16",
     "mirrored,adam,bf16",
     "sharded,adam,compiled",
+    "sharded,adam,function",
     "sharded_root,adam,save",
     "mirrored,adam,save",
     "mirrored,adam",
@@ -128,6 +130,7 @@ TOL = {"sgd": 1e-6, "adam": 5e-5, "adamw": 5e-5}
         "sharded,sgd,clip",
         "sharded,adamw,accum",
         "sharded,adam,compiled",
+        "sharded,adam,function",
     ],
 )
 def test_two_replicas_match_one_device(two, variant):

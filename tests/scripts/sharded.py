@@ -14,7 +14,8 @@ VARIANT is ``STRATEGY,OPTIMIZER[,FEATURE...]``:
   (one group per model: the default threshold), ``mirrored``.
 * OPTIMIZER: ``sgd`` (momentum), ``adam``, ``adamw``.
 * FEATURE: ``clip`` (clip_grad_norm_ to 0.5), ``accum`` (two micro-batches a step, the first under
-  ``no_sync``), ``bf16`` (autocast to bfloat16), ``compiled`` (torch.compile of the model),
+  ``no_sync``), ``bf16`` (autocast to bfloat16), ``compiled`` (torch.compile of the model), ``function`` (the step's replica function under
+  ``@phalanx.function``, inductor),
   ``save`` (after STEPS_BEFORE_SAVE steps, a Checkpoint is written to OUT_DIR/VARIANT/ckpt),
   ``restore=PATH`` (last; the model and optimizer are restored from PATH before training, and only
   the steps after STEPS_BEFORE_SAVE are taken), ``loose`` (a parameter on no module, stepped by
@@ -160,6 +161,10 @@ def train(strategy, opt_name, features, out):
         opt.step()
         opt.zero_grad()
 
+    if "function" in features:  # the replica functions compiled, as under tf.function
+        run_compiled = px.function(lambda fn, *a: strategy.run(fn, args=a))
+    else:
+        run_compiled = None
     batches = data()
     for i in range(first, STEPS):
         x, y = batches[i]
@@ -173,7 +178,10 @@ def train(strategy, opt_name, features, out):
                     strategy.run(forward_backward, args=(hx, hy))
         else:
             for bx, by in strategy.experimental_distribute_dataset([(x, y)]):
-                strategy.run(forward_backward, args=(bx, by))
+                if run_compiled is not None:
+                    run_compiled(forward_backward, bx, by)
+                else:
+                    strategy.run(forward_backward, args=(bx, by))
                 if "outofstep" in features and i == 2 and strategy.extended.process_index == 1:
                     strategy.run(lambda: None)  # one replica runs a step more (a chief-only log step)
         memory = local_bytes(model, opt)  # gradients present: the step's peak of the three

@@ -59,20 +59,18 @@ def untraced(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``TORCHINDUCTOR_CACHE_DIR`` in the environment: the wrapper takes it only once
     ``torch._dynamo`` has been imported by someone, i.e. once something may be compiled.
     """
-    disabled: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal disabled
         # Run as it is unless torch.compile is tracing this very call (dynamo reads is_compiling()
         # as True while tracing): the disabled wrapper swaps dynamo's frame callback on every call,
         # 10-30 us each, and a gradient hook runs once per parameter per step (measured: a third
         # of a small model's step on one GPU with the gradient all-reduce on).
         if "torch._dynamo" not in sys.modules or not torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
+        # Made here each time, never stored: dynamo replays a closure's mutation only after the
+        # traced code, so a wrapper stored while tracing was still None when called (TypeError).
+        return torch.compiler.disable(fn)(*args, **kwargs)
 
     return call
 
