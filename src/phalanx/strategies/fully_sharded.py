@@ -63,6 +63,10 @@ DEFAULT_MIN_PARAMS_TO_SHARD = 1 << 20
 # The parameter fully_shard replaced -> its sharded successor, for optimizers built before the
 # sharding (weak on the old tensor: once no optimizer holds it, the entry goes).
 _SUCCESSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# How many times something was sharded in this process, and the count each optimizer last swapped
+# at: an optimizer's step looks through its parameters only after a new sharding.
+_GENERATION = [0]
+_SWAPPED_AT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 
 def _fsdp() -> Any:
@@ -96,8 +100,8 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             (it stepped, or was restored, before the sharding): whether the replicas' states agree
             is unknown, so it cannot be cut to the shard this replica owns.
     """
-    if not _SUCCESSORS:
-        return
+    if not _SUCCESSORS or _SWAPPED_AT.get(optimizer) == _GENERATION[0]:
+        return  # nothing sharded, or nothing since this optimizer's last look: one lookup a step
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -112,6 +116,7 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
                     "and take the first step in strategy.run",
                 )
             params[i] = new
+    _SWAPPED_AT[optimizer] = _GENERATION[0]
 
 
 def _check_min_params(min_params_to_shard: Any) -> int:
@@ -197,7 +202,7 @@ class ShardedVariables(StrategyExtended):
         self.mark_parameters_changed()  # FSDP2 reduces whatever has a gradient; nothing to attach
 
     def _sync_new_variables(self) -> None:
-        if self._new_params and context.get_replica_context() is not None:
+        if self._collectives and self._new_params and context.get_replica_context() is not None:
             p = self._new_params[0]
             raise ShardingError(
                 variables.label_of(p),
@@ -255,6 +260,7 @@ class ShardedVariables(StrategyExtended):
                     old = before.get(name)
                     if old is not None and old is not new:
                         _SUCCESSORS[old] = new
+                        _GENERATION[0] += 1
                         # An optimizer built in scope holds the whole tensor until its first step
                         # swaps in the shard: give the memory back now (FSDP2 frees its own
                         # gathered tensors the same way). The old parameter is dead from here.
@@ -264,7 +270,7 @@ class ShardedVariables(StrategyExtended):
                     self._synced.add(id(new))
                     self._mark_owned(new)
                 self._roots.add(root)
-                root.register_forward_pre_hook(untraced(self._check_in_step), prepend=True)
+                root.register_forward_pre_hook(untraced(_weak_hook(self._check_in_step)), prepend=True)
 
     def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
         # During forward FSDP2 swaps each sharded parameter for a gathered one of its own, which
@@ -371,6 +377,18 @@ class ShardedVariables(StrategyExtended):
             if self._owns_default_group and dist.is_initialized():
                 self._owns_default_group = False
                 dist.destroy_process_group()
+
+
+def _weak_hook(method: Any) -> Any:
+    """``method`` as a module hook that does not keep its strategy alive (the module outlives it)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(module, args)
+
+    return hook
 
 
 class FullyShardedExtended(ShardedVariables, MirroredExtended):
