@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,3 +104,12 @@ def test_calls_of_different_steps_that_do_not_match_are_a_step_divergence():
         comm._out_of_step(CollectiveMismatchError("shm all_reduce", 1, [{**bucket, "tag": 2}, {**barrier, "tag": 2}]))
         is None
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIOCGIFADDR is Linux's")
+def test_interface_of_names_the_interface_holding_an_address():
+    """torch's default group (FSDP2's) takes its gloo interface from this: loopback's is lo."""
+    from phalanx.comm.process_group import interface_of
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: on no interface here

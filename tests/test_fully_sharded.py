@@ -57,7 +57,7 @@ _REFERENCES: dict[tuple[str, tuple[str, ...]], dict[str, torch.Tensor]] = {}
 
 def _reference(opt: str, features: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Plain PyTorch on one device (fork_rng: it seeds the global generator)."""
-    key = (opt, tuple(f for f in features if f in ("clip", "accum", "bf16")))
+    key = (opt, tuple(f for f in features if f in ("clip", "accum", "bf16", "variable")))
     if key not in _REFERENCES:
         with torch.random.fork_rng(devices=[]):
             model = _script().reference(*key)
@@ -82,6 +82,7 @@ TWO = [
     "mirrored,adam,bf16",
     "sharded,adam,compiled",
     "sharded,adam,function",
+    "sharded,sgd,variable,accum",
     "sharded_root,adam,save",
     "mirrored,adam,save",
     "mirrored,adam",
@@ -131,6 +132,7 @@ TOL = {"sgd": 1e-6, "adam": 5e-5, "adamw": 5e-5}
         "sharded,adamw,accum",
         "sharded,adam,compiled",
         "sharded,adam,function",
+        "sharded,sgd,variable,accum",
     ],
 )
 def test_two_replicas_match_one_device(two, variant):

@@ -14,7 +14,9 @@ VARIANT is ``STRATEGY,OPTIMIZER[,FEATURE...]``:
   (one group per model: the default threshold), ``mirrored``.
 * OPTIMIZER: ``sgd`` (momentum), ``adam``, ``adamw``.
 * FEATURE: ``clip`` (clip_grad_norm_ to 0.5), ``accum`` (two micro-batches a step, the first under
-  ``no_sync``), ``bf16`` (autocast to bfloat16), ``compiled`` (torch.compile of the model), ``function`` (the step's replica function under
+  ``no_sync``), ``bf16`` (autocast to bfloat16), ``compiled`` (torch.compile of the model), ``variable`` (a trainable ``phalanx.Variable``
+  on no module scales the output: it stays whole, its gradient all-reduced), ``function`` (the
+  step's replica function under
   ``@phalanx.function``, inductor),
   ``save`` (after STEPS_BEFORE_SAVE steps, a Checkpoint is written to OUT_DIR/VARIANT/ckpt),
   ``restore=PATH`` (last; the model and optimizer are restored from PATH before training, and only
@@ -87,7 +89,12 @@ def reference(opt_name, features=(), steps=range(STEPS)):
     """Plain PyTorch on one device, the whole global batch per step."""
     torch.manual_seed(0)
     model = make_model()
-    opt = make_optimizer(opt_name, model.parameters())
+    extra = [torch.nn.Parameter(torch.ones(3))] if "variable" in features else []
+    opt = make_optimizer(opt_name, [*model.parameters(), *extra])
+    if extra:
+        net = model
+        model = lambda x: net(x) * extra[0]  # noqa: E731
+        model.state_dict = net.state_dict
     batches = data()
     for i in steps:
         x, y = batches[i]
@@ -132,7 +139,10 @@ def train(strategy, opt_name, features, out):
         model = make_model()
         if "loose" in features:
             free = torch.nn.Parameter(torch.zeros(3))  # on no module: no registration announces it
-        opt = make_optimizer(opt_name, [*model.parameters(), *([free] if "loose" in features else [])])
+        # A variable on no module (TF's tf.Variable): whole on every replica, gradient all-reduced.
+        scale = px.Variable(torch.ones(3)) if "variable" in features else None
+        extra = [free] if "loose" in features else [scale] if scale is not None else []
+        opt = make_optimizer(opt_name, [*model.parameters(), *extra])
     if "loose" in features:
 
         def loose_step():
@@ -145,6 +155,9 @@ def train(strategy, opt_name, features, out):
         strategy.run(lambda: torch.nn.Linear(2, 2))
         raise AssertionError("a module built inside run was accepted")
     forward = torch.compile(model) if "compiled" in features else model
+    if scale is not None:
+        net = forward
+        forward = lambda x: net(x) * scale  # noqa: E731
     restore = next((f.split("=", 1)[1] for f in features if f.startswith("restore=")), None)
     first = 0
     if restore is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import os
 import socket
 import struct
@@ -42,6 +41,10 @@ def make_group(backend: str, store: Any, rank: int, world_size: int, *, timeout:
 
 def interface_of(address: str) -> str | None:
     """The name of this host's network interface that holds ``address`` (Linux), else None."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX host
+        return None
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:

@@ -224,11 +224,9 @@ class ShardedVariables(StrategyExtended):
         owned = {id(p) for m in roots for p in m.parameters()}
         loose = [p for p in params if id(p) not in owned]
         if loose:
-            raise ShardingError(
-                variables.label_of(loose[0]),
-                "a parameter created in scope belongs to no module, and FullyShardedStrategy shards modules",
-                hint="register it on a torch.nn.Module (module.register_parameter) built in the same scope",
-            )
+            # On no module (a phalanx.Variable, TF's tf.Variable): FSDP2 shards modules, so these
+            # stay whole on every replica with their gradients all-reduced, as under Mirrored.
+            super()._attach_gradient_sync(loose)
         for root in roots:
             if any(c.__module__.split(".")[0] == "keras" for c in type(root).__mro__):
                 # Keras reads each variable through its own reference, not the module's parameter
@@ -301,11 +299,13 @@ class ShardedVariables(StrategyExtended):
             # A copy: encode reuses its buffer, and the all-reduce sums in place.
             self._guard.verify(self._comm.all_reduce(contribution.clone(), "sum").wait())
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate whole gradients locally (FSDP2's
-        ``set_requires_gradient_sync(False)``); the first backward after the block reduce-scatters
-        the sum."""
-        return self._gradient_sync(False)
+        ``set_requires_gradient_sync(False)``, and the all-reduce of variables on no module); the
+        first backward after the block reduces the sum."""
+        with super().no_sync(), self._gradient_sync(False):
+            yield
 
     @contextlib.contextmanager
     def _gradient_sync(self, enabled: bool) -> Iterator[None]:
