@@ -246,6 +246,16 @@ def test_under_torchrun(tmp_path, kind, init):
     assert _max_diff(_params(tmp_path), _reference("adam")) < TOL["adam"]
 
 
+def test_a_failing_replica_reports_its_own_traceback(tmp_path):
+    """torch's init_process_group wraps sys.excepthook to prefix "[rankK]: " to each line of a
+    traceback; phalanx makes the default group itself and keeps the replica's report as it was."""
+    res = run_job([sys.executable, str(SCRIPT), str(tmp_path), "2", "sharded,adam,crash"], timeout=180, cwd=tmp_path)
+    assert res.returncode != 0
+    logs = res.logs()
+    assert "RuntimeError: boom on replica 1" in logs, logs
+    assert "[rank1]:" not in logs and "[rank0]:" not in logs, logs
+
+
 def test_bad_arguments_are_typed():
     import phalanx as px
 

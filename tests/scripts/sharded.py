@@ -22,7 +22,8 @@ VARIANT is ``STRATEGY,OPTIMIZER[,FEATURE...]``:
   ``restore=PATH`` (last; the model and optimizer are restored from PATH before training, and only
   the steps after STEPS_BEFORE_SAVE are taken), ``loose`` (a parameter on no module, stepped by
   the optimizer: refused), ``inrun`` (a module first built inside run: refused), ``outofstep``
-  (replica 1 runs one (empty) step more: the guard names it at the next forward). A refusal (a
+  (replica 1 runs one (empty) step more: the guard names it at the next forward), ``crash``
+  (replica 1 raises after its first step: the job fails). A refusal (a
   PhalanxError) is written to OUT_DIR/VARIANT/error_<rank>.txt.
 
 The second form trains ``sharded,adam`` (or ``mwms,adam``) with the strategy built from the
@@ -198,6 +199,8 @@ def train(strategy, opt_name, features, out):
                 if "outofstep" in features and i == 2 and strategy.extended.process_index == 1:
                     strategy.run(lambda: None)  # one replica runs a step more (a chief-only log step)
         memory = local_bytes(model, opt)  # gradients present: the step's peak of the three
+        if "crash" in features and strategy.extended.process_index == 1:
+            raise RuntimeError("boom on replica 1")  # uncaught: the job fails with this traceback
         strategy.run(update)
         if "save" in features and i + 1 == STEPS_BEFORE_SAVE:
             Checkpoint(model=model, optimizer=opt).write(os.path.join(out, "ckpt"))
