@@ -102,7 +102,7 @@ def make_model(widths: tuple[int, ...]):
 
 def local_bytes(model, opt) -> dict:
     """Bytes this replica holds of parameters, gradients and optimizer state (shards: their local
-    part). The same count as ``tests/scripts/sharded.py``'s ``local_bytes``."""
+    part). ``tests/scripts/sharded.py`` asserts the issue's memory target with this same count."""
     import torch
 
     def size(t):

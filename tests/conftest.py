@@ -377,3 +377,12 @@ def program_output(returncode: int, output: str, index: int, count: int, name: s
     if returncode != 0 and f"<<< END {count - 1}\n" in output:
         pytest.fail(f"the job of {name} exited {returncode} after its programs finished\n{output[-8000:]}")
     return text.split(end, 1)[0]
+
+
+def has_fsdp2() -> bool:
+    """Whether this torch has FSDP2 (``torch.distributed.fsdp.fully_shard``, torch >= 2.6)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return True

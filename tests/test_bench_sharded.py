@@ -13,18 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_job
+from conftest import has_fsdp2, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("sharded", "fsdp2", "mirrored")
-
-
-def _has_fsdp2() -> bool:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return True
 
 
 def _bench():
@@ -36,7 +28,7 @@ def _bench():
     return bench
 
 
-@pytest.mark.skipif(not _has_fsdp2(), reason="torch has no FSDP2 (torch < 2.6)")
+@pytest.mark.skipif(not has_fsdp2(), reason="torch has no FSDP2 (torch < 2.6)")
 def test_the_quick_run_reports_memory_step_time_and_the_out_of_memory_job(tmp_path):
     out = tmp_path / "sharded.json"
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

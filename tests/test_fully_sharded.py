@@ -20,20 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_job
+from conftest import has_fsdp2, run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded.py"
 
 
-def _has_fsdp2() -> bool:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _has_fsdp2(), reason="torch has no FSDP2 (torch < 2.6)")
+pytestmark = pytest.mark.skipif(not has_fsdp2(), reason="torch has no FSDP2 (torch < 2.6)")
 
 
 def _script():

@@ -44,7 +44,12 @@ import torch
 if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
+_ROOT = str(Path(__file__).resolve().parents[2])  # the repository: the benchmark's byte count
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
 import phalanx as px  # noqa: E402
+from benchmarks.sharded import local_bytes  # noqa: E402 - the one definition of the measure
 from phalanx.checkpoint import Checkpoint  # noqa: E402
 
 STEPS, STEPS_BEFORE_SAVE, GLOBAL_BATCH, FEATURES = 8, 4, 24, 12
@@ -121,19 +126,6 @@ def make_strategy(kind, n):
     raise ValueError(f"unknown strategy {kind!r}")
 
 
-def local_bytes(model, opt):
-    """Bytes this replica holds of parameters, gradients and optimizer state (shards: their local part)."""
-
-    def size(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    params = sum(size(p) for p in model.parameters())
-    grads = sum(size(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(size(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
-    return {"params": params, "grads": grads, "optimizer": state}
-
-
 def train(strategy, opt_name, features, out):
     torch.manual_seed(0 if strategy.extended.should_checkpoint else 99)  # the broadcast makes them equal
     with strategy.scope():
@@ -206,6 +198,7 @@ def train(strategy, opt_name, features, out):
             Checkpoint(model=model, optimizer=opt).write(os.path.join(out, "ckpt"))
     rank = strategy.extended.process_index
     memory.update(local_bytes(model, opt), grads=memory["grads"])
+    memory.pop("total")
     Path(out, f"memory_{rank}.json").write_text(json.dumps(memory))
     state = {}
     for k, v in model.state_dict().items():  # whole tensors (a collective for shards)
