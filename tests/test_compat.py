@@ -57,6 +57,21 @@ def test_run_exit_handlers_runs_atexit_handlers_once():
     assert out.stdout.count("handler ran") == 1
 
 
+def test_hook_before_thread_pools_exit_runs_while_pools_still_take_work():
+    # concurrent.futures first imported AFTER the hook is registered (gRPC does so lazily, in a
+    # server's thread): the hook must still run before the pools shut down.
+    code = (
+        "import sys\nfrom phalanx._compat.python import register_before_thread_pools_exit\n"
+        "def hook():\n"
+        "    import concurrent.futures.thread as t\n"
+        "    print('pools shut when the hook ran:', t._shutdown, flush=True)\n"
+        "register_before_thread_pools_exit(hook)\n"
+        "import concurrent.futures\nconcurrent.futures.ThreadPoolExecutor(1).submit(int).result()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == "pools shut when the hook ran: False\n", out.stdout + out.stderr
+
+
 def test_run_module_as_main_runs_the_module_in_main_as_python_m_does(tmp_path):
     (tmp_path / "mod_probe.py").write_text(
         "import sys, pickle\nclass C: pass\n"

@@ -260,3 +260,15 @@ def test_checkpoint_of_two_shards_restores_into_three_with_optimizer_state(tmp_p
     loss.backward()
     optimizer.step()
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
+
+
+def test_servers_in_the_chiefs_process_end_quietly_with_the_script(tmp_path):
+    """TF's tutorial shape: ``phalanx.Server`` tasks in the chief's own process. At the script's end
+    the cluster stops before Python's thread pools do; no gRPC thread prints a traceback ("cannot
+    schedule new futures after shutdown") and no worker is reported lost."""
+    res = run_job([sys.executable, str(SCRIPTS / "ps_in_process.py")], timeout=120, cwd=tmp_path)
+    out = res.logs()
+    assert res.returncode == 0, out[-6000:]
+    assert "IN-PROCESS OK" in out
+    assert "Traceback" not in out, out[-6000:]
+    assert "lost worker" not in out, out[-6000:]

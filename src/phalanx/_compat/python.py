@@ -4,6 +4,11 @@ CPython 3.10 to 3.13, IPython 8.0 to 9.x)."""
 from __future__ import annotations
 
 import atexit
+
+# Imported now, so that concurrent.futures registers its own exit hook (which shuts every thread
+# pool down) before any hook of ours: those hooks run last-registered first. Imported lazily (by
+# gRPC, in a server's thread) it would register after ours and run before them.
+import concurrent.futures.thread  # noqa: F401
 import runpy
 import threading
 from typing import Any, Callable
@@ -42,7 +47,7 @@ def register_before_thread_pools_exit(fn: Callable[[], None]) -> bool:
     (``threading._register_atexit``, CPython 3.9 to 3.13); returns False where it does not exist.
 
     :mod:`atexit` handlers run after those pools are gone: a gRPC server still answering then
-    fails noisily in its threads.
+    fails noisily in its threads. Hooks run last-registered first, as :mod:`atexit`'s do.
     """
     register = getattr(threading, "_register_atexit", None)
     if register is None:

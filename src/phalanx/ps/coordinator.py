@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx import nest
+from phalanx._compat.python import register_before_thread_pools_exit
 from phalanx.errors import NotCallableError
 from phalanx.ps import pickling
 from phalanx.ps.client import RemoteTask
@@ -315,7 +316,16 @@ class ClusterCoordinator:
         self._monitor = threading.Thread(target=self._watch_parameter_servers, name="phalanx-ps-monitor", daemon=True)
         self._monitor.start()
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+        def at_exit() -> None:
+            if ref() is not None:
+                ref().shutdown()
+
+        # Before Python's thread pools shut down, and before the servers of this process stop (an
+        # in-process phalanx.Server registered earlier runs later): the cluster ends as shutdown()
+        # ends it, instead of its servers vanishing under the dispatchers ("lost worker").
+        if not register_before_thread_pools_exit(at_exit):
+            atexit.register(at_exit)
 
     @property
     def strategy(self) -> ParameterServerStrategy:
