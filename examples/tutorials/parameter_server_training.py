@@ -272,7 +272,9 @@ train_accuracy = float((train_pred == train_labels).float().mean())
 print(f"per-epoch accuracies {epoch_accuracies}; trained model on the training set: {train_accuracy}")
 # A worker the coordinator lost (and whose function it ran again elsewhere) is named if this fails.
 lost = {f"worker:{i}": w.failures for i, w in enumerate(coordinator.workers) if w.failures}
-assert train_accuracy > 0.9, f"the custom loop did not learn: {train_accuracy} (epochs: {epoch_accuracies}; lost: {lost})"
+assert train_accuracy > 0.9, (
+    f"the custom loop did not learn: {train_accuracy} (epochs: {epoch_accuracies}; lost: {lost})"
+)
 assert inline_accuracy > 0.9 and float(eval_accuracy.result()) > 0.9
 assert float(eval_accuracy.variables[1].value) == 16.0, "distributed eval counts 2 steps of 8 on the servers"
 assert sum(s["updates"] for s in strategy.extended.parameter_server_stats()) > 0
