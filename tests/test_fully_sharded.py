@@ -5,7 +5,8 @@ MirroredStrategy, for SGD with momentum, Adam and AdamW, with gradient clipping,
 (``no_sync``), bfloat16 autocast, a compiled model and a step under ``@phalanx.function``; each
 replica holds 1/N of the state; a checkpoint written sharded on N replicas restores sharded on M,
 under Mirrored, on one device and in plain PyTorch, and one written under Mirrored restores
-sharded; what cannot be sharded is refused with a typed error, and replicas out of step are named
+sharded; a sharded save writes each replica's shards with torch.distributed.checkpoint, allocates
+no whole tensor, and its files are verified (and never unpickled) on load; what cannot be sharded is refused with a typed error, and replicas out of step are named
 by the guard.
 """
 
@@ -76,6 +77,7 @@ TWO = [
     "sharded,adam,function",
     "sharded,sgd,variable,accum",
     "sharded_root,adam,save",
+    "sharded,adam,wide,save",
     "mirrored,adam,save",
     "mirrored,adam",
     "sharded,adam,loose",
@@ -100,6 +102,7 @@ def four(tmp_path_factory, two) -> Path:
     cases = [
         "sharded,adam",
         "sharded,adamw,accum,clip",
+        "sharded,adam,wide,save",
         f"sharded,adam,from_sharded,restore={two / 'sharded_root,adam,save' / 'ckpt'}",
         f"sharded_root,adam,from_mirrored,restore={two / 'mirrored,adam,save' / 'ckpt'}",
         f"mirrored,adam,from_sharded,restore={two / 'sharded_root,adam,save' / 'ckpt'}",
@@ -206,6 +209,122 @@ def test_sharded_checkpoint_restores_in_plain_pytorch_and_on_one_device(two, tmp
         finally:
             strategy.close()
     assert _max_diff(_params(tmp_path), _reference("adam")) < TOL["adam"]
+
+
+def _wide(request, n: int) -> Path:
+    """The wide model's run on ``n`` replicas, saved sharded after 4 steps (one group per layer)."""
+    return request.getfixturevalue({2: "two", 4: "four"}[n]) / "sharded,adam,wide,save"
+
+
+def _whole_bytes(out: Path, n: int) -> int:
+    """Bytes of the wide model's parameters and Adam moments, all replicas' shares together."""
+    shares = [json.loads((out / f"save_memory_{rank}.json").read_text()) for rank in range(n)]
+    return sum(share["params"] + share["optimizer"] for share in shares)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_sharded_checkpoint_holds_each_replicas_shard_in_dcp_files(request, n):
+    """torch.distributed.checkpoint's files, one per replica holding only its rows; no whole-tensor file."""
+    from phalanx.checkpoint import distributed
+
+    path = _wide(request, n) / "ckpt"
+    files = json.loads((path / "MANIFEST.json").read_text())["files"]
+    data = {f"sharded/__{rank}_0.distcp" for rank in range(n)}
+    assert data | {"sharded/.metadata", "sharded/index.json"} == {f for f in files if f.startswith("sharded/")}
+    assert "model.pt" not in files, sorted(files)  # every tensor of the model is a shard
+    if "optimizer.pt" in files:  # Adam's step counters (0-d, whole on every replica); the moments are shards
+        steps = torch.load(path / "optimizer.pt", weights_only=True)
+        assert all(t.dim() == 0 for t in steps.values()), {k: tuple(t.shape) for k, t in steps.items()}
+    metadata = distributed.read_metadata(str(path))
+    rows: dict[tuple[str, str], int] = {}
+    for index, info in metadata.storage_data.items():
+        chunks = metadata.state_dict_metadata[index.fqn].chunks
+        chunk = next(c for c in chunks if tuple(c.offsets) == tuple(index.offset))
+        key = (f"sharded/{info.relative_path}", index.fqn)
+        rows[key] = rows.get(key, 0) + chunk.sizes[0]
+    assert {f for f, _ in rows} == data
+    for fqn, meta in metadata.state_dict_metadata.items():
+        whole = meta.size[0]
+        assert sum(rows.get((f, fqn), 0) for f in data) == whole, fqn  # every row once
+        assert all(rows.get((f, fqn), 0) <= -(-whole // n) for f in data), (fqn, rows)  # no replica more than 1/N
+    whole = _whole_bytes(path.parent, n)
+    sizes = {f: files[f]["bytes"] for f in sorted(data)}
+    print(f"N={n}: state {whole} bytes; per replica file {sizes}; metadata {files['sharded/.metadata']['bytes']}")
+    assert all(size <= whole / n * 1.10 for size in sizes.values()), (whole, sizes)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_sharded_save_never_holds_a_whole_tensor(request, n):
+    """Peak bytes of tensors allocated while saving (torch's profiler): below half this replica's
+    share of the state (a gathering save allocates the whole state, N shares, and more)."""
+    out = _wide(request, n)
+    whole = _whole_bytes(out, n)
+    for rank in range(n):
+        saved = json.loads((out / f"save_memory_{rank}.json").read_text())
+        assert saved["params"] + saved["optimizer"] <= whole / n * 1.10, saved  # it holds its share
+        assert saved["peak"] < whole / n / 2, (rank, saved, whole)
+
+
+def _copy_checkpoint(two: Path, tmp_path: Path, name: str) -> Path:
+    import shutil
+
+    copy = tmp_path / name / "ckpt"
+    shutil.copytree(two / "sharded_root,adam,save" / "ckpt", copy)
+    return copy
+
+
+@pytest.mark.parametrize("victim", ["sharded/__1_0.distcp", "sharded/.metadata", "sharded/index.json"])
+def test_a_changed_or_missing_sharded_file_is_named(two, tmp_path, victim):
+    from phalanx.checkpoint import CorruptCheckpointError, latest_checkpoint, load_state
+
+    changed = _copy_checkpoint(two, tmp_path, "changed")
+    data = bytearray((changed / victim).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (changed / victim).write_bytes(bytes(data))
+    missing = _copy_checkpoint(two, tmp_path, "missing")
+    (missing / victim).unlink()
+    for path in (changed, missing):
+        with pytest.raises(CorruptCheckpointError) as e:
+            load_state(str(path))
+        assert e.value.path == str(path / victim), e.value
+        assert latest_checkpoint(str(path.parent)) is None  # skipped as damaged, with a warning
+
+
+def test_code_in_the_sharded_metadata_is_never_run(two, tmp_path):
+    """DCP's .metadata is a pickle: phalanx never unpickles it (it reads its JSON index), so one that
+    calls a function restores without running it, even with a matching digest."""
+    import hashlib
+    import os
+    import pickle
+
+    from phalanx.checkpoint import UnsafeCheckpointError, load_state, storage
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = _copy_checkpoint(two, tmp_path, "evil")
+    evil = pickle.dumps(Payload())
+    (path / "sharded" / ".metadata").write_bytes(evil)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    manifest["files"]["sharded/.metadata"] = {"bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    storage.seal_manifest(str(path))  # whoever could write the files could write the digests too
+    state = load_state(str(path))
+    assert not marker.exists()
+    assert _max_diff(state["model"], load_state(str(two / "sharded_root,adam,save" / "ckpt"))["model"]) == 0
+    # The index it reads instead is checked: one that points outside the checkpoint is refused.
+    index = json.loads((path / "sharded" / "index.json").read_text())
+    next(iter(index["tensors"].values()))["chunks"][0]["file"] = "../../MANIFEST.json"
+    data = json.dumps(index).encode()
+    (path / "sharded" / "index.json").write_bytes(data)
+    manifest["files"]["sharded/index.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    storage.seal_manifest(str(path))
+    with pytest.raises(UnsafeCheckpointError, match="MANIFEST.json"):
+        load_state(str(path))
 
 
 def test_a_parameter_on_no_module_is_refused(two):

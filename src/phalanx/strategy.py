@@ -316,7 +316,10 @@ class StrategyExtended:
 
     def state_to_restore(self, obj: Any, saved: Any) -> Any:
         """``saved`` (as a checkpoint holds it) in the form ``obj.load_state_dict`` takes under this
-        strategy; a strategy that shards ``obj`` cuts each whole tensor to this replica's shard."""
+        strategy; a strategy that shards ``obj`` cuts each whole tensor to this replica's shard.
+        A tensor written sharded arrives as a :class:`phalanx.checkpoint.distributed.Stored`
+        placeholder: read it into a shard (``distributed.load_into``), or leave it, and the
+        checkpoint reads it whole."""
         return self._state_to_restore(obj, saved)
 
     @property

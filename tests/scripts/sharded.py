@@ -18,7 +18,10 @@ VARIANT is ``STRATEGY,OPTIMIZER[,FEATURE...]``:
   on no module scales the output: it stays whole, its gradient all-reduced), ``function`` (the
   step's replica function under
   ``@phalanx.function``, inductor),
-  ``save`` (after STEPS_BEFORE_SAVE steps, a Checkpoint is written to OUT_DIR/VARIANT/ckpt),
+  ``save`` (after STEPS_BEFORE_SAVE steps, a Checkpoint is written to OUT_DIR/VARIANT/ckpt, and
+  every replica writes OUT_DIR/VARIANT/save_memory_<rank>.json: the peak bytes of tensors the save
+  allocated, and the bytes of the state it holds), ``wide`` (a model of 512-wide hidden layers, 1 MiB
+  of parameters: its tensors outweigh the bookkeeping of a save),
   ``restore=PATH`` (last; the model and optimizer are restored from PATH before training, and only
   the steps after STEPS_BEFORE_SAVE are taken), ``loose`` (a parameter on no module, stepped by
   the optimizer: refused), ``inrun`` (a module first built inside run: refused), ``outofstep``
@@ -55,9 +58,14 @@ from phalanx.checkpoint import Checkpoint  # noqa: E402
 STEPS, STEPS_BEFORE_SAVE, GLOBAL_BATCH, FEATURES = 8, 4, 24, 12
 
 
-def make_model():
+def make_model(wide=False):
+    hidden = (512, 512) if wide else (40, 24)  # wide: tensors large against DCP's bookkeeping (a save's)
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
+        torch.nn.Linear(FEATURES, hidden[0]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(*hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden[1], 3),
     )
 
 
@@ -129,7 +137,7 @@ def make_strategy(kind, n):
 def train(strategy, opt_name, features, out):
     torch.manual_seed(0 if strategy.extended.should_checkpoint else 99)  # the broadcast makes them equal
     with strategy.scope():
-        model = make_model()
+        model = make_model("wide" in features)
         if "loose" in features:
             free = torch.nn.Parameter(torch.zeros(3))  # on no module: no registration announces it
         # A variable on no module (TF's tf.Variable): whole on every replica, gradient all-reduced.
@@ -195,7 +203,9 @@ def train(strategy, opt_name, features, out):
             raise RuntimeError("boom on replica 1")  # uncaught: the job fails with this traceback
         strategy.run(update)
         if "save" in features and i + 1 == STEPS_BEFORE_SAVE:
-            Checkpoint(model=model, optimizer=opt).write(os.path.join(out, "ckpt"))
+            peak = peak_tensor_bytes(lambda: Checkpoint(model=model, optimizer=opt).write(os.path.join(out, "ckpt")))
+            rank = strategy.extended.process_index
+            Path(out, f"save_memory_{rank}.json").write_text(json.dumps({"peak": peak, **local_bytes(model, opt)}))
     rank = strategy.extended.process_index
     memory.update(local_bytes(model, opt), grads=memory["grads"])
     memory.pop("total")
@@ -205,6 +215,25 @@ def train(strategy, opt_name, features, out):
         state[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
     if rank == 0:
         torch.save(state, os.path.join(out, "params.pt"))
+
+
+def peak_tensor_bytes(fn):
+    """The most bytes of CPU tensors that ``fn`` held allocated at once, beyond what was held before.
+
+    torch's profiler reports every allocation and free of its CPU allocator; an allocation made
+    inside an operator is counted when the operator starts (a temporary freed within the same
+    operator does not count). This is how a sharded save is checked not to gather whole tensors.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    held = peak = 0
+    for e in events:  # self: an operator's allocations without those of the operators it calls
+        held += e.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
 
 
 class _nothing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "StoredElsewhere",
     "count_optimizer_step",
     "current_device",
     "direct_sublayers",
@@ -17,6 +18,9 @@ __all__ = [
     "learning_rate",
     "set_initial_epoch",
     "set_initializer",
+    "set_stored_value",
+    "store_elsewhere",
+    "stored_value",
 ]
 
 
@@ -85,3 +89,42 @@ def current_device() -> Any:
     from keras.src.backend.torch.core import get_device
 
     return get_device()
+
+
+# FullyShardedStrategy (phalanx.keras.sharding) keeps a Keras variable's tensor in the module
+# parameter torch's FSDP2 swaps, not in the variable.
+def stored_value(variable: Any) -> Any:
+    """The tensor a Keras variable stores (``variable._value``, Keras 3.0 to 3.15): ``value`` without
+    autocasting."""
+    return variable._value
+
+
+def set_stored_value(variable: Any, value: Any) -> None:
+    """Replaces the tensor a Keras variable stores (``variable._value``, Keras 3.0 to 3.15)."""
+    variable._value = value
+
+
+class StoredElsewhere:
+    """A mixin for a Keras variable's class: the variable holds no tensor of its own, its stored
+    tensor (``_value``, which ``value``, ``numpy`` and ``trainable`` read, Keras 3.0 to 3.15) is
+    whatever ``read()`` returns now, and an assignment (``_direct_assign``, which ``assign`` ends
+    in) is ``write(value)``. Set with :func:`store_elsewhere`.
+    """
+
+    @property
+    def _value(self) -> Any:
+        return self.__dict__["_phalanx_storage"][0]()
+
+    @_value.setter
+    def _value(self, value: Any) -> None:
+        raise AttributeError(f"{self.path}'s tensor is kept by its model, which replaced it")  # type: ignore[attr-defined]
+
+    def _direct_assign(self, value: Any) -> None:
+        self.__dict__["_phalanx_storage"][1](value)
+
+
+def store_elsewhere(variable: Any, read: Any, write: Any) -> None:
+    """Makes ``variable`` (an instance of a :class:`StoredElsewhere` subclass) read its stored tensor
+    through ``read()`` and assign through ``write(value)``, and drops the tensor it held."""
+    variable.__dict__["_phalanx_storage"] = (read, write)
+    variable.__dict__.pop("_value", None)

@@ -21,7 +21,8 @@ Modules: :mod:`~phalanx.checkpoint.checkpoint` (Checkpoint, load_state, latest_c
 :mod:`~phalanx.checkpoint.manager`, :mod:`~phalanx.checkpoint.state` (Counter, InputPosition),
 :mod:`~phalanx.checkpoint.preemption`, :mod:`~phalanx.checkpoint.storage` (the format and atomic
 writes), :mod:`~phalanx.checkpoint.codec` (state trees to JSON and tensors),
-:mod:`~phalanx.checkpoint.coordination` (who writes), :mod:`~phalanx.checkpoint.sharding`
+:mod:`~phalanx.checkpoint.coordination` (who writes), :mod:`~phalanx.checkpoint.distributed`
+(DTensor state: each replica writes its shards with torch.distributed.checkpoint), :mod:`~phalanx.checkpoint.sharding`
 (the extension point for sharded variables), :mod:`~phalanx.checkpoint.keras_objects` (Keras
 objects by object graph, deferred restoration).
 """

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from typing import Any, Callable
 
 import torch
 
 from phalanx import context
-from phalanx.checkpoint import codec, keras_objects, sharding, storage
+from phalanx.checkpoint import codec, distributed, keras_objects, sharding, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
@@ -207,6 +208,7 @@ class Checkpoint:
         writes = who.writes(path)
         manifest_objects: dict[str, Any] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
+        shards: dict[str, torch.Tensor] = {}  # DCP key -> DTensor, written by every replica
         for name, obj in objects.items():
             # Every process collects its state (a sharded variable may gather its shards); only
             # the writer copies tensors out.
@@ -215,18 +217,39 @@ class Checkpoint:
                 _state_of(obj, objects) if state is None else state, label=name, materialize=writes
             )
             entry: dict[str, Any] = {"kind": _kind(obj), "state": doc}
+            sharded = {key: t for key, t in tensors.items() if distributed.is_distributed(t)}
+            if sharded:
+                entry["sharded"] = {
+                    key: {"key": f"{name}/{key}", **distributed.describe(t)} for key, t in sharded.items()
+                }
+                shards.update({f"{name}/{key}": t for key, t in sharded.items()})
+                tensors = {key: t for key, t in tensors.items() if key not in sharded}
             if tensors:
                 entry["file"] = _file_name(name, files)
                 files[entry["file"]] = tensors
             manifest_objects[name] = entry
         error: BaseException | None = None
-        if writes:
+        staging, staged = None, {}
+        if shards:  # DTensors: every replica writes its own shards, no whole tensor anywhere
+            staging, staged, error = distributed.write_shards(who, shards, path)
+        if writes and error is None:
             try:
-                storage.write_checkpoint(path, files, {"objects": manifest_objects, "saved_by": who.describe()})
+                # The chief's own path holds the shards; a worker given a path of its own (TF's
+                # write_filepath) writes the other objects only there.
+                storage.write_checkpoint(
+                    path,
+                    files,
+                    {"objects": manifest_objects, "saved_by": who.describe()},
+                    staging=staging,
+                    staged=staged,
+                )
+                staging = None  # committed
                 if _after_commit is not None:
                     _after_commit()
             except Exception as e:  # noqa: BLE001 - reported to every process below
                 error = e
+        if staging is not None:  # written, not committed (a failure, or process 0 is not a writer)
+            shutil.rmtree(staging, ignore_errors=True)
         if who.any(error is not None):
             if error is not None:
                 raise error
@@ -266,8 +289,18 @@ class Checkpoint:
         restored, changed = [], {id(extended): extended}
         deferred: list[keras_objects.Pending] = []
         unmatched: list[str] = []
+        prepared: dict[str, tuple[bool, Any]] = {}
         for name, state in saved.items():
-            if keras_objects.is_keras_object(live[name]) and keras_objects.is_graph_state(state):
+            # Everything is read (and verified) before anything is restored.
+            graph = keras_objects.is_keras_object(live[name]) and keras_objects.is_graph_state(state)
+            if not graph:
+                # A strategy that shards the object cuts each whole tensor to this replica's part,
+                # and reads tensors that were written sharded into its own shards.
+                state = (owners[name] or extended).state_to_restore(live[name], state)
+            # What it left of tensors written sharded is read whole (Mirrored, one device).
+            prepared[name] = (graph, distributed.materialize(state))
+        for name, (graph, state) in prepared.items():
+            if graph:
                 # Wherever the file holds a part of the graph, it is restored (an optimizer saved
                 # as model.optimizer restores whether or not this Checkpoint also names it).
                 later, unused = keras_objects.restore(name, live[name], state, set())
@@ -275,8 +308,6 @@ class Checkpoint:
                 unmatched += unused
                 replacement = _IN_PLACE
             else:
-                # A strategy that shards the object cuts each whole tensor to this replica's part.
-                state = (owners[name] or extended).state_to_restore(live[name], state)
                 replacement = _restore_into(name, live[name], state)
             if replacement is not _IN_PLACE:
                 self._objects[name] = replacement
@@ -324,14 +355,18 @@ def load_state(path: str, names: set[str] | None = None) -> dict[str, Any]:
         ``{name: state}``: what each object's ``state_dict()`` returned (tensors on the CPU),
         or the tensor / value itself; for a Keras object, its object graph:
         ``{"vars": {"0": tensor, ...}, "children": {"dense": {...}, "optimizer": {...}}}``.
+        Tensors written sharded (FullyShardedStrategy) come back whole, as from any other strategy.
     """
-    return _load(os.path.abspath(os.fspath(path)), names)[0]
+    return distributed.materialize(_load(os.path.abspath(os.fspath(path)), names)[0])
 
 
 def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved state of each object; a tensor written sharded is a :class:`distributed.Stored`
+    placeholder, read later into the layout its object needs."""
     manifest = storage.read_manifest(path)
     files: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, Any] = {}
+    source = distributed.Source(path, manifest)
     for name, entry in manifest["objects"].items():
         if names is not None and name not in names:
             continue
@@ -344,6 +379,9 @@ def _load(path: str, names: set[str] | None) -> tuple[dict[str, Any], dict[str, 
                     raise CheckpointMismatchError(name, f"the manifest names file {file!r} but records no such file")
                 files[file] = storage.load_tensors(path, file, record)
             tensors = files[file]
+        if isinstance(entry.get("sharded"), dict):
+            stored = {key: source.stored(name, key, ref) for key, ref in entry["sharded"].items()}
+            tensors = {**tensors, **stored}
         out[name] = codec.decode(entry["state"], tensors)
     return out, manifest
 

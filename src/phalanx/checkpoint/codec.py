@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phalanx.checkpoint import sharding
+from phalanx.checkpoint import distributed, sharding
 from phalanx.checkpoint.errors import CheckpointMismatchError, UnsupportedStateError
 
 _PRIMITIVES = (str, int, float, bool, type(None))
@@ -51,7 +51,8 @@ def encode(tree: Any, *, label: str = "", materialize: bool = True) -> tuple[Any
         while key in tensors:  # two paths that print the same ("a/b" as one key or two)
             n += 1
             key = f"{path}#{n}"
-        tensors[key] = _to_storable(t) if materialize else t
+        # A DTensor stays as it is: every replica writes its own shards (phalanx.checkpoint.distributed).
+        tensors[key] = _to_storable(t) if materialize and not distributed.is_distributed(t) else t
         ref: dict[str, Any] = {"__tensor__": key}
         if layout:
             ref["layout"] = layout

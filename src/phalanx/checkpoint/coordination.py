@@ -136,5 +136,17 @@ class Participants:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._device)
         return bool(self._extended.all_reduce([t], "sum")[0].item() > 0)
 
+    def exchange(self, value: Any) -> list[Any]:
+        """Every process's ``value`` (anything JSON holds), in process order (a collective).
+
+        JSON, not pickle: what another process sends is data, never code.
+        """
+        if self.world_size == 1:
+            return [value]
+        line = json.dumps(value).encode() + b"\n"  # one line each: JSON escapes its newlines
+        mine = torch.frombuffer(bytearray(line), dtype=torch.uint8).to(self._device)
+        gathered = bytes(self._extended.all_gather(mine).cpu().numpy())  # lengths may differ
+        return [json.loads(part) for part in gathered.split(b"\n")[:-1]]
+
     def describe(self) -> dict[str, Any]:
         return {"strategy": type(self.strategy).__name__, "num_replicas_in_sync": self.world_size}

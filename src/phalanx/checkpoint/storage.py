@@ -5,23 +5,31 @@ A checkpoint is a directory (``/ckpts/ckpt-7``)::
     ckpt-7/
       model.pt          {state_dict key: tensor}, written with torch.save
       optimizer.pt      {"state/0/exp_avg": tensor, ...}
+      sharded/          only for DTensor state (FullyShardedStrategy): torch.distributed.checkpoint's
+        __0_0.distcp    files, each replica's shards in its own file (:mod:`~phalanx.checkpoint.distributed`)
+        __1_0.distcp
+        .metadata       DCP's metadata (a pickle: phalanx never reads it)
+        index.json      the same, as JSON: what phalanx reads
       MANIFEST.json     structure and non-tensor values of every object, file sizes and SHA-256
       MANIFEST.sha256   the manifest's own size and SHA-256 (and sequence number), written after it
 
-Why not ``torch.distributed.checkpoint`` (DCP)? Its ``FileSystemReader`` reads the ``.metadata``
-file with ``pickle.load`` and its ``DefaultLoadPlanner`` reads non-tensor values with
-``torch.load(weights_only=False)`` (torch 2.13, ``checkpoint/filesystem.py`` and
-``default_planner.py``): loading a DCP checkpoint can run code from the file. Here every byte
-that is not JSON goes through ``torch.load(weights_only=True)``, whose unpickler accepts tensors
-and plain containers only, and the manifest is JSON. What DCP offers beyond that, load-time
-resharding, comes from storing *full* tensors: parameters are mirrored, and sharded variables are
-concatenated on save (:mod:`phalanx.checkpoint.sharding`), so any world size or shard count can
-restore them. A module's file is its ``state_dict``, readable with plain ``torch.load``.
+Every tensor that is whole on this process is stored whole, so any world size or shard count
+can restore it: parameters are mirrored, and phalanx's sharded variables are concatenated on save
+(:mod:`phalanx.checkpoint.sharding`). A module's file is its ``state_dict``, readable with plain
+``torch.load``. DTensors (FullyShardedStrategy's shards) are the exception: no replica may hold a
+whole one, so every replica writes its own shards with ``torch.distributed.checkpoint`` (DCP)
+into ``sharded/``, which reshards on load. Every byte that is not JSON goes through
+``torch.load(weights_only=True)`` (whose unpickler accepts tensors and plain containers only);
+DCP's ``.metadata``, a pickle that DCP itself would read with ``pickle.load``, is never read
+(phalanx reads the same facts from JSON, :mod:`~phalanx.checkpoint.distributed`), so loading a
+checkpoint never runs code from the file.
 
 Writing is atomic. The chief writes every file into a hidden temporary directory, fsyncs each,
 writes the manifest, then its digest file (temp file, fsync, ``os.replace`` each), then renames
 the directory into place and fsyncs the parent. A crash at any point leaves either no new
-checkpoint or a complete one; only directories with a manifest are checkpoints.
+checkpoint or a complete one; only directories with a manifest are checkpoints. DCP's files are
+written by every replica into the same temporary directory (:func:`make_staging`) before the
+chief writes the manifest, and recorded in it like the chief's own files.
 
 Reading verifies every byte. The manifest holds the non-tensor state (counters, optimizer
 hyperparameters, user values), so it is checked against ``MANIFEST.sha256`` whenever it is read
@@ -73,6 +81,7 @@ MANIFEST = "MANIFEST.json"
 DIGEST = "MANIFEST.sha256"  # the manifest's digest, written after it (the manifest cannot hold its own)
 FORMAT = "phalanx.checkpoint"
 VERSION = 1
+VERSION_SHARDED = 2  # a checkpoint with DCP files: an earlier phalanx refuses it by its version
 FAULT_ENV = "PHALANX_CHECKPOINT_FAULT"
 FAULT_EXIT_CODE = 75
 _CHUNK = 8 << 20  # bytes hashed at a time when verifying a file
@@ -187,20 +196,48 @@ def serialize_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
-def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manifest: dict[str, Any]) -> str:
-    """Writes a checkpoint directory at ``path`` atomically; returns ``path``.
+def make_staging(path: str) -> str:
+    """Makes the hidden temporary directory that becomes the checkpoint ``path`` when committed.
 
-    Args:
-        files: file name -> the tensors it holds.
-        manifest: the manifest's content; ``files``, ``format``, ``version`` and ``sequence`` are added.
+    For files that other processes write before the chief commits (DCP's shards); pass it to
+    :func:`write_checkpoint` as ``staging``.
     """
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
+    return tmp
+
+
+def file_record(file: str) -> dict[str, Any]:
+    """The manifest's record of a file already on disk: its size and SHA-256 (read in chunks)."""
+    size = os.path.getsize(file)
+    return {"bytes": size, "sha256": _digest(_file_chunks(file))}
+
+
+def write_checkpoint(
+    path: str,
+    files: dict[str, dict[str, torch.Tensor]],
+    manifest: dict[str, Any],
+    *,
+    staging: str | None = None,
+    staged: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """Writes a checkpoint directory at ``path`` atomically; returns ``path``.
+
+    Args:
+        files: file name -> the tensors it holds.
+        manifest: the manifest's content; ``files``, ``format``, ``version`` and ``sequence`` are added.
+        staging: a directory from :func:`make_staging` that already holds files written by others
+            (it is committed, or removed on failure); None: a new one.
+        staged: relative name -> :func:`file_record` of each file already in ``staging``.
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    tmp = make_staging(path) if staging is None else staging
     try:
-        records = {}
+        records = dict(staged or {})
         for i, (name, tensors) in enumerate(files.items(), start=1):
             data = serialize_tensors(tensors)
             write_durable(os.path.join(tmp, name), data)
@@ -209,7 +246,7 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
         previous = [entry.sequence for entry in scan(parent) if entry.sequence is not None]
         full = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION_SHARDED if staged else VERSION,
             "sequence": max(previous, default=0) + 1,
             "created_ns": time.time_ns(),
             "manifest_digest": DIGEST,  # says the digest file belongs: one missing later is damage
@@ -219,6 +256,8 @@ def write_checkpoint(path: str, files: dict[str, dict[str, torch.Tensor]], manif
         data = json.dumps(full, indent=1).encode()
         write_durable(os.path.join(tmp, MANIFEST), data)
         write_durable(os.path.join(tmp, DIGEST), _digest_record(data, full["sequence"]))
+        for sub in {os.path.dirname(name) for name in records if os.path.dirname(name)}:
+            _fsync_dir(os.path.join(tmp, sub))  # the staged files' directory entries
         _fsync_dir(tmp)
         _fault_point("before_commit")
         trash = None
@@ -372,10 +411,11 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise CorruptCheckpointError(
             os.path.join(path, DIGEST), f"its sequence number differs from the one in {MANIFEST}"
         )
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (VERSION, VERSION_SHARDED):
         raise CheckpointNotFoundError(
             path,
-            hint=f"format version {manifest.get('version')!r} is not {VERSION}; use the phalanx version that wrote it",
+            hint=f"format version {manifest.get('version')!r} is not {VERSION} or {VERSION_SHARDED}; "
+            "use the phalanx version that wrote it",
         )
     return manifest
 
@@ -398,28 +438,71 @@ def find_problem(path: str, manifest: dict[str, Any] | None = None) -> str | Non
     except (KeyError, TypeError, ValueError):
         return f"its {MANIFEST} records no valid file list"
     for name, record in records.items():
-        file = os.path.join(path, name)
-        try:
-            size = os.path.getsize(file)
-        except OSError:
-            return f"{name} is missing"
-        expected = record.get("bytes") if isinstance(record, dict) else None
-        if size != expected:
-            what = "truncated" if isinstance(expected, int) and size < expected else "of the wrong size"
-            return f"{name} is {what}: {size} bytes, the manifest records {expected}"
-        if _verified.matches(file, record.get("sha256")):
-            continue
-        try:
-            actual = _digest(_file_chunks(file))
-        except OSError as e:
-            return f"{name} cannot be read ({e})"
-        if actual != record.get("sha256"):
-            return (
-                f"{name} has the right size but its SHA-256 differs from the manifest's (its bytes changed "
-                "after it was written: a flipped bit, a partial overwrite)"
-            )
-        _verified.remember(file, actual)
+        problem = _file_problem(path, name, record)
+        if problem is not None:
+            return f"{name} {problem}"
     return None
+
+
+def _file_problem(path: str, name: str, record: Any) -> str | None:
+    """Why the file ``name`` of the checkpoint at ``path`` differs from its ``record``, or None."""
+    file = os.path.join(path, name)
+    try:
+        size = os.path.getsize(file)
+    except OSError:
+        return "is missing"
+    expected = record.get("bytes") if isinstance(record, dict) else None
+    if size != expected:
+        what = "truncated" if isinstance(expected, int) and size < expected else "of the wrong size"
+        return f"is {what}: {size} bytes, the manifest records {expected}"
+    if _verified.matches(file, record.get("sha256")):
+        return None
+    try:
+        actual = _digest(_file_chunks(file))
+    except OSError as e:
+        return f"cannot be read ({e})"
+    if actual != record.get("sha256"):
+        return (
+            "has the right size but its SHA-256 differs from the manifest's (its bytes changed "
+            "after it was written: a flipped bit, a partial overwrite)"
+        )
+    _verified.remember(file, actual)
+    return None
+
+
+def verify_file(path: str, name: str, record: Any) -> None:
+    """Checks the file ``name`` of the checkpoint at ``path`` against its manifest ``record``
+    (size, then SHA-256 read in chunks, once per process while the file is unchanged).
+
+    Raises:
+        CorruptCheckpointError: the file is missing, or its size or SHA-256 differs; names it.
+    """
+    problem = _file_problem(path, name, record)
+    if problem is not None:
+        raise CorruptCheckpointError(os.path.join(path, name), problem.removeprefix("is "))
+
+
+def read_verified(path: str, name: str, record: Any) -> bytes:
+    """The bytes of the file ``name`` of the checkpoint at ``path``, checked against ``record``.
+
+    The bytes checked are the bytes returned (read once): what is parsed is what was verified.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, or its size or SHA-256 differs; names it.
+    """
+    file = os.path.join(path, name)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CorruptCheckpointError(file, f"cannot be read ({e})") from e
+    expected = record.get("bytes") if isinstance(record, dict) else None
+    if len(data) != expected:
+        raise CorruptCheckpointError(file, f"{len(data)} bytes, the manifest says {expected}")
+    # A file verified when it was chosen a moment ago is not hashed twice.
+    if not _verified.matches(file, record.get("sha256")) and _digest([data]) != record.get("sha256"):
+        raise CorruptCheckpointError(file, "its SHA-256 differs from the manifest's")
+    return data
 
 
 def is_complete(path: str) -> bool:
@@ -542,16 +625,7 @@ def warn_skipped(path: str, problem: str) -> None:
 def load_tensors(path: str, name: str, record: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Loads one tensor file of a checkpoint, checking its size and checksum; never runs code."""
     file = os.path.join(path, name)
-    try:
-        with open(file, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CorruptCheckpointError(file, f"cannot be read ({e})") from e
-    if len(data) != record.get("bytes"):
-        raise CorruptCheckpointError(file, f"{len(data)} bytes, the manifest says {record.get('bytes')}")
-    # A file verified when it was chosen a moment ago is not hashed twice.
-    if not _verified.matches(file, record.get("sha256")) and _digest([data]) != record.get("sha256"):
-        raise CorruptCheckpointError(file, "its SHA-256 differs from the manifest's")
+    data = read_verified(path, name, record)
     try:
         tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

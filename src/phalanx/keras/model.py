@@ -72,7 +72,7 @@ from phalanx._sidetable import IdentityTable
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
-from phalanx.keras import discovery
+from phalanx.keras import discovery, sharding
 from phalanx.keras.discovery import distributed_model
 from phalanx.nn import mark_loss_scaled
 from phalanx.strategy import RUN_OBSERVERS, register_device_context, register_scope_enter_hook
@@ -417,14 +417,17 @@ class DistributedModel:
         chiefs = torch.tensor([digest if self.is_chief else 0], dtype=torch.int64)
         self._ext.broadcast([chiefs])
         result, error = None, None
-        if self.is_chief or int(chiefs[0]) != digest:
-            self._writing = True
-            try:
-                result = original(model, *args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
-                error = e
-            finally:
-                self._writing = False
+        # A sharded model's weights are gathered by every replica first (a collective), so the
+        # writer reads whole values.
+        with sharding.gathered(model):
+            if self.is_chief or int(chiefs[0]) != digest:
+                self._writing = True
+                try:
+                    result = original(model, *args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+                    error = e
+                finally:
+                    self._writing = False
         # Also the barrier: nobody returns before the files are complete.
         failed = self._ext.all_reduce([torch.tensor([float(error is not None)])], ReduceOp.SUM)[0]
         if error is not None:
@@ -484,6 +487,7 @@ class SyncAdapter(DistributedModel):
         self._decorrelated = False
         self._checks_left = 0
         self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
+        self._sharded = False  # FullyShardedStrategy split the model's weights
         super().__init__(model, strategy)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -504,6 +508,8 @@ class SyncAdapter(DistributedModel):
         if not self.is_chief:
             arguments["verbose"] = 0
         self._prepare()
+        if self._sharded:
+            sharding.check_callbacks(user)
         self._stat_vars = None
         with self._on_replica_device():
             return call(arguments)
@@ -531,6 +537,9 @@ class SyncAdapter(DistributedModel):
         model = self.model
         self._checks_left = 2  # look for lazily built variables at the first two steps
         adapt_optimizer(getattr(model, "optimizer", None))
+        self._sharded = any(sharding.is_sharded(v) for v in model.trainable_weights)
+        if self._sharded:
+            sharding.adapt_optimizer(getattr(model, "optimizer", None))
         for kind in _KINDS:
             current = getattr(model, f"{kind}_function", None)
             if current is not None and current in _RAW_STEP:
@@ -565,6 +574,8 @@ class SyncAdapter(DistributedModel):
     def _train_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
         step = self._begin(data)
         model = self.model
+        if self._sharded:
+            sharding.clear_gradients(model)
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
         versions = None
@@ -592,6 +603,8 @@ class SyncAdapter(DistributedModel):
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
         logs = self._run_local(raw, step, 1.0)
+        if self._sharded:
+            sharding.reshard(self.model)
         self._merge(step, metric_vars, saved, [])
         return self._global_logs(logs, step)
 
@@ -604,6 +617,8 @@ class SyncAdapter(DistributedModel):
             # replica's own initial values. Make them the chief's and compute the step again.
             self._sync_new_variables()
             outputs = self._run_local(raw, step, 1.0)
+        if self._sharded:
+            sharding.reshard(self.model)
         if self._num_replicas == 1:
             return outputs
 
@@ -677,13 +692,15 @@ class SyncAdapter(DistributedModel):
             self._synced[id(p)] = p
 
     def _has_unsynced_variables(self) -> bool:
-        return any(id(v.value) not in self._synced for v in self.model.weights)
+        return any(not sharding.is_sharded(v) and id(v.value) not in self._synced for v in self.model.weights)
 
     def _sync_new_variables(self) -> None:
         """Broadcasts variables the scope did not see (built lazily) and synchronises their gradients."""
         model = self.model
         weights = model.weights
-        new = [v.value for v in weights if id(v.value) not in self._synced]
+        # (A sharded weight was synchronised when it was sharded; its value is a shard or the
+        # gathered tensor by turns.)
+        new = [v.value for v in weights if not sharding.is_sharded(v) and id(v.value) not in self._synced]
         if new and self._num_replicas > 1:
             # A collective: every replica reaches it at the same step. (Those the strategy
             # captured, in scope or inside run, it synchronises itself: adopt_variables skips them.)
@@ -692,7 +709,9 @@ class SyncAdapter(DistributedModel):
             self._synced[id(p)] = p
         if self._num_replicas > 1:
             for v in model.trainable_weights:
-                p = v.value
+                # A sharded weight's gradient is computed for its gathered parameter.
+                gathered = sharding.gathered_parameter(v)
+                p = v.value if gathered is None else gathered
                 if p.requires_grad and p not in _SCALED:
                     p.register_hook(self._grad_scale)
                     _SCALED[p] = self._grad_scale

@@ -17,9 +17,11 @@ What phalanx adds to FSDP2, so that the program needs no change:
   tensors nobody uses. An optimizer step pre-hook puts the sharded parameters in their place first.
 * **Sums, as everywhere in phalanx.** ``compute_average_loss`` divides by the global batch, so the
   replicas' gradients are summed (FSDP2 averages by default).
-* **Checkpoints that move.** A save gathers each sharded tensor into the ordinary, whole
-  ``state_dict`` (restorable under any strategy, any replica count, or plain PyTorch); a restore
-  cuts each replica's shard out of the whole tensor, with no communication.
+* **Checkpoints that move.** A save writes each replica's shards with
+  ``torch.distributed.checkpoint`` (no replica ever holds a whole tensor,
+  :mod:`phalanx.checkpoint.distributed`); a restore reads each replica's rows into its shards, from
+  a checkpoint of any replica count, or cuts them out of the whole tensors another strategy saved.
+  Restored under Mirrored, one device or plain PyTorch, the shards come back as whole tensors.
 * **The guard.** Sharded parameters differ by design, so there is no fingerprint to compare; the
   first forward of a sharded model in each step begins with one small all-reduce of the
   consistency guard's fields, so replicas that are out of step (which FSDP2's equal-sized
@@ -40,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,39 @@ _SUCCESSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # at: an optimizer's step looks through its parameters only after a new sharding.
 _GENERATION = [0]
 _SWAPPED_AT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+
+class ShardingAdaptation:
+    """How to shard a model object that is more than a torch module (a Keras model): what an
+    adapter of :data:`SHARDING_ADAPTERS` returns for a root module of its kind.
+
+    Args:
+        ignored: parameters left whole on every replica (``fully_shard``'s ``ignored_params``),
+            their gradients all-reduced as under Mirrored: state the model updates in place
+            during forward (FSDP2 does not write a gathered parameter back to its shards), or
+            values that are not floating point.
+        after: called with the root once it is sharded, to point the object's own references
+            at the sharded parameters.
+        parts: modules that are parts of the root without being torch sub-modules of it (a Keras
+            model's layers): sharded with it, never as roots of their own.
+    """
+
+    def __init__(
+        self,
+        ignored: set[torch.nn.Parameter],
+        after: Callable[[torch.nn.Module], None],
+        parts: Sequence[torch.nn.Module] = (),
+    ) -> None:
+        self.ignored = ignored
+        self.after = after
+        self.parts = parts
+
+
+# Adapters for model objects whose layers read their variables through references of their own
+# (phalanx.keras registers Keras'): each is called with a root module about to be sharded and
+# returns a ShardingAdaptation, or None when the module is not of its kind. A root an adapter
+# takes is sharded as one group (its layers are not torch sub-modules of it).
+SHARDING_ADAPTERS: list[Callable[[torch.nn.Module], "ShardingAdaptation | None"]] = []
 
 
 def _fsdp() -> Any:
@@ -221,31 +256,35 @@ class ShardedVariables(StrategyExtended):
         modules = [m for m in list(self._seen.values()) if any(id(p) in wanted for p in m.parameters())]
         children = {id(c) for m in modules for c in m.modules() if c is not m}
         roots = [m for m in modules if id(m) not in children and not isinstance(m, self._fsdp.FSDPModule)]
+        adaptations = {id(root): _adaptation(root) for root in roots}
+        parts = {id(m) for a in adaptations.values() if a is not None for m in a.parts}
+        roots = [root for root in roots if id(root) not in parts]
+        adaptations = {id(root): adaptations[id(root)] for root in roots}
         owned = {id(p) for m in roots for p in m.parameters()}
         loose = [p for p in params if id(p) not in owned]
         if loose:
             # On no module (a phalanx.Variable, TF's tf.Variable): FSDP2 shards modules, so these
             # stay whole on every replica with their gradients all-reduced, as under Mirrored.
             super()._attach_gradient_sync(loose)
-        for root in roots:
-            if any(c.__module__.split(".")[0] == "keras" for c in type(root).__mro__):
-                # Keras reads each variable through its own reference, not the module's parameter
-                # FSDP2 swaps: sharding would train tensors the model never uses.
-                raise ShardingError(
-                    type(root).__name__,
-                    "Keras models are not sharded yet (Keras keeps its own reference to each variable)",
-                    hint="use MirroredStrategy for Keras models; FullyShardedStrategy for torch modules",
-                )
+        ignored = [p for a in adaptations.values() if a is not None for p in a.ignored if p.is_floating_point()]
+        if ignored:
+            super()._attach_gradient_sync(ignored)  # whole on every replica, as under Mirrored
         mesh = self._device_mesh()
         shard = self._fsdp.fully_shard
         with variables.not_captured():  # FSDP2's own registrations are not new variables
             for root in roots:
                 before = dict(root.named_parameters())
-                for sub in list(root.modules())[1:]:
-                    own = sum(p.numel() for p in sub.parameters(recurse=False))
-                    if own >= self._min_params_to_shard and not isinstance(sub, self._fsdp.FSDPModule):
-                        shard(sub, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
-                shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+                adaptation = adaptations[id(root)]
+                if adaptation is None:
+                    for sub in list(root.modules())[1:]:
+                        own = sum(p.numel() for p in sub.parameters(recurse=False))
+                        if own >= self._min_params_to_shard and not isinstance(sub, self._fsdp.FSDPModule):
+                            shard(sub, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+                    shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+                else:
+                    # Gathered from forward to the end of backward: Keras reads weights between the
+                    # two (the loss's regularisation terms); one group holds them all anyway.
+                    shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=adaptation.ignored or None)
                 for m in root.modules():
                     if isinstance(m, self._fsdp.FSDPModule):
                         # phalanx sums gradients (compute_average_loss divides by the global batch);
@@ -269,6 +308,8 @@ class ShardedVariables(StrategyExtended):
                     self._mark_owned(new)
                 self._roots.add(root)
                 root.register_forward_pre_hook(untraced(_weak_hook(self._check_in_step)), prepend=True)
+                if adaptation is not None:
+                    adaptation.after(root)
 
     def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
         # During forward FSDP2 swaps each sharded parameter for a gathered one of its own, which
@@ -320,34 +361,31 @@ class ShardedVariables(StrategyExtended):
 
     # ---------------------------------------------------------------- checkpoints
     def _state_to_save(self, obj: Any) -> Any:
-        """The whole state of a sharded module or optimizer: each shard gathered (collective, in
-        the same order on every replica), so the checkpoint is the ordinary ``state_dict``."""
-        from torch.distributed.tensor import DTensor
-
-        # One whole tensor at a time, each moved to the host at once: a GPU never holds more than
-        # one gathered tensor beyond its shards.
-        whole = lambda v: v.full_tensor().cpu() if isinstance(v, DTensor) else v  # noqa: E731
-        if isinstance(obj, torch.nn.Module):
-            state = obj.state_dict()
-            if not any(isinstance(v, DTensor) for v in state.values()):
-                return None
-            return {k: whole(v) for k, v in state.items()}
-        if isinstance(obj, torch.optim.Optimizer):
-            state = obj.state_dict()
-            per_param = state["state"]
-            if not any(isinstance(v, DTensor) for s in per_param.values() for v in s.values()):
-                return None
-            state["state"] = {i: {k: whole(v) for k, v in sorted(per_param[i].items())} for i in sorted(per_param)}
-            return state
+        """None: the object's own ``state_dict``, its DTensors as they are. A Checkpoint writes
+        DTensors with torch.distributed.checkpoint, each replica its own shards, so no replica
+        ever holds a whole tensor (:mod:`phalanx.checkpoint.distributed`)."""
         return None
 
     def _state_to_restore(self, obj: Any, saved: Any) -> Any:
-        """``saved`` (whole tensors) with each tensor of a sharded parameter cut to this replica's
-        shard: local, no communication."""
+        """``saved`` with each tensor of a sharded parameter as this replica's shard: a tensor
+        written sharded (on any number of replicas) is read into the shard directly, reading only
+        its rows; a whole one (saved under another strategy) is cut. Local, no communication."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        from phalanx.checkpoint import distributed
+
+        reads: list[tuple[distributed.Stored, torch.Tensor]] = []
+
         def cut(value: Any, like: Any) -> Any:
-            if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            if not isinstance(like, DTensor):
+                return value
+            if isinstance(value, distributed.Stored):
+                if tuple(value.shape) != tuple(like.shape):
+                    return value  # read whole: load_state_dict names the mismatch
+                shard = distributed.empty_shard(value, like)
+                reads.append((value, shard))
+                return shard
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
                 return value
             if tuple(value.shape) != tuple(like.shape):
                 return value  # load_state_dict names the mismatch
@@ -356,19 +394,22 @@ class ShardedVariables(StrategyExtended):
 
         if isinstance(obj, torch.nn.Module) and isinstance(saved, dict):
             live = obj.state_dict()
-            return {k: cut(v, live.get(k)) for k, v in saved.items()}
-        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict) and "state" in saved:
+            state = {k: cut(v, live.get(k)) for k, v in saved.items()}
+        elif isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict) and "state" in saved:
             use_sharded_parameters(obj)
             params = [p for group in obj.param_groups for p in group["params"]]
-            state = {
+            per_param = {
                 index: {
                     k: cut(v, params[index]) if index < len(params) and getattr(v, "dim", lambda: 0)() > 0 else v
                     for k, v in entry.items()
                 }
                 for index, entry in saved["state"].items()
             }
-            return {**saved, "state": state}
-        return saved
+            state = {**saved, "state": per_param}
+        else:
+            return saved
+        distributed.load_into(reads)  # one read of the checkpoint's files for the whole object
+        return state
 
     def _close(self) -> None:
         try:
@@ -377,6 +418,27 @@ class ShardedVariables(StrategyExtended):
             if self._owns_default_group and dist.is_initialized():
                 self._owns_default_group = False
                 dist.destroy_process_group()
+
+
+def _adaptation(root: torch.nn.Module) -> ShardingAdaptation | None:
+    """What an adapter says about sharding ``root``; None for a plain torch module.
+
+    Raises:
+        ShardingError: a Keras model, and ``phalanx.keras`` (which adapts it) is not loaded.
+    """
+    for adapter in SHARDING_ADAPTERS:
+        adaptation = adapter(root)
+        if adaptation is not None:
+            return adaptation
+    if any(c.__module__.split(".")[0] == "keras" for c in type(root).__mro__):
+        # Keras reads each variable through its own reference, not the module's parameter
+        # FSDP2 swaps: sharding it unadapted would train tensors the model never uses.
+        raise ShardingError(
+            type(root).__name__,
+            "a Keras model can be sharded only with phalanx.keras loaded",
+            hint="import phalanx.keras before building the model (strategy.scope() does when keras is imported)",
+        )
+    return None
 
 
 def _weak_hook(method: Any) -> Any:
@@ -460,8 +522,9 @@ class FullyShardedStrategy(Strategy):
         InvalidDeviceError: a device is malformed, absent or repeated.
         ShardingError: torch has no FSDP2, or ``min_params_to_shard`` is not a positive integer.
 
-    Limits: Keras models are refused with a :class:`~phalanx.errors.ShardingError` (use
-    MirroredStrategy); parameters must be built in ``scope()``, not inside ``run``.
+    Limits: parameters must be built in ``scope()``, not inside ``run``; a Keras model is sharded
+    as one group (``phalanx.keras.sharding``), and Keras callbacks that read its weights on the
+    chief alone are refused.
     """
 
     def __init__(
