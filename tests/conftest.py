@@ -386,3 +386,16 @@ def has_fsdp2() -> bool:
     except ImportError:  # pragma: no cover - torch < 2.6
         return False
     return True
+
+
+def benchmark_module(name: str):
+    """``benchmarks.<name>`` imported from the repository (not an installed package), for tests
+    that check what a benchmark reports without running it in full."""
+    import importlib
+
+    root = str(Path(__file__).resolve().parent.parent)
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    finally:
+        sys.path.remove(root)

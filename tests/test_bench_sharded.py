@@ -13,19 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import has_fsdp2, run_job
+from conftest import benchmark_module, has_fsdp2, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("sharded", "fsdp2", "mirrored")
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT))
-    try:
-        import benchmarks.sharded as bench
-    finally:
-        sys.path.remove(str(ROOT))
-    return bench
 
 
 @pytest.mark.skipif(not has_fsdp2(), reason="torch has no FSDP2 (torch < 2.6)")
@@ -70,7 +61,7 @@ def test_the_quick_run_reports_memory_step_time_and_the_out_of_memory_job(tmp_pa
 
 
 def test_bad_options_are_refused_before_any_job_starts(capsys):
-    bench = _bench()
+    bench = benchmark_module("sharded")
     for argv in (["--rounds", "0"], ["--replicas", "1,2"], ["--replicas", "two"], ["--oom", "--skip-oom"]):
         with pytest.raises(SystemExit) as exit_:
             bench.main(argv)

@@ -15,7 +15,7 @@ import pytest
 import phalanx
 from phalanx import cli
 
-from conftest import run_job
+from conftest import benchmark_module, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["run", "demo"]
@@ -146,12 +146,7 @@ def test_bench_help_names_the_command_that_was_typed(command, usage):
 
 
 def test_bench_default_output_is_outside_the_repository():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.__main__ import default_out_dir
-    finally:
-        sys.path.remove(str(ROOT))
-    out = default_out_dir().resolve()
+    out = benchmark_module("__main__").default_out_dir().resolve()
     assert ROOT not in out.parents and out.name.startswith("phalanx-bench-")
 
 
@@ -161,19 +156,10 @@ def torch_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _bench_module():
-    sys.path.insert(0, str(ROOT))
-    try:
-        import benchmarks.__main__ as bench
-    finally:
-        sys.path.remove(str(ROOT))
-    return bench
-
-
 @pytest.mark.skipif(torch_cuda_devices() >= 1, reason="this host can run the CUDA benchmark")
 def test_bench_cuda_without_gpus_is_skipped_with_the_reason(capsys, tmp_path):
     """`phalanx bench --device cuda` on a host without a GPU says why and exits 77 (skipped), writing nothing."""
-    bench = _bench_module()
+    bench = benchmark_module("__main__")
     assert bench.main(["--device", "cuda", "--out", str(tmp_path / "run")]) == bench.SKIPPED == 77
     err = capsys.readouterr().err
     assert "skipped: DeviceNotFoundError: Device 'cuda:0' is not present" in err, err
@@ -182,7 +168,7 @@ def test_bench_cuda_without_gpus_is_skipped_with_the_reason(capsys, tmp_path):
 
 
 def test_bench_overlap_is_the_hidden_fraction_of_communication():
-    bench = _bench_module()
+    bench = benchmark_module("__main__")
     assert bench.overlap(step_s=0.010, ceiling_s=0.010, comm_s=0.004) == 1.0  # nothing added: all hidden
     assert bench.overlap(step_s=0.014, ceiling_s=0.010, comm_s=0.004) == 0.0  # its whole duration added
     assert bench.overlap(step_s=0.011, ceiling_s=0.010, comm_s=0.004) == pytest.approx(0.75)

@@ -85,8 +85,9 @@ class CheckpointParticipant(Protocol):
 
     :class:`phalanx.checkpoint.Checkpoint` asks the ``extended`` of the strategy that owns an
     object: the parameter servers' strategy gathers their optimizer state for a save and sends
-    it back after a restore; the sharded strategy gathers each shard for a save and cuts the whole
-    tensors for a restore. The base :class:`StrategyExtended` implements them as no-ops.
+    it back after a restore; the sharded strategy reads each replica's shards for a restore (its
+    saves need nothing: a checkpoint writes DTensors shard by shard). The base
+    :class:`StrategyExtended` implements them as no-ops.
     """
 
     def state_to_save(self, obj: Any) -> Any:

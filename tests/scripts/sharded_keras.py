@@ -33,14 +33,9 @@ import phalanx.keras  # noqa: E402,F401
 
 keras.config.disable_traceback_filtering()
 
-SEED, FEATURES, CLASSES, GLOBAL_BATCH = 77, 12, 3, 20
+from keras_equivalence import CLASSES, FEATURES, data  # noqa: E402 - the Mirrored Keras tests' data
 
-
-def data(n, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype("float32")
-    y = (x[:, :3].sum(1) > 0).astype("int64") + (x[:, 3] > 1).astype("int64")
-    return x, y
+SEED, GLOBAL_BATCH = 77, 20
 
 
 X_TEST, Y_TEST = data(41, 7)  # the last batch of evaluate and predict has one row

@@ -360,11 +360,9 @@ class ShardedVariables(StrategyExtended):
                 m.set_requires_gradient_sync(True, recurse=False)
 
     # ---------------------------------------------------------------- checkpoints
-    def _state_to_save(self, obj: Any) -> Any:
-        """None: the object's own ``state_dict``, its DTensors as they are. A Checkpoint writes
-        DTensors with torch.distributed.checkpoint, each replica its own shards, so no replica
-        ever holds a whole tensor (:mod:`phalanx.checkpoint.distributed`)."""
-        return None
+    # Saving needs nothing of its own: a Checkpoint writes the DTensors of the objects' own
+    # state_dicts with torch.distributed.checkpoint, each replica its own shards, so no replica
+    # ever holds a whole tensor (phalanx.checkpoint.distributed).
 
     def _state_to_restore(self, obj: Any, saved: Any) -> Any:
         """``saved`` with each tensor of a sharded parameter as this replica's shard: a tensor
