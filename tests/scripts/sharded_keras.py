@@ -1,9 +1,10 @@
 """Keras compile / fit / evaluate / predict under FullyShardedStrategy against one-device Keras (issue 32).
 
-Usage: python sharded_keras.py OUT_DIR MODE        (MODE: reference | sharded)
+Usage: python sharded_keras.py OUT_DIR MODE        (MODE: reference | sharded | plain, in that order)
 
-``reference`` runs every case with plain Keras in this process; ``sharded`` on two CPU replicas. Each case writes, from the chief, ``OUT_DIR/{mode}_{case}.npz`` (the weights
-from ``get_weights``, the predictions) and ``.json`` (History, evaluate); every replica writes
+``reference`` runs every case with plain Keras in this process; ``sharded`` on two CPU replicas.
+Each case writes, from the chief, ``OUT_DIR/{mode}_{case}.npz`` (the weights from
+``get_weights``, the predictions) and ``.json`` (History, evaluate); every replica writes
 ``OUT_DIR/{mode}_{case}_local_{rank}.json``: the elements of trainable weights and optimizer
 slots it holds itself.
 
@@ -13,8 +14,13 @@ validation_split; AdamW with a BatchNormalization layer (its statistics stay who
 consistency across replicas only) and set_weights before fit. After the SGD case, ``model.save``
 (every replica calls it) writes OUT_DIR/{mode}_sgd.keras, and under the strategy a fit with a
 ModelCheckpoint is refused: each replica writes the error to OUT_DIR/{mode}_refused_{rank}.txt.
+After the Adam case a phalanx Checkpoint of the model (its optimizer with it) is written to
+OUT_DIR/{mode}_adam_ckpt; then a fresh model restores a checkpoint and trains one epoch more
+(:func:`continue_from_checkpoint`): ``reference`` its own, ``sharded`` the reference's (one device
+-> two shards), ``plain`` (plain Keras, this case only) the sharded one (two shards -> one device).
 """
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -30,6 +36,7 @@ import torch  # noqa: E402
 
 import phalanx as px  # noqa: E402
 import phalanx.keras  # noqa: E402,F401
+from phalanx.checkpoint import Checkpoint  # noqa: E402
 
 keras.config.disable_traceback_filtering()
 
@@ -67,6 +74,7 @@ def case_adam():
     ids = (np.abs(x[:, :4]) * 10).astype("int64") % 50
     test_ids = (np.abs(X_TEST[:, :4]) * 10).astype("int64") % 50
     model._phalanx_test_inputs = [test_ids, X_TEST]
+    model._phalanx_train = ([ids, x], y)
     return model, lambda: model.fit([ids, x], y, epochs=2, batch_size=GLOBAL_BATCH, validation_split=0.25, verbose=0)
 
 
@@ -123,6 +131,8 @@ def run_case(name, out, mode, strategy):
         np.savez(os.path.join(out, f"{mode}_{name}.npz"), *weights, predictions=predictions)
         with open(os.path.join(out, f"{mode}_{name}.json"), "w") as f:
             json.dump({"history": history.history, "evaluate": evaluation}, f)
+    if name == "adam":  # every replica writes its shards (sharded) or the chief the whole (reference)
+        Checkpoint(model=model).write(os.path.join(out, f"{mode}_adam_ckpt"))
     if name == "sgd":
         model.save(os.path.join(out, f"{mode}_{name}.keras"))  # every replica calls it; the chief writes
         if strategy is not None:
@@ -146,13 +156,33 @@ def run_case(name, out, mode, strategy):
         assert torch.equal(gathered[0], gathered[-1]), "replicas disagree after fit"
 
 
+# Where each mode's continued Adam training restores from: one device -> sharded, sharded -> one device.
+RESTORE_FROM = {"reference": "reference", "sharded": "reference", "plain": "sharded"}
+
+
+def continue_from_checkpoint(out, mode, strategy):
+    """A fresh Adam model restores RESTORE_FROM[mode]'s checkpoint (weights, and the optimizer's
+    slots when it builds them) and trains one more epoch; the chief writes {mode}_adam_continued.npz."""
+    keras.utils.set_random_seed(SEED + 1)  # the fresh model's own weights are overwritten
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model, _ = case_adam()
+    Checkpoint(model=model).read(os.path.join(out, f"{RESTORE_FROM[mode]}_adam_ckpt"))
+    inputs, y = model._phalanx_train
+    model.fit(inputs, y, epochs=1, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    weights = model.get_weights()
+    if strategy is None or strategy.extended.process_index == 0:
+        np.savez(os.path.join(out, f"{mode}_adam_continued.npz"), *weights)
+
+
 def main():
     out, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    strategy = None if mode == "reference" else px.FullyShardedStrategy(["cpu:0", "cpu:1"])
+    strategy = None if mode in ("reference", "plain") else px.FullyShardedStrategy(["cpu:0", "cpu:1"])
     try:
-        for name in CASES:
+        for name in CASES if mode != "plain" else ():
             run_case(name, out, mode, strategy)
+        continue_from_checkpoint(out, mode, strategy)
     except px.errors.ShardingError as e:
         if "Keras >= 3.7" not in str(e):
             raise

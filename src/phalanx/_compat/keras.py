@@ -18,7 +18,6 @@ __all__ = [
     "learning_rate",
     "set_initial_epoch",
     "set_initializer",
-    "set_stored_value",
     "store_elsewhere",
     "stored_value",
 ]
@@ -97,11 +96,6 @@ def stored_value(variable: Any) -> Any:
     """The tensor a Keras variable stores (``variable._value``, Keras 3.0 to 3.15): ``value`` without
     autocasting."""
     return variable._value
-
-
-def set_stored_value(variable: Any, value: Any) -> None:
-    """Replaces the tensor a Keras variable stores (``variable._value``, Keras 3.0 to 3.15)."""
-    variable._value = value
 
 
 class StoredElsewhere:

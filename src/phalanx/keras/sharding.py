@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -73,7 +73,7 @@ class _ShardedVariable(compat_keras.StoredElsewhere):
 
 
 def is_sharded(variable: Any) -> bool:
-    """Whether ``variable`` is a Keras weight FullyShardedStrategy split across replicas."""
+    """Whether ``variable`` is a Keras weight (or an optimizer slot of one) split across replicas."""
     return isinstance(variable, _ShardedVariable)
 
 
@@ -82,13 +82,14 @@ def gathered_parameter(variable: Any) -> torch.nn.Parameter | None:
     return _GATHERED.get(variable)
 
 
-def _assign(holder: torch.nn.ParameterDict, key: str, value: Any) -> None:
-    current = holder[key]
+def _copy_into(read: Callable[[], torch.Tensor], value: Any) -> None:
+    """An assignment to a sharded variable: a whole value (``set_weights``, a loaded file, a
+    restored checkpoint) is cut, and this replica keeps its shard of it."""
+    current = read()
     dtensor = _dtensor()
     value = torch.as_tensor(value)
     with torch.no_grad():
         if isinstance(current, dtensor.DTensor) and not isinstance(value, dtensor.DTensor):
-            # A whole value (set_weights, a loaded file): this replica keeps its shard of it.
             value = dtensor.distribute_tensor(
                 value.to(device=current.device, dtype=current.dtype),
                 current.device_mesh,
@@ -96,6 +97,21 @@ def _assign(holder: torch.nn.ParameterDict, key: str, value: Any) -> None:
                 src_data_rank=None,
             )
         current.copy_(value)
+
+
+def _keep_in(variable: Any, read: Callable[[], torch.Tensor]) -> None:
+    """Adapts ``variable`` (its instance's class) to hold whatever ``read()`` returns now."""
+    if not is_sharded(variable):
+        base = type(variable)
+        cls = _CLASSES.get(base)
+        if cls is None:
+            cls = _CLASSES[base] = type(base.__name__, (_ShardedVariable, base), {"__module__": base.__module__})
+        variable.__class__ = cls
+    compat_keras.store_elsewhere(variable, read, functools.partial(_copy_into, read))
+
+
+def _constant(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
 
 
 def adapt(root: torch.nn.Module) -> ShardingAdaptation | None:
@@ -141,14 +157,7 @@ def adapt(root: torch.nn.Module) -> ShardingAdaptation | None:
             for key in [k for k in own if k in shards]:
                 own[key] = shards[key]
         for variable, holder, key in sharded:
-            base = type(variable)
-            cls = _CLASSES.get(base)
-            if cls is None:
-                cls = _CLASSES[base] = type(base.__name__, (_ShardedVariable, base), {"__module__": base.__module__})
-            variable.__class__ = cls
-            compat_keras.store_elsewhere(
-                variable, functools.partial(holder.__getitem__, key), functools.partial(_assign, holder, key)
-            )
+            _keep_in(variable, functools.partial(holder.__getitem__, key))
 
     return ShardingAdaptation(ignored, after, parts=layers)
 
@@ -185,7 +194,8 @@ def adapt_optimizer(optimizer: Any) -> None:
             shard = _dtensor().distribute_tensor(
                 whole.detach(), reference.device_mesh, reference.placements, src_data_rank=None
             )
-            compat_keras.set_stored_value(slot, torch.nn.Parameter(shard, requires_grad=False))
+            # Adapted as the weights are: an assignment (a restored checkpoint) is cut to the shard.
+            _keep_in(slot, _constant(torch.nn.Parameter(shard, requires_grad=False)))
         return slot
 
     def sharded_apply(*args: Any, **kwargs: Any) -> Any:
@@ -233,12 +243,10 @@ def gathered(model: Any) -> Iterator[None]:
     model.unshard()
     # The optimizer's slots too (each replica holds its part): whole while the chief writes them.
     optimizer = getattr(model, "optimizer", None)
-    slots = [
-        v for v in getattr(optimizer, "variables", []) if isinstance(compat_keras.stored_value(v), _dtensor().DTensor)
-    ]
+    slots = [v for v in getattr(optimizer, "variables", []) if is_sharded(v)]
     shards = [compat_keras.stored_value(v) for v in slots]
     for v, shard in zip(slots, shards):
-        compat_keras.set_stored_value(v, torch.nn.Parameter(shard.full_tensor(), requires_grad=False))
+        _keep_in(v, _constant(torch.nn.Parameter(shard.full_tensor(), requires_grad=False)))
     # Keras saves the model's class by name: its own, not the one FSDP2 made for the instance
     # (FSDP<name>, which no program can load); FSDP2's methods are not used while saving.
     sharded_class = type(model)
@@ -248,7 +256,7 @@ def gathered(model: Any) -> Iterator[None]:
     finally:
         model.__class__ = sharded_class
         for v, shard in zip(slots, shards):
-            compat_keras.set_stored_value(v, shard)
+            _keep_in(v, _constant(shard))
         model.reshard()
 
 
