@@ -139,3 +139,12 @@ def test_keras_checkpoint_moves_between_one_device_and_shards(out, mode):
 def test_a_sharded_keras_checkpoint_is_written_shard_by_shard(out):
     files = sorted(p.name for p in (out / "sharded_adam_ckpt" / "sharded").iterdir())
     assert "__0_0.distcp" in files and "__1_0.distcp" in files, files
+
+
+def test_custom_training_loop_with_a_keras_model_equals_one_device(out):
+    # A Keras model and Keras optimizer in TF's custom-loop shape (strategy.run, compute_average_loss,
+    # optimizer.apply): the optimizer's slots must be cut to the shards there too.
+    ref, got = np.load(out / "reference_custom.npz"), np.load(out / "sharded_custom.npz")
+    for key in ref.files:
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
+

@@ -175,6 +175,38 @@ def continue_from_checkpoint(out, mode, strategy):
         np.savez(os.path.join(out, f"{mode}_adam_continued.npz"), *weights)
 
 
+def custom_loop(out, mode, strategy):
+    """TF's custom training loop shape: a Keras model and optimizer built in scope, the step in
+    ``strategy.run`` with ``compute_average_loss``; the chief writes {mode}_custom.npz (weights)."""
+    strategy = strategy or px.get_strategy()  # reference: the default strategy, one device
+    keras.utils.set_random_seed(SEED + 2 + 1000 * strategy.extended.process_index)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((FEATURES,)), keras.layers.Dense(24, activation="tanh"), keras.layers.Dense(CLASSES)]
+        )
+        optimizer = keras.optimizers.Adam(1e-2)
+    x, y = data(80, 5)
+    batches = [
+        (torch.from_numpy(x[i : i + GLOBAL_BATCH]), torch.from_numpy(y[i : i + GLOBAL_BATCH]))
+        for i in range(0, 80, GLOBAL_BATCH)
+    ]
+
+    def step(xb, yb):
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        model.zero_grad()
+        loss.backward()
+        optimizer.apply([v.value.grad for v in model.trainable_weights], model.trainable_weights)
+        return loss.detach()
+
+    for _ in range(2):
+        for xb, yb in strategy.experimental_distribute_dataset(batches):
+            strategy.run(step, args=(xb, yb))
+    weights = model.get_weights()
+    if strategy.extended.process_index == 0:
+        np.savez(os.path.join(out, f"{mode}_custom.npz"), *weights)
+
+
 def main():
     out, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -182,6 +214,8 @@ def main():
     try:
         for name in CASES if mode != "plain" else ():
             run_case(name, out, mode, strategy)
+        if mode != "plain":
+            custom_loop(out, mode, strategy)
         continue_from_checkpoint(out, mode, strategy)
     except px.errors.ShardingError as e:
         if "Keras >= 3.7" not in str(e):

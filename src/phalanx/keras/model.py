@@ -281,12 +281,18 @@ def optimizers_used_by(fn: Callable[..., Any]) -> list[Any]:
 
 
 def _observe_run(strategy: Any, fn: Callable[..., Any]) -> None:
-    """Run observer: adapts the Keras optimizers ``fn`` uses, where the chief alone updates."""
-    if not getattr(strategy.extended, "updates_on_chief_only", False):
+    """Run observer: adapts the Keras optimizers ``fn`` uses, where the chief alone updates, or
+    where the strategy shards Keras models (their slots are cut to the shards)."""
+    chief_only = getattr(strategy.extended, "updates_on_chief_only", False)
+    shards = sharding.shards_models(strategy)
+    if not (chief_only or shards):
         return  # nothing to do, and nothing to search, under every other strategy
     # Searched at every run (a few microseconds): a global may be rebound to a new optimizer.
     for optimizer in optimizers_used_by(fn):
-        adapt_optimizer(optimizer)
+        if chief_only:
+            adapt_optimizer(optimizer)
+        if shards:
+            sharding.adapt_optimizer(optimizer)
 
 
 if _observe_run not in RUN_OBSERVERS:
@@ -574,8 +580,6 @@ class SyncAdapter(DistributedModel):
     def _train_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
         step = self._begin(data)
         model = self.model
-        if self._sharded:
-            sharding.clear_gradients(model)
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
         versions = None

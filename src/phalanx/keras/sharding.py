@@ -33,7 +33,7 @@ import torch
 from phalanx._compat import keras as compat_keras
 from phalanx._sidetable import IdentityTable
 from phalanx.errors import ShardingError
-from phalanx.strategies.fully_sharded import SHARDING_ADAPTERS, ShardingAdaptation
+from phalanx.strategies.fully_sharded import SHARDING_ADAPTERS, ShardedVariables, ShardingAdaptation
 
 # A sharded variable -> the gathered parameter autograd computes its gradient for (FSDP2 keeps
 # the same tensor object from step to step, freeing and refilling its storage).
@@ -70,6 +70,11 @@ class _ShardedVariable(compat_keras.StoredElsewhere):
 
     def numpy(self) -> np.ndarray:
         return self.__array__()
+
+
+def shards_models(strategy: Any) -> bool:
+    """Whether ``strategy`` shards the models built in its scope (FullyShardedStrategy, with collectives)."""
+    return isinstance(strategy.extended, ShardedVariables) and strategy.num_replicas_in_sync > 1
 
 
 def is_sharded(variable: Any) -> bool:
@@ -158,6 +163,7 @@ def adapt(root: torch.nn.Module) -> ShardingAdaptation | None:
                 own[key] = shards[key]
         for variable, holder, key in sharded:
             _keep_in(variable, functools.partial(holder.__getitem__, key))
+        _clear_shards_too(module, [_SHARD[variable] for variable, _, _ in sharded])
 
     return ShardingAdaptation(ignored, after, parts=layers)
 
@@ -211,15 +217,26 @@ def adapt_optimizer(optimizer: Any) -> None:
     object.__setattr__(optimizer, "apply", functools.update_wrapper(sharded_apply, apply))
 
 
-def clear_gradients(model: Any) -> None:
-    """Drops the sharded weights' gradients before a Keras training step.
+def _clear_shards_too(model: torch.nn.Module, shards: list[torch.nn.Parameter]) -> None:
+    """Makes ``model.zero_grad()`` (this instance's) clear the shards' gradients too.
 
-    Keras' step calls ``model.zero_grad()`` after the forward pass, when the model holds its
-    gathered parameters: the shards' gradients, which FSDP2 accumulates into, would carry over.
+    A Keras model holds its gathered parameters from forward to backward, and Keras' step (and a
+    custom loop written in its order) calls ``zero_grad`` after the forward pass: torch's would
+    clear the gathered parameters' gradients only, and the shards' gradients, which FSDP2 adds
+    the next step's to, would carry over.
     """
-    for variable in model.trainable_weights:
-        if is_sharded(variable):
-            variable.value.grad = None
+    original = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        original(set_to_none)
+        for shard in shards:
+            if set_to_none:
+                shard.grad = None
+            elif shard.grad is not None:
+                shard.grad.zero_()
+
+    # object.__setattr__: an instance attribute, untracked by Keras and torch.
+    object.__setattr__(model, "zero_grad", functools.update_wrapper(zero_grad, original))
 
 
 def reshard(model: Any) -> None:
