@@ -147,4 +147,3 @@ def test_custom_training_loop_with_a_keras_model_equals_one_device(out):
     ref, got = np.load(out / "reference_custom.npz"), np.load(out / "sharded_custom.npz")
     for key in ref.files:
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
-
