@@ -479,6 +479,12 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         "quick": args.quick,
     }
     start = time.monotonic()
+
+    def save() -> None:
+        # After each section too: a run stopped at its time limit (the GPU script's) keeps what it measured.
+        report["elapsed_s"] = time.monotonic() - start
+        (out_dir / "latest.json").write_text(json.dumps(report, indent=1))
+
     if "throughput" not in skip:
         print("throughput (samples/s):", flush=True)
         # --quick times only the headline comparison (Mirrored against DDP and the ceiling).
@@ -502,6 +508,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
                 "ratios": _ratios(loaded, models),
                 "overlap": _overlaps(loaded),
             }
+        save()
     if "allreduce" not in skip:
         print("all-reduce:", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -541,8 +548,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         }
         if args.device == "cuda":
             report["overhead"]["mirrored_ratios"] = {m: _ratio(raw[m]["px_mirrored"], raw[m]["raw"]) for m in mlps}
-    report["elapsed_s"] = time.monotonic() - start
-    (out_dir / "latest.json").write_text(json.dumps(report, indent=1))
+    save()
     print(summary(report))
     print(f"results: {out_dir / 'latest.json'}")
     if "throughput" in report and "allreduce" in report and not args.quick:

@@ -50,9 +50,13 @@ def record(name, model):
         json.dump({{"pid": os.getpid(), "replicas": phalanx.interactive.num_replicas(),
                    "weights": [w.tolist() for w in model.get_weights()]}}, f)
 
-reference = build()   # a model built before the strategy, as the seed notebook does
-h_ref = reference.fit(X, Y, epochs=3, batch_size=32, shuffle=False, verbose=0)
-e_ref = reference.evaluate(X, Y, batch_size=32, verbose=0)
+# A model built before the strategy, as the seed notebook does, on the replicas' device (the CPU):
+# Keras draws initial weights from the current device's generator, and on a GPU machine a CUDA
+# generator gives other numbers than the CPU's for the same seed (plain Keras, with or without phalanx).
+with keras.device("cpu"):
+    reference = build()
+    h_ref = reference.fit(X, Y, epochs=3, batch_size=32, shuffle=False, verbose=0)
+    e_ref = reference.evaluate(X, Y, batch_size=32, verbose=0)
 """
 STRATEGY = "strategy = phalanx.MirroredStrategy(['cpu:0', 'cpu:1'])"
 FIT = """
