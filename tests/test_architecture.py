@@ -118,6 +118,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "context",
         "variables",
         "strategy",
+        "core",
         "regroup",
         "process",
         "distributed_variable",

@@ -221,6 +221,7 @@ def test_function_falls_back_to_eager_with_one_warning():
     fallbacks = [w for w in caught if issubclass(w.category, px.compiled.CompileFallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in caught]
     assert "this backend cannot compile anything" in str(fallbacks[0].message)
+    assert fallbacks[0].filename == __file__, fallbacks[0].filename  # the user's line, not phalanx's
     assert all(torch.allclose(r, model(torch.ones(2, 4)).sum()) for r in results)
 
 

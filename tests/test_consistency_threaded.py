@@ -212,11 +212,13 @@ def test_mean_loss_warns_once_naming_the_fix():
             warnings.simplefilter("always")
             for _ in range(3):
                 strategy.run(lambda: model(x).mean().backward())
-        return [str(w.message) for w in caught if w.category is px.nn.LossScaleWarning]
+        # Where the warning points: the user's line that called strategy.run, not phalanx's.
+        return [(str(w.message), w.filename) for w in caught if w.category is px.nn.LossScaleWarning]
 
     px.nn._warned.clear()
     messages = [m for ms in run_threaded(2, body) for m in ms]
-    assert len(messages) == 1 and "compute_average_loss" in messages[0] and "2 times" in messages[0]
+    assert len(messages) == 1 and "compute_average_loss" in messages[0][0] and "2 times" in messages[0][0]
+    assert messages[0][1] == __file__, messages[0][1]
 
 
 def test_per_replica_batch_as_global_batch_size_warns():

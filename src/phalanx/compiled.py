@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from phalanx._compat.torch import COMPILE_FRAME_LOGGER, compile_falls_back_per_frame
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, user_stacklevel
 
 _ACTIVE: contextvars.ContextVar["_Compiler | None"] = contextvars.ContextVar("phalanx_compiled", default=None)
 
@@ -149,7 +149,7 @@ class _Compiler:
                     f"phalanx.function could not compile {name} (inside {self.name}); it runs eagerly. "
                     f"Reason: {recorder.reasons[0]}",
                     CompileFallbackWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             return result
 

@@ -229,11 +229,11 @@ class ReplicaContext:
         leaves, spec = nest.flatten_with_spec(value)
         tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
         ext = self._strategy.extended
-        structure = ext._take_run_structure()  # friend: core pair; TF's regroup check of the last run
+        structure = ext.cross_replica.take_structure()  # TF's regroup check of the last run
         if ext.num_processes > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             reduced = _AllReduce.apply(ext, op, structure, *tensors)
         else:
-            reduced = ext._all_reduce_tensors(tensors, op, structure)  # friend
+            reduced = ext.cross_replica.all_reduce(tensors, op, structure)
         return nest.unflatten(list(reduced), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
@@ -246,7 +246,7 @@ class ReplicaContext:
         if options is not None:
             warnings.warn("ReplicaContext.all_gather(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         ext = self._strategy.extended
-        ext._check_structures(ext._take_run_structure())  # friend: core pair; TF's regroup check
+        ext.cross_replica.check_structures(ext.cross_replica.take_structure())  # TF's regroup check
 
         def gather(t: Any) -> torch.Tensor:
             t = torch.as_tensor(local_results(t)[0])
@@ -287,12 +287,12 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ext: Any, op: ReduceOp, structure: str | None, *tensors: torch.Tensor) -> tuple:
         ctx.ext, ctx.op = ext, op
-        return tuple(ext._all_reduce_tensors(list(tensors), op, structure))  # friend: core pair
+        return tuple(ext.cross_replica.all_reduce(list(tensors), op, structure))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         # TF: "The gradient of an all-sum is itself an all-sum (all-mean, likewise)."
-        return (None, None, None, *ctx.ext._all_reduce_tensors(list(grads), ctx.op))  # friend
+        return (None, None, None, *ctx.ext.cross_replica.all_reduce(list(grads), ctx.op))
 
 
 class _AllGather(torch.autograd.Function):
@@ -306,7 +306,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         # TF: the gradients of every replica's copy summed, then this replica's slice of them.
         ext = ctx.ext
-        (total,) = ext._all_reduce_tensors([grad], ReduceOp.SUM)  # friend
+        (total,) = ext.cross_replica.all_reduce([grad], ReduceOp.SUM)
         lengths = [int(n) for n in ext.all_gather(torch.tensor([ctx.length]), 0)]
         start = sum(lengths[: ext.process_index])
         return None, None, total.narrow(ctx.axis, start, ctx.length)

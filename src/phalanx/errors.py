@@ -15,7 +15,21 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a ``warnings.warn`` that names the user's line: the first frame, from
+    the function that warns upwards, that is neither phalanx's nor contextlib's. However deep the
+    call sits (``Strategy.run``, ``extended.call_for_each_replica``, the first step's watch), the
+    warning points where the user called phalanx."""
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("phalanx", "contextlib"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class PhalanxError(Exception):

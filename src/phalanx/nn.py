@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from phalanx import context, global_batch
-from phalanx.errors import ContextError
+from phalanx.errors import ContextError, user_stacklevel
 from phalanx.values import mean_dtype
 
 
@@ -214,5 +214,5 @@ class loss_scale_watch:  # lower case: used like a function by strategy.run
                     f"times the one-device gradient. Use loss = phalanx.nn.compute_average_loss(per_example_loss) with "
                     f"reduction='none', or divide by {n} yourself and call phalanx.nn.mark_loss_scaled()."
                 ),
-                stacklevel=3,
-            )  # the caller of strategy.run
+                stacklevel=user_stacklevel(),
+            )  # the user's line that called strategy.run

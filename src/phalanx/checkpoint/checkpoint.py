@@ -52,7 +52,7 @@ from phalanx.checkpoint import codec, distributed, keras_objects, sharding, stor
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
-from phalanx.strategy import owner_of
+from phalanx.core.variable_sync import owner_of
 
 _RESERVED = ("save_counter",)
 

@@ -280,8 +280,7 @@ class ParameterServerExtended(StrategyExtended):
 
     # ---------------------------------------------------------------- variables
     def _sync_new_variables(self) -> None:
-        params, buffers = self._new_params, self._new_buffers
-        self._new_params, self._new_buffers = [], []
+        params, buffers = self.variable_sync.take_new()
         if self._role != "chief" or not (params or buffers):
             return  # variables made inside a scheduled function stay local to its worker
         new = []
@@ -296,7 +295,7 @@ class ParameterServerExtended(StrategyExtended):
                 self._tensors[alias.name] = tensor
                 self._spec_by_id[id(tensor)] = alias
                 self._versions[alias.name] = version_counter(tensor)
-                self._mark_owned(tensor)
+                self.variable_sync.mark_owned(tensor)
                 continue
             new.append((tensor, kind))
         # Within this batch too, one variable per memory: the last object over it is the one in use.
@@ -337,7 +336,7 @@ class ParameterServerExtended(StrategyExtended):
         self._versions[spec.name] = version_counter(tensor)
         if tensor.numel():
             self._by_storage[_storage_key(tensor)] = spec  # registered tensors stay alive: no address reuse
-        self._mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
+        self.variable_sync.mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
 
     def _persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):

@@ -230,7 +230,7 @@ class CentralStorageExtended(SyncExtended):
         # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
         # seed generators) is written by every replica during its forward pass, so it stays
         # per replica (mirrored from replica 0) rather than being raced on in shared memory.
-        params = [p for p in self._new_params if p.requires_grad]
+        params = [p for p in self.variable_sync.new_params if p.requires_grad]
         super()._sync_new_variables()
         if params and self._comm.world_size == 1 and self._copy_mode:
             # One replica computing on a GPU, variables on the CPU: the base class attaches no

@@ -177,7 +177,7 @@ class ShardedVariables(StrategyExtended):
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # sharded root modules
         self._mesh: Any = None
         self._owns_default_group = False
-        self._on_new_container = self._remember_module
+        self.variable_sync.on_container = self.variable_sync.on_module = self._remember_module
         if self._collectives:
             hooks.install("phalanx.fully_sharded.optimizer", "optimizer_step_pre", use_sharded_parameters)
 
@@ -221,10 +221,6 @@ class ShardedVariables(StrategyExtended):
         return self._mesh
 
     # ---------------------------------------------------------------- variables
-    def _on_new_module(self, module: torch.nn.Module, deep: bool) -> None:
-        super()._on_new_module(module, deep)
-        self._seen[id(module)] = module
-
     def _remember_module(self, module: torch.nn.Module) -> None:
         self._seen[id(module)] = module
 
@@ -237,15 +233,15 @@ class ShardedVariables(StrategyExtended):
         self.mark_parameters_changed()  # FSDP2 reduces whatever has a gradient; nothing to attach
 
     def _sync_new_variables(self) -> None:
-        if self._collectives and self._new_params and context.get_replica_context() is not None:
-            p = self._new_params[0]
+        if self._collectives and self.variable_sync.new_params and context.get_replica_context() is not None:
+            p = self.variable_sync.new_params[0]
             raise ShardingError(
                 variables.label_of(p),
                 "a parameter was created inside strategy.run, where FullyShardedStrategy cannot shard it",
                 hint="build (or call once) the model in strategy.scope() before the first step",
             )
         super()._sync_new_variables()
-        self._frozen = []  # frozen or not, every parameter is sharded; FSDP2 reduces what has a gradient
+        self.variable_sync.frozen = []  # frozen or not, every parameter is sharded; FSDP2 reduces what has a gradient
         if self._pending:
             pending, self._pending = self._pending, []
             self._shard(pending)
@@ -303,9 +299,7 @@ class ShardedVariables(StrategyExtended):
                         # gathered tensors the same way). The old parameter is dead from here.
                         with torch.no_grad():
                             old.data = old.data.new_empty(0)
-                    self._created[id(new)] = new
-                    self._synced.add(id(new))
-                    self._mark_owned(new)
+                    self.variable_sync.register(new)
                 self._roots.add(root)
                 root.register_forward_pre_hook(untraced(_weak_hook(self._check_in_step)), prepend=True)
                 if adaptation is not None:
