@@ -216,3 +216,54 @@ def test_a_mirrored_job_over_shared_memory_keeps_grads_in_the_bucket(tmp_path, s
         opt.step()
     for k, v in model.state_dict().items():
         assert (torch.tensor(found["state"][k]) - v).abs().max() < 1e-5, k
+
+
+def test_grad_stays_the_same_tensor_from_step_to_step():
+    # The bucket's view is .grad itself, step after step: the end of a pass re-points nothing
+    # (no new view objects per parameter per step), as DDP's gradient_as_bucket_view keeps .grad.
+    data = batches(4)
+
+    def run(comm):
+        strategy = strategy_for(comm)
+        with strategy.scope():
+            model = model_fn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = []
+
+        def step(x, y):
+            px.nn.compute_average_loss(((model(x) - y) ** 2).sum(dim=1), global_batch_size=GLOBAL).backward()
+            ids.append([id(p.grad) for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step, args=(x, y))
+        return ids
+
+    for ids in run_threaded(2, run):
+        assert all(step == ids[0] for step in ids), ids
+
+
+def test_a_sum_returned_in_another_tensor_is_what_grad_holds():
+    # A collective whose handle returns the sum in a tensor of its own (a GPU bucket summed on the
+    # host, as CentralStorage's copy mode does) rather than in the bucket: .grad must hold that sum,
+    # not the bucket's unsummed local gradient.
+    from phalanx.comm.reducer import GradientReducer
+
+    class Summed:
+        def __init__(self, flat):
+            self.total = flat * 2  # as if a second replica had the same gradient
+
+        def wait(self):
+            return self.total
+
+    torch.manual_seed(0)
+    model = model_fn()
+    GradientReducer(list(model.parameters()), Summed)
+    x, y = batches(1)[0]
+    local = torch.autograd.grad(((model(x) - y) ** 2).sum(), list(model.parameters()))
+    for _ in range(2):  # the second pass with .grad already in the bucket
+        model.zero_grad()
+        ((model(x) - y) ** 2).sum().backward()
+        for p, g in zip(model.parameters(), local):
+            assert torch.equal(p.grad, 2 * g)

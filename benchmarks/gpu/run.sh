@@ -53,6 +53,11 @@ timeout "${GPU_SYNCS_TIMEOUT:-90}" python3 -m benchmarks.gpu.syncs "$out" >"$out
 echo "syncs: exit $? after $(( $(date +%s) - start )) s"
 tail -20 "$out/syncs.log"
 start=$(date +%s)
+# The host time of the gradient hooks at world size 1 against DDP's (a table on stdout only: the
+# lending tool brings back 8 files, all taken).
+timeout 60 python3 -m benchmarks.hooks --device cuda --rounds 5 2>&1 | tail -12
+echo "hooks: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+start=$(date +%s)
 # One round of each configuration takes about 220 s on an H100 host (a process start and CUDA
 # initialisation per run), the overhead rows about 100 s more; latest.json is written after each
 # section. The CPU all-reduce section says nothing about GPUs and is skipped.

@@ -50,13 +50,19 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
-        self.numel = sum(p.numel() for p in params)
+        # Each parameter's place in the flat buffer, computed once: the hooks run every pass.
+        self.sizes = [p.numel() for p in params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        self.numel = sum(self.sizes)
+        self.count = len(params)
         self.ready: set[int] = set()
         self.handle: Any = None
         self.flat: torch.Tensor | None = None  # the persistent buffer: gradients, then the guard's room
         # Per parameter: its gradient's place in `flat`, shaped as the parameter; None for a
         # parameter that is not contiguous (channels_last): its .grad keeps autograd's layout.
         self.views: list[torch.Tensor | None] = []
+        # The guard's room after the gradients (bucket 0), as a view of `flat`: made once, not per pass.
+        self.tail: torch.Tensor | None = None
 
     def buffer(self, room: int = 0) -> torch.Tensor:
         """The bucket's flat buffer with ``room`` elements after the gradients; made on first use.
@@ -70,16 +76,14 @@ class _Bucket:
         first = self.params[0]
         grown = torch.empty(self.numel + room, dtype=first.dtype, device=first.device)
         views: list[torch.Tensor | None] = []
-        offset = 0
         for i, p in enumerate(self.params):
-            n = p.numel()
+            offset, n = self.offsets[i], self.sizes[i]
             view = grown[offset : offset + n].view(p.shape) if p.is_contiguous() else None
             if view is not None and flat is not None and p.grad is not None and _aliases(p.grad, self.views[i]):
                 view.copy_(p.grad)
                 p.grad = view
             views.append(view)
-            offset += n
-        self.flat, self.views = grown, views
+        self.flat, self.views, self.tail = grown, views, None
         return grown
 
 
@@ -180,12 +184,12 @@ class GradientReducer:
             self._hooks.append(p.register_hook(self._before_accumulate(p)))
 
     def _before_accumulate(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
-        key = id(p)
+        key, dirty = id(p), self._dirty  # the same set for the reducer's life (cleared, never replaced)
 
         def hook(grad: torch.Tensor) -> None:
-            if key in self._dirty:
+            if key in dirty:
                 return
-            self._dirty.add(key)
+            dirty.add(key)
             if p.grad is not None:
                 # Summed in an earlier pass: keep it out of this pass's all-reduce, add it back after.
                 # A copy if it lives in the bucket, which this pass's gradient is about to fill.
@@ -198,25 +202,6 @@ class GradientReducer:
         b, pos = self._where[id(p)]
         views = self._buckets[b].views
         return bool(views) and p.grad is not None and _aliases(p.grad, views[pos])
-
-    def _move_in(self, bucket: _Bucket, pos: int) -> None:
-        """Moves a parameter's new gradient into its place in the bucket and points ``.grad`` there.
-
-        Autograd gives a parameter without ``.grad`` a fresh tensor (``zero_grad()`` sets ``.grad``
-        to None); once ``.grad`` is the bucket's view, later passes of the same synchronisation
-        (under ``no_sync``) accumulate into the bucket in place, and the all-reduce works on it
-        with no copy. Done as each gradient arrives, as DDP's reducer does: the gradient is still
-        in the caches, and its memory is freed for the rest of backward.
-        """
-        p = bucket.params[pos]
-        if p.grad is None:
-            return
-        bucket.buffer()
-        view = bucket.views[pos]
-        grad = p.grad
-        if view is not None and grad.layout == torch.strided and grad.dtype == view.dtype and not _aliases(grad, view):
-            view.copy_(p.grad)
-            p.grad = view
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The synchronised parameters, in bucket order (the same on every replica)."""
@@ -233,20 +218,41 @@ class GradientReducer:
 
     # ---------------------------------------------------------------------------- backward
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient of this pass is ready: moved into the bucket; full buckets launched.
+
+        Autograd gives a parameter without ``.grad`` a fresh tensor (``zero_grad()`` sets ``.grad``
+        to None): it is copied into its place in the bucket and ``.grad`` becomes that view. Once
+        ``.grad`` is the view, later passes of the same synchronisation (under ``no_sync``)
+        accumulate into the bucket in place, and the all-reduce works on it with no copy. Done as
+        each gradient arrives, as DDP's reducer does: the gradient is still in the caches, and its
+        memory is freed for the rest of backward. Runs once per parameter per pass: kept lean.
+        """
         with self._lock:
             if not self._pending:
                 self._pending = True
                 queue_backward_callback(self._finish if self.sync else self._finish_local)
             b, pos = self._where[id(param)]
-            self._move_in(self._buckets[b], pos)
+            bucket = self._buckets[b]
+            grad = param.grad
+            if grad is not None:
+                view = (bucket.views if bucket.flat is not None else (bucket.buffer(), bucket.views)[1])[pos]
+                # Not checked: whether grad is another tensor on the view's memory (the user's own
+                # view of it): copying it onto itself changes nothing, and the check would cost
+                # every gradient of every pass.
+                if view is not None and grad is not view and grad.layout == torch.strided and grad.dtype == view.dtype:
+                    view.copy_(grad)
+                    param.grad = view
             if not self.sync:
                 return
-            self._buckets[b].ready.add(pos)
+            ready = bucket.ready
+            ready.add(pos)
+            # Only this bucket changed: something can be launched only if it is the next one and full.
+            if b != self._next or len(ready) != bucket.count:
+                return
             try:
-                while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
-                    self._buckets[self._next].params
-                ):
-                    self._launch(self._buckets[self._next])
+                buckets = self._buckets
+                while self._next < len(buckets) and len(buckets[self._next].ready) == buckets[self._next].count:
+                    self._launch(buckets[self._next])
                     self._next += 1
             except BaseException:
                 # The pass is over (autograd re-raises this from backward): leave .grad as the user
@@ -265,11 +271,13 @@ class GradientReducer:
             extra = self.guard.encode(first.dtype, first.device)
             self._guard_len = room = 0 if extra is None else extra.numel()
         flat = bucket.buffer(room)
-        dirty, offset = self._dirty, 0
+        dirty, views = self._dirty, bucket.views
         for pos, p in enumerate(bucket.params):
-            n, key = p.numel(), id(p)
-            place = flat[offset : offset + n]
-            offset += n
+            key, grad = id(p), p.grad
+            if grad is not None and grad is views[pos] and key in dirty and p.requires_grad:
+                continue  # the usual case: this pass's gradient is in its place already (_on_grad)
+            offset = bucket.offsets[pos]
+            place = flat[offset : offset + bucket.sizes[pos]]
             if not p.requires_grad:
                 # Frozen since registered: adds zeros, and its .grad is left as it is (see _finish),
                 # so moved out of the bucket first if it was frozen after a pass put it there.
@@ -288,7 +296,10 @@ class GradientReducer:
             elif not _aliases(p.grad, bucket.views[pos]):
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
         if extra is not None:
-            flat[bucket.numel : bucket.numel + room].copy_(extra)
+            tail = bucket.tail
+            if tail is None or tail.numel() != room:
+                tail = bucket.tail = flat[bucket.numel : bucket.numel + room]
+            tail.copy_(extra)
         bucket.handle = self._all_reduce(flat if flat.numel() == bucket.numel + room else flat[: bucket.numel + room])
 
     def _verify_guard(self, summed: torch.Tensor) -> None:
@@ -333,37 +344,50 @@ class GradientReducer:
                     self._launch(self._buckets[self._next])
                     self._next += 1
             self.check_pending()  # the previous pass's guard, on a GPU (long finished by now)
+            base, keep, dirty = self._base, self._keep_grads, self._dirty
             for index, bucket in enumerate(self._buckets):
                 flat = bucket.handle.wait()
+                own = bucket.flat
+                # The sum is in the bucket's own buffer (not a copy on another device): each
+                # parameter's view there already holds its summed gradient.
+                in_own = own is not None and (
+                    flat is own
+                    or (flat.data_ptr() == own.data_ptr() and flat.dtype == own.dtype and flat.device == own.device)
+                )
                 if index == 0 and self._guard_len:
-                    self._verify_guard(flat[flat.numel() - self._guard_len :])
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
+                    tail = bucket.tail
+                    if not (in_own and tail is not None and tail.numel() == self._guard_len):
+                        tail = flat[flat.numel() - self._guard_len :]
+                    self._verify_guard(tail)
+                views = bucket.views
+                for pos, p in enumerate(bucket.params):
                     if not p.requires_grad:
                         # Frozen since it was registered (fine-tuning): left as on one device,
                         # where it gets no gradient, rather than given a zero one that an
                         # optimizer's momentum or weight decay would still apply.
-                        offset += n
                         continue
-                    chunk = flat[offset : offset + n].view(p.shape)
                     key = id(p)
                     # What .grad held before this synchronisation, set aside by the hook or at launch.
-                    prior = self._base.pop(key, None)
-                    if not self._keep_grads:
+                    prior = base.pop(key, None) if base else None
+                    if not keep:
                         p.grad = None
-                    elif p.is_contiguous():
+                        continue
+                    grad = p.grad
+                    if prior is None and in_own and grad is not None and grad is views[pos]:
+                        continue  # the usual case: .grad is the bucket's view, which now holds the sum
+                    offset = bucket.offsets[pos]
+                    chunk = flat[offset : offset + bucket.sizes[pos]].view(p.shape)
+                    if p.is_contiguous():
                         # The summed gradient is the bucket's view (DDP's gradient_as_bucket_view): no
                         # copy back, and the next pass finds .grad in place. a + b == b + a in IEEE
                         # arithmetic, so adding the earlier sum here gives the bits prior + chunk gave.
                         p.grad = chunk if prior is None else chunk.add_(prior)
                     elif prior is not None:
                         p.grad = prior.add_(chunk)
-                    elif p.grad is None or key not in self._dirty:
+                    elif p.grad is None or key not in dirty:
                         p.grad = chunk.clone()
                     else:
                         p.grad.copy_(chunk)  # keeps the layout autograd gave it (channels_last, ...)
-                    offset += n
             self.reductions += 1
         finally:
             self._reset()
@@ -374,7 +398,7 @@ class GradientReducer:
             bucket.ready.clear()
             bucket.handle = None
             if not self._persistent:  # .grad keeps this pass's buffer alive as long as the user keeps .grad
-                bucket.flat, bucket.views = None, []
+                bucket.flat, bucket.views, bucket.tail = None, [], None
         self._next = 0
         self._pending = False
         self._guard_len = 0

@@ -1,0 +1,200 @@
+"""Host time of phalanx's gradient hooks at world size 1, against DDP's, in one process.
+
+Usage: ``python -m benchmarks.hooks [--device cpu|cuda] [--rounds 9] [--steps 300] [--out FILE.json]``
+
+A tiny model (32-64-64-10 MLP, batch 16, SGD) keeps each step short, so what the distribution
+layer adds in Python shows. Four configurations are built in this one process and timed in
+interleaved rounds (the order reversed every round, so a machine that gets busier or quieter
+shifts all four alike):
+
+- ``raw``: the plain loop;
+- ``ddp_ws1``: the same model in ``DistributedDataParallel`` over a process group of world size 1
+  (gloo on the CPU, NCCL on a GPU): DDP's C++ reducer, its hooks and one all-reduce per bucket;
+- ``px_mirrored``: ``MirroredStrategy`` of one replica, which runs no collective;
+- ``px_ws1``: the same with its process group built anyway (``PHALANX_SINGLE_REPLICA_COLLECTIVES=1``):
+  phalanx's gradient hooks (``comm/reducer.py``), the consistency guard riding in the first bucket
+  and one all-reduce per bucket;
+- ``px_ws1_noguard``: ``px_ws1`` with the guard off (``set_consistency_checks(False)``): what the
+  guard, which DDP has no counterpart of, costs.
+
+Each figure is the median over the rounds of the per-step time in microseconds. ``hook cost vs
+DDP`` is ``(px_ws1 - px_mirrored) / (ddp_ws1 - raw)``: what phalanx's gradient exchange costs a
+step over the ratio of what DDP's costs (1.0: as much as DDP; below 1.0: less), both as the ratio
+of the medians and as the median of the per-round ratios; ``without guard`` the same with
+``px_ws1_noguard``. On this 2-core VM gloo's hand-over to its worker thread and back (DDP's too)
+is most of either cost and varies from run to run by tens of microseconds: compare figures of one
+run only. On a GPU each timed block ends with ``torch.cuda.synchronize()``; the steps there are
+bound by the host as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import phalanx as px
+from benchmarks.__main__ import machine
+from phalanx.launch.env import free_port
+
+CONFIGS = ("raw", "ddp_ws1", "px_mirrored", "px_ws1", "px_ws1_noguard")
+
+
+def _model(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+    ).to(device)
+
+
+def configs(device: str) -> dict[str, Callable[[], None]]:
+    """One training step per configuration (see the module docstring), each with its own model.
+
+    Initialises torch's default process group (world size 1) for DDP if nothing has yet.
+    """
+    here = torch.device("cuda:0" if device == "cuda" else "cpu")
+    x = torch.randn(16, 32, device=here)
+    y = torch.randint(0, 10, (16,), device=here)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
+
+    def make(strategy: px.Strategy | None = None, ddp: bool = False) -> Callable[[], None]:
+        if strategy is None:
+            model = _model(here)
+            if ddp:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            with strategy.scope():
+                model = _model(here)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        if strategy is None:
+            return step
+        return lambda: strategy.run(step)
+
+    replica = [str(here)]
+    runs = {"raw": make(), "ddp_ws1": make(ddp=True), "px_mirrored": make(px.MirroredStrategy(replica))}
+    os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
+    try:
+        runs["px_ws1"] = make(px.MirroredStrategy(replica))
+        unguarded = px.MirroredStrategy(replica)
+        unguarded.extended.set_consistency_checks(False)
+        runs["px_ws1_noguard"] = make(unguarded)
+    finally:
+        del os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"]
+    return runs
+
+
+def measure(runs: dict[str, Callable[[], None]], rounds: int, steps: int, device: str) -> dict[str, list[float]]:
+    """Per-step microseconds of each configuration, one figure per round; rounds interleaved."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for step in runs.values():  # warm-up: first-step checks, allocator, caches
+        for _ in range(50):
+            step()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for _ in range(rounds):
+        order.reverse()
+        for name in order:
+            step = runs[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            times[name].append((time.perf_counter() - start) / steps * 1e6)
+    return times
+
+
+def summary(times: dict[str, list[float]]) -> dict:
+    """Medians, and the hook cost of phalanx's gradient exchange against DDP's."""
+    med = {name: statistics.median(v) for name, v in times.items()}
+    out: dict = {"us_per_step": med}
+    if all(name in times for name in CONFIGS):
+        ddp = med["ddp_ws1"] - med["raw"]
+        out["hook_cost_us"] = {
+            "ddp": ddp,
+            "phalanx": med["px_ws1"] - med["px_mirrored"],
+            "phalanx_without_guard": med["px_ws1_noguard"] - med["px_mirrored"],
+        }
+        for suffix, config in (("", "px_ws1"), ("_without_guard", "px_ws1_noguard")):
+            phalanx = out["hook_cost_us"]["phalanx" + suffix]
+            out["hook_cost_vs_ddp" + suffix] = phalanx / ddp if ddp > 0 else None
+            per_round = [
+                (p - m) / (d - r)
+                for r, d, m, p in zip(times["raw"], times["ddp_ws1"], times["px_mirrored"], times[config])
+                if d > r
+            ]
+            out["hook_cost_vs_ddp" + suffix + "_per_round_median"] = statistics.median(per_round) if per_round else None
+    return out
+
+
+def table(result: dict) -> str:
+    """The result as text."""
+    lines = [f"{name:14s} {us:8.1f} us/step" for name, us in result["us_per_step"].items()]
+    if "hook_cost_vs_ddp" in result:
+        cost = result["hook_cost_us"]
+        lines.append(
+            f"hook cost: phalanx {cost['phalanx']:.1f} us ({cost['phalanx_without_guard']:.1f} without the guard), "
+            f"DDP {cost['ddp']:.1f} us"
+        )
+        for suffix, label in (("", ""), ("_without_guard", " without the guard")):
+            if result["hook_cost_vs_ddp" + suffix] is not None:
+                lines.append(
+                    f"hook cost vs DDP{label}: {result['hook_cost_vs_ddp' + suffix]:.2f} "
+                    f"(median of per-round ratios {result['hook_cost_vs_ddp' + suffix + '_per_round_median']:.2f})"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=300, help="steps per configuration per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU's intra-op pool)")
+    parser.add_argument("--out", help="write the result as JSON to this file")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")  # DDP's and phalanx's one-replica notices, once each
+    runs = configs(args.device)
+    times = measure(runs, args.rounds, args.steps, args.device)
+    result = {
+        "device": args.device,
+        "machine": machine(args.device),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "threads": args.threads,
+        **summary(times),
+        "per_round_us": times,
+    }
+    print(table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
