@@ -20,7 +20,7 @@ strategy = px.MultiWorkerMirroredStrategy()
 print("strategy ready", flush=True)
 """
 
-NOTICE = re.compile(r"phalanx: waiting for (.+); (\d+) s left before RendezvousTimeoutError")
+NOTICE = re.compile(r"phalanx: waiting for (.+); giving up in (\d+) s \(PHALANX_RENDEZVOUS_TIMEOUT\)")
 
 
 @pytest.mark.parametrize("index,missing", [(0, 1), (1, 0)])

@@ -90,8 +90,9 @@ class WaitNotice:
         if len(names) > RendezvousTimeoutError.NAMED:
             named += f" and {len(names) - RendezvousTimeoutError.NAMED} more ({len(names)} tasks)"
         left = max(0.0, deadline - time.monotonic())
+        # No error's name in it: the job may well succeed, and log watchers flag "Error" lines.
         print(
-            f"phalanx: waiting for {named}; {left:.0f} s left before RendezvousTimeoutError",
+            f"phalanx: waiting for {named}; giving up in {left:.0f} s (PHALANX_RENDEZVOUS_TIMEOUT)",
             file=sys.stderr,
             flush=True,
         )
