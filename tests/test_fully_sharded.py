@@ -375,3 +375,21 @@ def test_bad_arguments_are_typed():
             px.FullyShardedStrategy("cpu", min_params_to_shard=bad)
     with pytest.raises(px.errors.ClusterSpecError, match="cpu:0"):
         px.FullyShardedStrategy(["cpu:0"], cluster_resolver=object())
+
+
+def test_roots_over_the_same_parameters_make_one_group_and_a_partial_overlap_is_refused():
+    # A Keras model loaded from a file keeps an earlier internal graph over all its weights: the
+    # two containers must become one FSDP2 group (sharded twice, the first group's parameters
+    # were emptied: a size-0 weight at the first step; tests/test_keras_load_model.py).
+    from phalanx.errors import ShardingError
+    from phalanx.strategies.fully_sharded import _one_group_per_parameter
+
+    shared, own = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    first, model = torch.nn.Sequential(shared), torch.nn.Sequential(shared)  # the same parameters
+    bigger = torch.nn.Sequential(shared, own)
+    assert _one_group_per_parameter([first, model]) == [model]  # the latest seen among equals
+    assert _one_group_per_parameter([bigger, first]) == [bigger]  # the one holding the most
+    # Two models over one shared layer, each with a layer of its own: no one group holds both.
+    left, right = torch.nn.Sequential(shared, torch.nn.Linear(2, 2)), torch.nn.Sequential(shared, own)
+    with pytest.raises(ShardingError, match="share some parameters"):
+        _one_group_per_parameter([left, right])

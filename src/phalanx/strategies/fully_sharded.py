@@ -254,7 +254,7 @@ class ShardedVariables(StrategyExtended):
         roots = [m for m in modules if id(m) not in children and not isinstance(m, self._fsdp.FSDPModule)]
         adaptations = {id(root): _adaptation(root) for root in roots}
         parts = {id(m) for a in adaptations.values() if a is not None for m in a.parts}
-        roots = [root for root in roots if id(root) not in parts]
+        roots = _one_group_per_parameter([root for root in roots if id(root) not in parts])
         adaptations = {id(root): adaptations[id(root)] for root in roots}
         owned = {id(p) for m in roots for p in m.parameters()}
         loose = [p for p in params if id(p) not in owned]
@@ -431,6 +431,36 @@ def _adaptation(root: torch.nn.Module) -> ShardingAdaptation | None:
             hint="import phalanx.keras before building the model (strategy.scope() does when keras is imported)",
         )
     return None
+
+
+def _one_group_per_parameter(roots: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The roots to shard: FSDP2 puts a parameter in one group, so of roots that hold the same
+    parameters one is sharded, the one holding the most (the latest seen among equals: ``roots``
+    is in the order the scope saw them).
+
+    A Keras model loaded from a file keeps the first internal graph it built of its layers alive
+    beside itself, a second container of every weight: sharded twice, the first group's
+    parameters were emptied under the second (a size-0 weight at the first step).
+
+    Raises:
+        ShardingError: two roots share some of their parameters but neither holds all of the
+            other's (two models over one shared layer): no single group can hold them.
+    """
+    held = [{id(p) for p in root.parameters()} for root in roots]
+    kept: list[int] = []
+    for i in sorted(range(len(roots)), key=lambda i: (-len(held[i]), -i)):
+        if any(held[i] <= held[k] for k in kept):
+            continue  # every parameter of it is in a group already
+        shared = next((k for k in kept if held[i] & held[k]), None)
+        if shared is not None:
+            raise ShardingError(
+                f"{type(roots[i]).__name__} and {type(roots[shared]).__name__}",
+                "two models built in scope share some parameters; FullyShardedStrategy shards each "
+                "parameter in one model's group",
+                hint="build the shared part and its users as one model, or share nothing",
+            )
+        kept.append(i)
+    return [roots[i] for i in sorted(kept)]
 
 
 def _weak_hook(method: Any) -> Any:
