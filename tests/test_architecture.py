@@ -515,6 +515,58 @@ def test_tests_and_benchmarks_use_the_public_contract():
     assert not found, "\n".join(found)
 
 
+# ------------------------------------------------------------------------------------ processes
+# Starting a process from a command, reaping one, or signalling one by its pid belongs to the one
+# Supervisor (launch/): a notebook's replicas too (issue 30). What stays elsewhere is the fork of a
+# notebook kernel (a replica that goes on from the kernel's own state; the Supervisor adopts it)
+# and a process signalling itself.
+PROCESS_CALLS = __import__("re").compile(
+    r"subprocess\.(Popen|run|call|check_call|check_output)\(|os\.(waitpid|wait|kill|killpg)\("
+)
+
+
+# Commands a user would type, run to their end by tools (not replicas): `phalanx bench` runs the
+# benchmarks, the demo runs `phalanx run` as its reader would.
+TOOL_COMMANDS = {"phalanx.cli", "phalanx.demo"}
+LIVENESS_PROBE = __import__("re").compile(r"os\.kill\([^,()]+,\s*0\)")
+
+
+def process_calls(path: Path) -> list[str]:
+    """``file:line: code`` for each call that starts, reaps or signals a process outside launch/
+    (signal 0, a liveness probe that sends nothing, and a process signalling itself excepted)."""
+    found = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if PROCESS_CALLS.search(line) and "os.kill(os.getpid()" not in line and not LIVENESS_PROBE.search(line):
+            found.append(f"{path.relative_to(SRC.parent)}:{i}: {line.strip()}")
+    return found
+
+
+def test_the_process_check_can_fail(tmp_path):
+    probe = SRC / "phalanx" / "_probe_for_test.py"
+    try:
+        probe.write_text(
+            "import os, subprocess\nsubprocess.Popen(['x'])\nos.kill(os.getpid(), 2)\nos.waitpid(1, 0)\n"
+            "os.kill(pid, 0)\nos.kill(pid, 9)\n"
+        )
+        assert [f.split(": ", 1)[0] for f in process_calls(probe)] == [
+            "src/phalanx/_probe_for_test.py:2",
+            "src/phalanx/_probe_for_test.py:4",
+            "src/phalanx/_probe_for_test.py:6",
+        ]
+    finally:
+        probe.unlink()
+
+
+def test_only_the_supervisor_starts_reaps_or_signals_processes():
+    found = [
+        f
+        for name, path in _modules().items()
+        if not name.startswith("phalanx.launch") and name not in TOOL_COMMANDS
+        for f in process_calls(path)
+    ]
+    assert not found, "start, reap and signal processes through launch.supervisor.Supervisor:\n" + "\n".join(found)
+
+
 # ------------------------------------------------------------------------------------ settings
 def test_every_phalanx_variable_is_a_setting_or_the_launchers_identity():
     # One place says what the process can be configured with: phalanx.config.Settings (plus the

@@ -448,3 +448,38 @@ def test_process_identity_is_the_jobs_after_a_helper_one_device_strategy(tmp_pat
     assert res.returncode == 0, res.logs()[-3000:]
     assert "identity (0, 2, True) on replica 0" in res.output, res.output
     assert "identity (1, 2, False) on replica 1" in res.logs(), res.logs()[-3000:]
+
+
+def test_a_child_the_program_forked_itself_is_watched_reaped_and_reported_as_a_task(tmp_path):
+    # A notebook's replica is forked from the kernel (it goes on from the kernel's own state, so no
+    # command can start it): the one Supervisor still watches, signals, reaps and reports it.
+    from phalanx.launch.supervisor import Supervisor
+
+    sup = Supervisor()
+    ends_3 = os.fork()
+    if ends_3 == 0:  # pragma: no cover - the child
+        os._exit(3)
+    sleeps = os.fork()
+    if sleeps == 0:  # pragma: no cover - the child
+        time.sleep(60)
+        os._exit(0)
+    first = sup.adopt(Task(name="replica 1", command=()), ends_3)
+    second = sup.adopt(Task(name="replica 2", command=()), sleeps)
+    assert first.pid == ends_3 and sup.wait(first, timeout=10) == 3
+    assert second.popen.poll() is None and {r.pid for r in sup.alive()} == {sleeps}
+    sup.kill([second])
+    assert second.popen.wait(timeout=10) == -signal.SIGKILL
+    assert sorted((e.task.name, e.code) for e in sup.poll()) == [("replica 1", 3), ("replica 2", -signal.SIGKILL)]
+    assert not psutil.pid_exists(ends_3) and not psutil.pid_exists(sleeps)  # reaped: no zombie left
+
+
+def test_a_task_can_leave_variables_of_the_supervisors_environment_out(monkeypatch):
+    # A notebook's spawned replica must not inherit the kernel's own PHALANX_* identity.
+    from phalanx.launch.supervisor import Supervisor
+
+    monkeypatch.setenv("PHALANX_PROBE_IDENTITY", "kernel")
+    code = "import os; raise SystemExit(7 if 'PHALANX_PROBE_IDENTITY' in os.environ else 0)"
+    sup = Supervisor()
+    kept = sup.start(Task(name="kept", command=(sys.executable, "-c", code)))
+    left = sup.start(Task(name="left", command=(sys.executable, "-c", code), unset=("PHALANX_PROBE_IDENTITY",)))
+    assert (sup.wait(kept, timeout=60), sup.wait(left, timeout=60)) == (7, 0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import gc
 import io
 import os
@@ -31,16 +30,12 @@ from phalanx.interactive import hooks
 from phalanx.interactive.channel import Channel
 from phalanx.interactive.control import Control
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.forkserver import die_with_parent
 
 # Cell magics that start a program: run by replica 0 only.
 _SHELL_CELL_MAGICS = frozenset(
     {"bash", "sh", "script", "system", "sx", "perl", "ruby", "pypy", "python2", "python3", "writefile"}
 )
-
-
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGKILL): the kernel kills this process when its parent dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
 def ipython_shell() -> Any:
@@ -264,10 +259,8 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
     # parent sees the replica die and fails the strategy's cell with this traceback.
     try:
         _keep_inherited_communicators()
-        os.setpgid(0, 0)  # Ctrl-C in a terminal reaches replica 0 only; it decides how to stop the rest
-        die_with_parent()
-        if os.getppid() != parent_pid:
-            os._exit(1)
+        # Its own group: Ctrl-C in a terminal reaches replica 0 only; it decides how to stop the rest.
+        die_with_parent(parent_pid, own_group=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         redirect_output(log_path)
@@ -313,7 +306,7 @@ def main() -> None:
     rank = int(os.environ.pop("PHALANX_INTERACTIVE_RANK"))
     host, port = os.environ.pop("PHALANX_INTERACTIVE_ADDR").rsplit(":", 1)
     secret = os.environ.pop("PHALANX_INTERACTIVE_SECRET")
-    die_with_parent()
+    # Dies with the kernel already: its Supervisor started it (launch.forkserver.die_with_parent).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sock = socket.create_connection((host, int(port)), timeout=60)
     sock.settimeout(None)

@@ -38,7 +38,6 @@ import secrets
 import select
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,10 +49,10 @@ from phalanx.errors import LaunchError, PhalanxError
 from phalanx.interactive import hooks
 from phalanx.interactive.channel import Channel, accept_authenticated
 from phalanx.interactive.control import Control
-from phalanx.interactive.replica import ReplicaSession, become_forked_replica, die_with_parent, ipython_shell
+from phalanx.interactive.replica import ReplicaSession, become_forked_replica, ipython_shell
 from phalanx.launch import host
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import new_run_id
+from phalanx.launch.supervisor import Running, Supervisor, Task, new_run_id
 
 START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
 FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
@@ -112,37 +111,17 @@ def log_root() -> str:
 
 
 class _Replica:
-    def __init__(self, rank: int, pid: int, channel: Channel, process: subprocess.Popen | None = None) -> None:
-        self.rank, self.pid, self.channel, self.process = rank, pid, channel, process
+    """A replica as the session sees it: its process, which the session's Supervisor started (or
+    adopted, when forked from this process) and reaps, and its control connection."""
+
+    def __init__(self, rank: int, run: Running, channel: Channel) -> None:
+        self.rank, self.run, self.channel = rank, run, channel
+        self.pid = run.pid
         self.exit: str | None = None  # how it ended, once it has
-        self._status: int | None = None
-        # The watcher thread and the main thread (at the program's end) both poll: reaping and
-        # recording the status is one step, or the second to ask saw "no such child" and no
-        # status, and a program whose replica had failed exited 0.
-        self._reap_lock = threading.Lock()
 
     def poll(self) -> int | None:
         """Its exit status if it ended (reaped), else None."""
-        if self.process is not None:
-            return self.process.poll()
-        with self._reap_lock:
-            if self._status is not None:
-                return self._status
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere (_stop_replicas): its status is lost
-                self._status = -1
-                return self._status
-            if pid == 0:
-                return None
-            self._status = os.waitstatus_to_exitcode(status)
-            return self._status
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return self.run.popen.poll()
 
 
 def _describe(code: int | None) -> str:
@@ -189,6 +168,9 @@ class Session:
         self._peer_failure: tuple[int, int] | None = None
         self._watcher: threading.Thread | None = None
         self._exit_code = 0
+        # Starts (spawn), adopts (fork), watches and stops the replicas: the one Supervisor of
+        # every launcher; this session keeps cells, interrupts and the console.
+        self.supervisor = Supervisor()
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"replica_{rank}.log")
@@ -266,7 +248,8 @@ class Session:
                 become_forked_replica(child, parent, self.log_path(rank))
                 return child
             theirs.close()
-            self.replicas[rank] = _Replica(rank, pid, Channel(ours))
+            run = self.supervisor.adopt(Task(name=f"replica {rank}", command=(), log_path=self.log_path(rank)), pid)
+            self.replicas[rank] = _Replica(rank, run, Channel(ours))
         return None
 
     def _spawn(self) -> None:
@@ -275,43 +258,34 @@ class Session:
         listener.listen(self.world_size)
         secret = secrets.token_hex(32)
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        processes = {}
+        # The kernel's own phalanx identity (a kernel started by a launcher) is not its replicas'.
+        unset = tuple(k for k in os.environ if k.startswith("PHALANX_") and k != "PHALANX_LOG_ROOT")
+        runs: dict[int, Running] = {}
         try:
             for rank in range(1, self.world_size):
-                env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_") or k == "PHALANX_LOG_ROOT"}
-                env.update(
-                    PHALANX_INTERACTIVE_RANK=str(rank),
-                    PHALANX_INTERACTIVE_ADDR=address,
-                    PHALANX_INTERACTIVE_SECRET=secret,
-                    PYTHONUNBUFFERED="1",
-                )
-                with open(self.log_path(rank), "wb") as log:
-                    processes[rank] = subprocess.Popen(
-                        [sys.executable, "-m", "phalanx.interactive.replica"],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        cwd=os.getcwd(),
-                        preexec_fn=_new_group_dying_with_parent,
-                    )
+                env = {
+                    "PHALANX_INTERACTIVE_RANK": str(rank),
+                    "PHALANX_INTERACTIVE_ADDR": address,
+                    "PHALANX_INTERACTIVE_SECRET": secret,
+                }
+                command = (sys.executable, "-m", "phalanx.interactive.replica")
+                task = Task(name=f"replica {rank}", command=command, env=env, log_path=self.log_path(rank), unset=unset)
+                runs[rank] = self.supervisor.start(task)
 
             def check() -> None:
-                for rank, process in processes.items():
-                    if process.poll() is not None:
+                for rank, run in runs.items():
+                    if run.popen.poll() is not None:
                         raise LaunchError(
-                            f"Replica {rank} (pid {process.pid}) {_describe(process.returncode)} "
+                            f"Replica {rank} (pid {run.pid}) {_describe(run.popen.returncode)} "
                             f"before it connected. Last lines of {self.log_path(rank)}:\n"
                             f"{self._tail(rank)}"
                         )
 
-            for _ in processes:
+            for _ in runs:
                 channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S, check)
-                self.replicas[rank] = _Replica(rank, processes[rank].pid, channel, processes[rank])
+                self.replicas[rank] = _Replica(rank, runs[rank], channel)
         except BaseException:
-            for process in processes.values():
-                process.kill()
-                process.wait()
+            self.supervisor.kill(list(runs.values()))
             raise
         finally:
             listener.close()
@@ -477,10 +451,7 @@ class Session:
     def _signal_replicas(self, sig: int) -> None:
         for replica in self.replicas.values():
             if replica.exit is None:
-                try:
-                    os.kill(replica.pid, sig)
-                except ProcessLookupError:
-                    pass
+                replica.run.popen.send_signal(sig)  # never a pid already reaped (and maybe reused)
 
     # ------------------------------------------------------------------ cells
     def before_cell(self, source: str) -> None:
@@ -708,20 +679,10 @@ class Session:
                 except OSError:
                     pass
             deadline = time.monotonic() + EXIT_GRACE_S
-            while time.monotonic() < deadline and any(
-                r.poll() is None for r in self.replicas.values() if r.exit is None or r.process is not None
-            ):
+            while time.monotonic() < deadline and any(r.poll() is None for r in self.replicas.values()):
                 time.sleep(0.01)
+        self.supervisor.kill([r.run for r in self.replicas.values() if r.poll() is None])
         for replica in self.replicas.values():
-            if replica.poll() is None:
-                replica.kill()
-                try:
-                    if replica.process is not None:
-                        replica.process.wait(5)
-                    else:
-                        os.waitpid(replica.pid, 0)
-                except (ChildProcessError, subprocess.TimeoutExpired):
-                    pass
             if replica.exit is None:
                 replica.exit = "was stopped"
 
@@ -756,15 +717,14 @@ class Session:
             deadline = time.monotonic() + 60
             while replica.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
-            code = getattr(replica, "_status", None)
-            if code and failed is None:
+            if replica.poll() and failed is None:
                 failed = replica
         if failed is not None:
             self.closed = True
             self._stop_replicas(graceful=False)
             print(
                 f"phalanx: root cause (first failure): replica {failed.rank} (pid {failed.pid}) "
-                f"{_describe(failed._status)}. Last lines of {self.log_path(failed.rank)}:\n"
+                f"{_describe(failed.poll())}. Last lines of {self.log_path(failed.rank)}:\n"
                 f"{self._tail(failed.rank)}",
                 file=sys.stderr,
                 flush=True,
@@ -777,11 +737,6 @@ def _in_cell_machinery(frame: Any) -> bool:
     """Whether ``frame`` is IPython's, ipykernel's or this module's: around the cell, not in it."""
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
     return name == __name__ or name.split(".", 1)[0] in ("IPython", "ipykernel", "code")
-
-
-def _new_group_dying_with_parent() -> None:
-    os.setpgid(0, 0)
-    die_with_parent()
 
 
 class _Console(code.InteractiveConsole):

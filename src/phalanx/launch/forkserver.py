@@ -331,7 +331,7 @@ class ForkServer:
                     env=self.env,
                     stdin=subprocess.DEVNULL,
                     pass_fds=(theirs.fileno(),),
-                    preexec_fn=lambda: _die_with(parent),  # noqa: PLW1509 - async-signal-safe calls only
+                    preexec_fn=lambda: die_with_parent(parent),  # noqa: PLW1509 - async-signal-safe calls only
                 )
             finally:
                 theirs.close()
@@ -509,10 +509,20 @@ class ForkServer:
         return None
 
 
-def _die_with(parent: int) -> None:  # in the server, between fork and exec
+def die_with_parent(parent: int, *, own_group: bool = False) -> None:
+    """Makes this process, a child of ``parent`` just forked, die with it: every child phalanx starts.
+
+    ``PR_SET_PDEATHSIG`` (SIGKILL) from the kernel once the parent's thread that forked it ends,
+    and an exit at once if the parent is already gone. ``own_group``: its own process group
+    first, so that a Ctrl-C at the terminal reaches the parent alone, which forwards it once.
+    Async-signal-safe (``preexec_fn`` of a thread-using parent): the prctl pointer is resolved at
+    import, and only system calls run here.
+    """
+    if own_group:
+        os.setpgid(0, 0)
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -655,12 +665,7 @@ def _become(request: dict[str, Any]) -> str:
     signal.signal(signal.SIGINT, signal.SIG_IGN if _SIGINT_AT_START == signal.SIG_IGN else signal.default_int_handler)
     if request["new_session"]:
         os.setsid()
-    elif request["own_group"]:
-        os.setpgid(0, 0)
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != server:
-        os._exit(1)
+    die_with_parent(server, own_group=request["own_group"] and not request["new_session"])
     fds, names = request["_fds"], request["fds"]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

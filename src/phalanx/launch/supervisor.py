@@ -1,8 +1,10 @@
 """The one supervisor under every launcher: start tasks, watch them, stop them, name the root cause.
 
-Self-launch (``python train.py`` with a multi-replica strategy), ``phalanx run -n N`` and the
-parameter-server cluster (``phalanx run --ps P --workers W``) are configurations of this module,
-as torchrun and horovodrun are configurations of their single cores. What they share:
+Self-launch (``python train.py`` with a multi-replica strategy), ``phalanx run -n N``, the
+parameter-server cluster (``phalanx run --ps P --workers W``) and notebook sessions
+(:mod:`phalanx.interactive.session`: spawned replicas started here, forked ones adopted with
+:meth:`Supervisor.adopt`) are configurations of this module, as torchrun and horovodrun are
+configurations of their single cores. What they share:
 
 * **Tasks.** A :class:`Task` is a name, a command, the environment it adds and where its output
   goes. A task with no ``log_path`` writes straight to this process's terminal (replica 0, the
@@ -39,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
@@ -62,6 +63,7 @@ from phalanx.launch.forkserver import (
     INHERIT_VARIABLE,
     ForkedProcess,
     ForkServer,
+    die_with_parent,
     forkable,
     inherited_server,
     preload_for,
@@ -98,11 +100,6 @@ FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish
 # peer that failed first is often still exiting (its teardown can take seconds), or its end not yet
 # reported (a fork server reports an exit a moment after the process ended).
 CAUSE_WAIT_S = 2.0
-_PR_SET_PDEATHSIG = 1
-try:  # resolved before any fork: the child calls the function pointer and nothing else
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: the parent watch alone covers the children
-    _prctl = None
 
 
 # ----------------------------------------------------------------------------- run directories
@@ -207,6 +204,8 @@ class Task:
         error_path: where it records an uncaught exception (torch elastic's error-file format).
         done_path: where it marks that its program has finished (it is then only tearing down).
         info: extra identity for reports ("node 0, local rank 1").
+        unset: variables of the supervisor's own environment the task does not inherit (a
+            notebook kernel's own ``PHALANX_*`` identity is not its replicas').
     """
 
     name: str
@@ -216,6 +215,7 @@ class Task:
     error_path: str | None = None
     done_path: str | None = None
     info: str = ""
+    unset: tuple[str, ...] = ()
 
 
 @dataclass
@@ -223,7 +223,7 @@ class Running:
     """A started task."""
 
     task: Task
-    popen: subprocess.Popen | ForkedProcess
+    popen: subprocess.Popen | ForkedProcess | ChildProcess
     started: float
     stopped_by_supervisor: bool = False
     failed_at: float | None = None  # when its error file appeared (it is failing, maybe still exiting)
@@ -392,13 +392,60 @@ def format_failure(exit: Exit, *, lines: int = 15) -> str:
 
 
 # ----------------------------------------------------------------------------- the supervisor
+class ChildProcess:
+    """A child this process forked itself: the part of :class:`subprocess.Popen` a supervisor uses.
+
+    Reaped once, under a lock: the supervisor's watcher and the program's main thread may both
+    poll, and the second to ask would otherwise see "no such child" and lose the status.
+
+    Attributes:
+        pid: its process id.
+        returncode: its exit code once it has ended (``-N`` when killed by signal N), else None;
+            -1 if something else in this process reaped it first.
+    """
+
+    stdout = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: its status is lost
+                    self.returncode = -1
+                else:
+                    if pid != 0:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never signal a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
     # Its own process group: a Ctrl-C at the terminal reaches the supervisor, which forwards it once.
-    os.setpgid(0, 0)
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent, own_group=True)
 
 
 class Supervisor:
@@ -441,7 +488,8 @@ class Supervisor:
     # ------------------------------------------------------------------ starting
     def start(self, task: Task) -> Running:
         """Starts ``task`` (again, for a restart) and returns its handle."""
-        env = {**os.environ, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}  # see env.SUPERVISOR_VARIABLES
+        inherited = {k: v for k, v in os.environ.items() if k not in task.unset}
+        env = {**inherited, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}  # see env.SUPERVISOR_VARIABLES
         env.pop(INHERIT_VARIABLE, None)  # this process's connection, not the task's
         if task.error_path:
             with contextlib.suppress(OSError):
@@ -492,6 +540,18 @@ class Supervisor:
             run._pump.start()
         elif log is not None:
             log.close()
+        with self._lock:
+            self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
+        return run
+
+    def adopt(self, task: Task, pid: int) -> Running:
+        """Watches ``pid``, a child this process forked itself, as one of its tasks.
+
+        For a replica that must go on from this process's own state (a notebook kernel's, forked
+        mid-program), which no command can start: from here the supervisor reaps, signals and
+        reports it like the tasks it started (``task.command`` is empty).
+        """
+        run = Running(task, ChildProcess(pid), time.monotonic())
         with self._lock:
             self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
         return run
