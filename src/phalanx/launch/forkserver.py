@@ -74,7 +74,16 @@ from typing import Any
 from phalanx.errors import LaunchError
 from phalanx.launch.stdio import flush_quietly, own_streams
 
-__all__ = ["ForkServer", "ForkedProcess", "forkable", "has_inherited_server", "inherited_server", "preload_for"]
+__all__ = [
+    "ForkServer",
+    "ForkedProcess",
+    "ProcessHandle",
+    "die_with_parent",
+    "forkable",
+    "has_inherited_server",
+    "inherited_server",
+    "preload_for",
+]
 
 _MAX_MESSAGE = 1 << 20  # one request (its environment included) fits in a datagram this size
 _READY_TIMEOUT = 300.0  # importing torch and Keras on a loaded 2-core machine took up to 20 s
@@ -249,7 +258,41 @@ def inherited_server(timeout: float = 30.0) -> ForkServer | None:
     return server
 
 
-class ForkedProcess:
+class ProcessHandle:
+    """The part of :class:`subprocess.Popen` a supervisor uses, for a process it did not start from
+    a command: ``poll`` says how the process ended; waiting and signalling are built on it."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def _pause(self, seconds: float) -> None:
+        """Waits up to ``seconds`` for news of the process (a subclass may wake sooner)."""
+        time.sleep(seconds)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            self._pause(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never signal a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(ProcessHandle):
     """A task forked by a :class:`ForkServer`: the part of :class:`subprocess.Popen` a supervisor uses.
 
     Attributes:
@@ -270,24 +313,8 @@ class ForkedProcess:
             self.returncode = self._server._exit_code(self._request)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
-            self._server._wait_for_news(0.05)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # never signal a pid that may have been reused
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _pause(self, seconds: float) -> None:
+        self._server._wait_for_news(seconds)  # woken by the server's report of an exit
 
 
 class ForkServer:

@@ -63,6 +63,7 @@ from phalanx.launch.forkserver import (
     INHERIT_VARIABLE,
     ForkedProcess,
     ForkServer,
+    ProcessHandle,
     die_with_parent,
     forkable,
     inherited_server,
@@ -392,7 +393,7 @@ def format_failure(exit: Exit, *, lines: int = 15) -> str:
 
 
 # ----------------------------------------------------------------------------- the supervisor
-class ChildProcess:
+class ChildProcess(ProcessHandle):
     """A child this process forked itself: the part of :class:`subprocess.Popen` a supervisor uses.
 
     Reaped once, under a lock: the supervisor's watcher and the program's main thread may both
@@ -423,24 +424,8 @@ class ChildProcess:
                         self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # never signal a pid that may have been reused
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _pause(self, seconds: float) -> None:
+        time.sleep(min(seconds, 0.01))  # no one reports its end: poll often
 
 
 def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
