@@ -259,8 +259,9 @@ def inherited_server(timeout: float = 30.0) -> ForkServer | None:
 
 
 class ProcessHandle:
-    """The part of :class:`subprocess.Popen` a supervisor uses, for a process it did not start from
-    a command: ``poll`` says how the process ended; waiting and signalling are built on it."""
+    """The part of :class:`subprocess.Popen` a supervisor uses, for a process that ``Popen`` did not
+    make (forked by a fork server, or by this process itself): ``poll`` says how it ended; waiting
+    and signalling are built on it."""
 
     pid: int
     returncode: int | None
