@@ -104,8 +104,8 @@ class StrategyExtended:
     ``variable_sync`` (:class:`~phalanx.core.variable_sync.VariableSync`: the variables created under
     the strategy), ``cross_replica`` (:class:`~phalanx.core.cross_replica.CrossReplicaValues`:
     collectives on values) and ``consistency`` (:class:`~phalanx.core.consistency.ConsistencyChecks`:
-    the guard). The ``_`` methods are what a strategy overrides: how its gradients are
-    synchronised, what it settles around a step, what its checkpoints hold. Collectives
+    the guard). The ``_`` methods are what a strategy overrides besides the checkpoint
+    protocol: how its gradients are synchronised, what it settles around a step. Collectives
     (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``) must be called by every process of
     the job at the same point.
 
@@ -384,27 +384,18 @@ class StrategyExtended:
     # ---------------------------------------------------------------- the contract: checkpoints
     # A strategy that keeps state away from the objects the user holds (the parameter servers'
     # optimizer state) or shards it overrides these (the CheckpointParticipant protocol).
+    # The public methods are the implementations (here: as saved), overridden as they are.
     def state_to_save(self, obj: Any) -> Any:
         """The state of ``obj`` to store in a checkpoint, or None for ``obj.state_dict()``."""
-        return self._state_to_save(obj)
+        return None
 
     def after_restore(self, obj: Any) -> None:
         """Called after a checkpoint restored ``obj`` in place."""
-        self._after_restore(obj)
 
     def state_to_restore(self, obj: Any, saved: Any) -> Any:
         """``saved`` in the form ``obj.load_state_dict`` takes under this strategy (a strategy that
         shards ``obj`` cuts each tensor to this replica's shard; a tensor written sharded arrives as
         a :class:`phalanx.checkpoint.distributed.Stored` to read into a shard, or to leave whole)."""
-        return self._state_to_restore(obj, saved)
-
-    def _state_to_save(self, obj: Any) -> Any:
-        return None
-
-    def _after_restore(self, obj: Any) -> None:
-        pass
-
-    def _state_to_restore(self, obj: Any, saved: Any) -> Any:
         return saved
 
     # ---------------------------------------------------------------- TF's library-author API

@@ -425,7 +425,7 @@ class ParameterServerExtended(StrategyExtended):
 
     # Checkpoints: optimizer state lives on the servers, so a save fetches it into the optimizer's
     # ordinary ``state_dict`` (restorable under any strategy, or none) and a restore sends it back.
-    def _state_to_save(self, obj: Any) -> Any:
+    def state_to_save(self, obj: Any) -> Any:
         if self._role != "chief" or not self._specs:
             return None
         if isinstance(obj, torch.optim.Optimizer):
@@ -445,7 +445,7 @@ class ParameterServerExtended(StrategyExtended):
             self.pull_variables()  # the chief's copy may lag the servers
         return None
 
-    def _after_restore(self, obj: Any) -> None:
+    def after_restore(self, obj: Any) -> None:
         if self._role != "chief" or not self._specs:
             return
         if isinstance(obj, torch.optim.Optimizer):

@@ -358,7 +358,7 @@ class ShardedVariables(StrategyExtended):
     # state_dicts with torch.distributed.checkpoint, each replica its own shards, so no replica
     # ever holds a whole tensor (phalanx.checkpoint.distributed).
 
-    def _state_to_restore(self, obj: Any, saved: Any) -> Any:
+    def state_to_restore(self, obj: Any, saved: Any) -> Any:
         """``saved`` with each tensor of a sharded parameter as this replica's shard: a tensor
         written sharded (on any number of replicas) is read into the shard directly, reading only
         its rows; a whole one (saved under another strategy) is cut. Local, no communication."""
