@@ -12,8 +12,9 @@ import torch
 import phalanx as px
 from phalanx import hooks
 from phalanx._sidetable import IdentityTable
+from phalanx.core.variable_sync import owner_of
 from phalanx.ps import pickling
-from phalanx.strategy import InputSharding, owner_of
+from phalanx.strategy import InputSharding
 
 # The first torch.optim optimizer of a process sets TORCHINDUCTOR_CACHE_DIR (torch's lazy imports);
 # make that happen at collection, not inside a test the hygiene fixture watches.

@@ -465,12 +465,15 @@ def test_a_child_the_program_forked_itself_is_watched_reaped_and_reported_as_a_t
         os._exit(0)
     first = sup.adopt(Task(name="replica 1", command=()), ends_3)
     second = sup.adopt(Task(name="replica 2", command=()), sleeps)
-    assert first.pid == ends_3 and sup.wait(first, timeout=10) == 3
-    assert second.popen.poll() is None and {r.pid for r in sup.alive()} == {sleeps}
-    sup.kill([second])
-    assert second.popen.wait(timeout=10) == -signal.SIGKILL
-    assert sorted((e.task.name, e.code) for e in sup.poll()) == [("replica 1", 3), ("replica 2", -signal.SIGKILL)]
-    assert not psutil.pid_exists(ends_3) and not psutil.pid_exists(sleeps)  # reaped: no zombie left
+    try:
+        assert first.pid == ends_3 and sup.wait(first, timeout=10) == 3
+        assert second.popen.poll() is None and {r.pid for r in sup.alive()} == {sleeps}
+        sup.kill([second])
+        assert second.popen.wait(timeout=10) == -signal.SIGKILL
+        assert sorted((e.task.name, e.code) for e in sup.poll()) == [("replica 1", 3), ("replica 2", -signal.SIGKILL)]
+        assert not psutil.pid_exists(ends_3) and not psutil.pid_exists(sleeps)  # reaped: no zombie left
+    finally:  # a failed assertion leaves no child behind
+        sup.kill([first, second])
 
 
 def test_a_task_can_leave_variables_of_the_supervisors_environment_out(monkeypatch):

@@ -35,8 +35,8 @@ from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.core.consistency import ConsistencyChecks
-from phalanx.core.cross_replica import CrossReplicaValues, by_dtype
-from phalanx.core.variable_sync import VariableSync, owner_of  # noqa: F401 - owner_of: its public home before
+from phalanx.core.cross_replica import CrossReplicaValues
+from phalanx.core.variable_sync import VariableSync
 from phalanx.devices import LogicalDevice
 from phalanx.errors import (
     ContextError,
@@ -54,9 +54,6 @@ def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/
     """TF's full name of ``device`` on ``task``, e.g. ``/job:localhost/replica:0/task:0/device:CPU:1``."""
     kind = "GPU" if device.type == "cuda" else device.type.upper()
     return f"{task}/device:{kind}:{device.index}"
-
-
-_tf_name = tf_device_name  # the former private name
 
 
 @dataclass(frozen=True)
@@ -527,9 +524,6 @@ def _detached(value: Any) -> Any:
     """``value`` cut from the autograd graph if it was computed in it (a loss, an output); a leaf
     tensor (a variable, an input) is returned itself."""
     return value.detach() if isinstance(value, torch.Tensor) and value.grad_fn is not None else value
-
-
-_by_dtype = by_dtype  # the former private name
 
 
 def _ignored(api: str, parameter: str) -> None:

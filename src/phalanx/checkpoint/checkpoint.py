@@ -406,7 +406,7 @@ def _owner(obj: Any) -> Any:
     """The strategy's ``extended`` whose variables ``obj`` holds, if one marked them.
 
     A strategy that keeps state away from the user's objects (the parameter servers) marks its
-    tensors (:func:`phalanx.strategy.owner_of`), so that a Checkpoint made outside ``scope()`` still finds it.
+    tensors (:func:`phalanx.core.variable_sync.owner_of`), so that a Checkpoint made outside ``scope()`` still finds it.
     """
     if isinstance(obj, torch.Tensor):
         tensors: Any = [obj]

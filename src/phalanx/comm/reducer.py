@@ -54,7 +54,6 @@ class _Bucket:
         self.sizes = [p.numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         self.numel = sum(self.sizes)
-        self.count = len(params)
         self.ready: set[int] = set()
         self.handle: Any = None
         self.flat: torch.Tensor | None = None  # the persistent buffer: gradients, then the guard's room
@@ -235,7 +234,9 @@ class GradientReducer:
             bucket = self._buckets[b]
             grad = param.grad
             if grad is not None:
-                view = (bucket.views if bucket.flat is not None else (bucket.buffer(), bucket.views)[1])[pos]
+                if bucket.flat is None:
+                    bucket.buffer()  # the first gradient of the bucket's first pass
+                view = bucket.views[pos]
                 # Not checked: whether grad is another tensor on the view's memory (the user's own
                 # view of it): copying it onto itself changes nothing, and the check would cost
                 # every gradient of every pass.
@@ -247,11 +248,11 @@ class GradientReducer:
             ready = bucket.ready
             ready.add(pos)
             # Only this bucket changed: something can be launched only if it is the next one and full.
-            if b != self._next or len(ready) != bucket.count:
+            if b != self._next or len(ready) != len(bucket.params):
                 return
             try:
                 buckets = self._buckets
-                while self._next < len(buckets) and len(buckets[self._next].ready) == buckets[self._next].count:
+                while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
                     self._launch(buckets[self._next])
                     self._next += 1
             except BaseException:
