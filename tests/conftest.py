@@ -116,7 +116,7 @@ def start_process(cmd: list[str], *, cwd: Path, env: dict[str, str], out, fresh:
 def _close_strategies_left_open():
     """A strategy a test leaves open (threaded ranks, say) would stay the process's live strategy and
     answer phalanx.process_index() / is_chief() for the tests after it: close what the test made."""
-    import phalanx.strategy as strategy_module
+    import phalanx.core.strategy as strategy_module
 
     before = {id(ref()) for ref in list(strategy_module._LIVE) if ref() is not None}
     yield

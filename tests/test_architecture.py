@@ -114,26 +114,11 @@ def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
 LAYERS: dict[int, tuple[str, ...]] = {
     0: ("errors", "nest", "values", "devices", "config", "_sidetable", "_compat", "_lazy", "_signal_routing"),
     1: ("cluster", "launch", "comm", "hooks", "interactive"),
-    2: (
-        "context",
-        "variables",
-        "strategy",
-        "core",
-        "regroup",
-        "process",
-        "distributed_variable",
-        "global_batch",
-        "compiled",
-        "options",
-        "global_strategy",
-        "_integrations",
-        "input",
-        "nn",
-    ),
+    2: ("core", "input"),
     3: ("checkpoint", "summary"),
     4: ("strategies", "ps"),
     5: ("keras",),
-    6: ("phalanx", "experimental", "coordinator", "cluster_resolver", "cli", "demo", "server"),
+    6: ("phalanx", "experimental", "nn", "coordinator", "cluster_resolver", "cli", "demo", "server"),
 }
 
 
@@ -156,8 +141,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_layer_check_can_fail():
-    planted = {"phalanx.errors": {"phalanx.strategy"}, "phalanx.strategy": {"phalanx.errors"}}
-    assert upward_imports(planted) == ["phalanx.errors -> phalanx.strategy (L0 -> L2)"]
+    planted = {"phalanx.errors": {"phalanx.core.strategy"}, "phalanx.core.strategy": {"phalanx.errors"}}
+    assert upward_imports(planted) == ["phalanx.errors -> phalanx.core.strategy (L0 -> L2)"]
     assert layer_of("phalanx.newthing") is None and layer_of("phalanx") == 6
 
 
@@ -284,7 +269,7 @@ def test_modules_imported_by_a_computed_name_are_the_documented_ones():
     # integrations joined when their library is loaded (an upward import by design, as entry points
     # are), the fork server's preloads (third-party modules named on the command line), and a PS
     # worker loading the integration that registered a reference kind (named in a signed message).
-    allowed = {"phalanx._lazy", "phalanx._integrations", "phalanx.launch.forkserver", "phalanx.ps.pickling"}
+    allowed = {"phalanx._lazy", "phalanx.core.integrations", "phalanx.launch.forkserver", "phalanx.ps.pickling"}
     found = set()
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -296,9 +281,9 @@ def test_modules_imported_by_a_computed_name_are_the_documented_ones():
             ):
                 found.add(name)
     assert found <= allowed, f"modules imported by a computed name outside the documented places: {found - allowed}"
-    from phalanx import _integrations
+    from phalanx.core import integrations
 
-    for integration in _integrations.INTEGRATIONS.values():
+    for integration in integrations.INTEGRATIONS.values():
         assert importlib.util.find_spec(integration) is not None, integration
 
 
@@ -326,7 +311,7 @@ def test_scope_works_next_to_a_keras_3_on_torch_of_a_version_phalanx_keras_refus
         "for _ in range(2):\n    with strategy.scope():\n        model = torch.nn.Linear(2, 1)\n"
         "out = strategy.run(lambda: model(torch.ones(1, 2)).sum())\n"
         "assert 'phalanx.keras' not in sys.modules\n"
-        "from phalanx import _integrations\nassert _integrations._REFUSED == {'phalanx.keras'}\n"
+        "from phalanx.core import integrations\nassert integrations._REFUSED == {'phalanx.keras'}\n"
     )
 
 

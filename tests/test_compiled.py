@@ -254,7 +254,7 @@ def test_importing_phalanx_leaves_torch_compile_unloaded():
     import subprocess
 
     code = (
-        "import sys, phalanx, phalanx.comm.reducer, phalanx.compiled; "
+        "import sys, phalanx, phalanx.comm.reducer, phalanx.core.compiled; "
         "assert 'torch._dynamo' not in sys.modules, 'phalanx imported torch._dynamo'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

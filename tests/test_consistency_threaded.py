@@ -15,10 +15,10 @@ import torch
 
 import phalanx as px
 from phalanx.comm.threaded import per_rank_errors, run_threaded
+from phalanx.core.global_batch import BatchInfo, tag
+from phalanx.core.strategy import Strategy, StrategyExtended
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ReplicaDivergenceError, UnsynchronizedParameterError
-from phalanx.global_batch import BatchInfo, tag
-from phalanx.strategy import Strategy, StrategyExtended
 
 GLOBAL, FEATURES = 12, 6
 

@@ -12,9 +12,9 @@ import torch
 import phalanx as px
 from phalanx import hooks
 from phalanx._sidetable import IdentityTable
+from phalanx.core.strategy import InputSharding
 from phalanx.core.variable_sync import owner_of
 from phalanx.ps import pickling
-from phalanx.strategy import InputSharding
 
 # The first torch.optim optimizer of a process sets TORCHINDUCTOR_CACHE_DIR (torch's lazy imports);
 # make that happen at collection, not inside a test the hygiene fixture watches.
@@ -24,9 +24,9 @@ torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 @pytest.fixture
 def no_live_strategy(monkeypatch):
     """Forgets the strategies earlier tests of this process left open."""
-    import phalanx.strategy
+    import phalanx.core.strategy
 
-    monkeypatch.setattr(phalanx.strategy, "_LIVE", [])
+    monkeypatch.setattr(phalanx.core.strategy, "_LIVE", [])
 
 
 def test_process_identity_outside_any_strategy_is_a_single_process(monkeypatch, no_live_strategy):
@@ -100,12 +100,12 @@ def test_global_hooks_are_listed_and_removable():
     strategy = px.OneDeviceStrategy("cpu")
     with strategy.scope():
         torch.nn.Linear(1, 1)
-    assert {"phalanx.variables.parameter", "phalanx.variables.buffer"} <= set(hooks.installed())
-    assert hooks.remove("phalanx.variables.parameter")
-    assert "phalanx.variables.parameter" not in hooks.installed()
+    assert {"phalanx.core.variables.parameter", "phalanx.core.variables.buffer"} <= set(hooks.installed())
+    assert hooks.remove("phalanx.core.variables.parameter")
+    assert "phalanx.core.variables.parameter" not in hooks.installed()
     with strategy.scope():  # the next capture installs it again
         torch.nn.Linear(1, 1)
-    assert "phalanx.variables.parameter" in hooks.installed()
+    assert "phalanx.core.variables.parameter" in hooks.installed()
     with pytest.raises(ValueError, match="unknown global hook kind"):
         hooks.install("x", "no_such_kind", print)
 

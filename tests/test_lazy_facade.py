@@ -7,6 +7,7 @@ import ast
 import importlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -32,25 +33,36 @@ print("no torch")
     assert res.returncode == 0 and "no torch" in res.stdout, res.stderr[-3000:]
 
 
+def _submodule(module: str, name: str) -> str | None:
+    """``module.name`` if that is a module, else None (``name`` is an attribute of ``module``)."""
+    if isinstance(getattr(importlib.import_module(module), name, None), types.ModuleType):
+        return f"{module}.{name}"
+    try:
+        importlib.import_module(f"{module}.{name}")
+    except ModuleNotFoundError:
+        return None
+    return f"{module}.{name}"
+
+
 @pytest.mark.parametrize("package", sorted(FACADES))
 def test_facade_tables_match_their_type_checking_imports(package):
     """What type checkers see (the imports under TYPE_CHECKING) is what the lazy table serves."""
     tree = ast.parse(FACADES[package].read_text())
     guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
-    seen = {}
+    seen = {}  # name -> the module it is (a submodule), or the module that defines it
     for node in guarded.body:
         for alias in node.names:
-            seen[alias.name] = f"{package}.{alias.name}" if node.module == package else node.module
+            seen[alias.name] = _submodule(node.module, alias.name) or node.module
     module = importlib.import_module(package)
-    table = {name: f"{package}.{name}" for name in getattr(module, "_SUBMODULES", ())}
-    table.update(module._ATTRIBUTES)
+    submodules = getattr(module, "_SUBMODULES", {})
+    if not isinstance(submodules, dict):
+        submodules = {name: f"{package}.{name}" for name in submodules}
+    table = {**submodules, **module._ATTRIBUTES}
     assert seen == table
     for name, where in table.items():
         value = getattr(module, name)
         expected = (
-            importlib.import_module(where)
-            if where == f"{package}.{name}"
-            else getattr(importlib.import_module(where), name)
+            importlib.import_module(where) if name in submodules else getattr(importlib.import_module(where), name)
         )
         assert value is expected, name
     assert set(table) <= set(module.__all__) and set(module.__all__) <= set(dir(module))
@@ -62,3 +74,31 @@ def test_unknown_name_is_an_attribute_error_naming_it():
     with pytest.raises(AttributeError, match="'MirrorStrategy'"):
         phalanx.MirrorStrategy  # noqa: B018 - the lookup is the test
     assert not hasattr(phalanx, "nope")
+
+
+def test_core_modules_moved_into_core_keep_their_old_names():
+    """The core API moved from the package root into phalanx.core: code, pickles and patches that
+    name an old path (``phalanx.strategy``) get the same module, with a warning naming the new one."""
+    code = """
+import pickle, sys, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import phalanx.strategy as old
+    from phalanx.distributed_variable import VariableAggregation
+import phalanx.core.strategy as new
+assert old is new and sys.modules["phalanx.strategy"] is new, (old, new)
+assert new.__spec__.name == "phalanx.core.strategy", new.__spec__
+assert VariableAggregation is sys.modules["phalanx.core.distributed_variable"].VariableAggregation
+messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+assert messages == [
+    "phalanx.strategy moved to phalanx.core.strategy; import it from there",
+    "phalanx.distributed_variable moved to phalanx.core.distributed_variable; import it from there",
+], messages
+assert all(w.filename == "<string>" for w in caught), [w.filename for w in caught]
+# A pickle written before the move names the class by its old module.
+old_pickle = pickle.dumps(VariableAggregation.SUM, protocol=0).replace(b"phalanx.core.distributed_variable", b"phalanx.distributed_variable")
+assert b"phalanx.distributed_variable" in old_pickle and pickle.loads(old_pickle) is VariableAggregation.SUM
+print("moved ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "moved ok" in res.stdout, res.stderr[-3000:]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.distributed_variable import AggregationError, SyncOnReadVariable
+from phalanx.core.distributed_variable import AggregationError, SyncOnReadVariable
 
 import strategies
 from conftest import run_job

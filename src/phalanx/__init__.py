@@ -11,12 +11,12 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from phalanx._lazy import attach
+from phalanx._lazy import attach, moved_modules
 
 # The facade is lazy (phalanx._lazy): a name is imported on first use, so `phalanx run`'s
 # supervisor, which imports phalanx.launch only, does not import torch.
 if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
-    from phalanx import checkpoint, cluster_resolver, compiled, coordinator, experimental, interactive, nn
+    from phalanx import checkpoint, cluster_resolver, coordinator, experimental, interactive, nn
     from phalanx.cluster import ClusterSpec
     from phalanx.comm.cross_device_ops import (
         CrossDeviceOps,
@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         NcclAllReduce,
         ReductionToOneDevice,
     )
-    from phalanx.compiled import function
-    from phalanx.context import (
+    from phalanx.core import compiled
+    from phalanx.core.compiled import function
+    from phalanx.core.context import (
         ReplicaContext,
         get_cross_replica_context,
         get_replica_context,
@@ -33,8 +34,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         has_strategy,
         in_cross_replica_context,
     )
-    from phalanx.distributed_variable import Variable, VariableAggregation, VariableSynchronization
-    from phalanx.global_strategy import experimental_set_strategy
+    from phalanx.core.distributed_variable import Variable, VariableAggregation, VariableSynchronization
+    from phalanx.core.global_strategy import experimental_set_strategy
+    from phalanx.core.options import RunOptions
+    from phalanx.core.process import barrier, is_chief, num_processes, process_index
+    from phalanx.core.strategy import Strategy, StrategyExtended
     from phalanx.input import (
         AutoShardPolicy,
         DistributedDataset,
@@ -44,8 +48,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         InputReplicationMode,
         ValueContext,
     )
-    from phalanx.options import RunOptions
-    from phalanx.process import barrier, is_chief, num_processes, process_index
     from phalanx.ps.strategy import ParameterServerStrategy
     from phalanx.server import Server
     from phalanx.strategies.central_storage import CentralStorageStrategy
@@ -58,12 +60,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
     )
     from phalanx.strategies.one_device import OneDeviceStrategy
     from phalanx.strategies.tpu import TPUStrategy
-    from phalanx.strategy import Strategy, StrategyExtended
     from phalanx.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
-_SUBMODULES = frozenset(
-    {"checkpoint", "cluster_resolver", "compiled", "coordinator", "experimental", "interactive", "nn"}
-)
+# public name -> the module it is
+_SUBMODULES = {
+    name: f"phalanx.{name}"
+    for name in ("checkpoint", "cluster_resolver", "coordinator", "experimental", "interactive", "nn")
+} | {"compiled": "phalanx.core.compiled"}
 # name -> the module that defines it
 _ATTRIBUTES = {
     "ClusterSpec": "phalanx.cluster",
@@ -71,17 +74,17 @@ _ATTRIBUTES = {
     "HierarchicalCopyAllReduce": "phalanx.comm.cross_device_ops",
     "NcclAllReduce": "phalanx.comm.cross_device_ops",
     "ReductionToOneDevice": "phalanx.comm.cross_device_ops",
-    "function": "phalanx.compiled",
-    "Variable": "phalanx.distributed_variable",
-    "VariableAggregation": "phalanx.distributed_variable",
-    "VariableSynchronization": "phalanx.distributed_variable",
-    "ReplicaContext": "phalanx.context",
-    "get_cross_replica_context": "phalanx.context",
-    "get_replica_context": "phalanx.context",
-    "get_strategy": "phalanx.context",
-    "has_strategy": "phalanx.context",
-    "in_cross_replica_context": "phalanx.context",
-    "experimental_set_strategy": "phalanx.global_strategy",
+    "function": "phalanx.core.compiled",
+    "Variable": "phalanx.core.distributed_variable",
+    "VariableAggregation": "phalanx.core.distributed_variable",
+    "VariableSynchronization": "phalanx.core.distributed_variable",
+    "ReplicaContext": "phalanx.core.context",
+    "get_cross_replica_context": "phalanx.core.context",
+    "get_replica_context": "phalanx.core.context",
+    "get_strategy": "phalanx.core.context",
+    "has_strategy": "phalanx.core.context",
+    "in_cross_replica_context": "phalanx.core.context",
+    "experimental_set_strategy": "phalanx.core.global_strategy",
     "AutoShardPolicy": "phalanx.input",
     "DistributedDataset": "phalanx.input",
     "DistributedIterator": "phalanx.input",
@@ -89,11 +92,11 @@ _ATTRIBUTES = {
     "InputOptions": "phalanx.input",
     "InputReplicationMode": "phalanx.input",
     "ValueContext": "phalanx.input",
-    "RunOptions": "phalanx.options",
-    "barrier": "phalanx.process",
-    "is_chief": "phalanx.process",
-    "num_processes": "phalanx.process",
-    "process_index": "phalanx.process",
+    "RunOptions": "phalanx.core.options",
+    "barrier": "phalanx.core.process",
+    "is_chief": "phalanx.core.process",
+    "num_processes": "phalanx.core.process",
+    "process_index": "phalanx.core.process",
     "Server": "phalanx.server",
     "CentralStorageStrategy": "phalanx.strategies.central_storage",
     "FullyShardedStrategy": "phalanx.strategies.fully_sharded",
@@ -104,8 +107,8 @@ _ATTRIBUTES = {
     "OneDeviceStrategy": "phalanx.strategies.one_device",
     "ParameterServerStrategy": "phalanx.ps.strategy",
     "TPUStrategy": "phalanx.strategies.tpu",
-    "Strategy": "phalanx.strategy",
-    "StrategyExtended": "phalanx.strategy",
+    "Strategy": "phalanx.core.strategy",
+    "StrategyExtended": "phalanx.core.strategy",
     "DistributedValues": "phalanx.values",
     "Mirrored": "phalanx.values",
     "PerReplica": "phalanx.values",
@@ -114,5 +117,27 @@ _ATTRIBUTES = {
 
 
 __getattr__, __dir__, __all__ = attach(__name__, _SUBMODULES, _ATTRIBUTES)
+
+# Where the modules of the core API lived before they moved into phalanx.core: importing an old
+# path still works (the same module object, so pickles and patches that name it too), with a
+# DeprecationWarning that names the new one.
+moved_modules(
+    {
+        f"phalanx.{old}": f"phalanx.core.{new}"
+        for old, new in {
+            "strategy": "strategy",
+            "context": "context",
+            "variables": "variables",
+            "regroup": "regroup",
+            "process": "process",
+            "distributed_variable": "distributed_variable",
+            "global_batch": "global_batch",
+            "compiled": "compiled",
+            "options": "options",
+            "global_strategy": "global_strategy",
+            "_integrations": "integrations",
+        }.items()
+    }
+)
 
 __version__ = "0.1.0"

@@ -261,7 +261,7 @@ class CollectiveTimeoutError(PeerUnavailableError):
 class KerasIntegrationError(PhalanxError, RuntimeError):
     """A Keras model was built in a strategy's scope, but ``phalanx.keras`` could not join.
 
-    The scope joins the integration itself when Keras is loaded (:mod:`phalanx._integrations`);
+    The scope joins the integration itself when Keras is loaded (:mod:`phalanx.core.integrations`);
     this error remains for a Keras it could not join. Without the integration, ``fit`` would run
     undistributed on every replica (each on the whole global batch, the summed gradients scaling
     the update by the replica count): silently wrong training, which this error prevents.

@@ -70,7 +70,7 @@ _state = _State()
 
 
 def _is_chief() -> bool:
-    from phalanx.process import identity
+    from phalanx.core.process import identity
 
     # The current strategy, else the one this process built last, else the launcher's
     # environment, else a single process (which writes): a custom loop writes outside scope().

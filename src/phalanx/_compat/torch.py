@@ -28,7 +28,7 @@ __all__ = [
 
 
 # The logger torch.compile reports a frame it could not compile on (``torch._dynamo.convert_frame``,
-# torch 2.1 to 2.15); phalanx.compiled listens to it to name the frame that ran eagerly.
+# torch 2.1 to 2.15); phalanx.core.compiled listens to it to name the frame that ran eagerly.
 COMPILE_FRAME_LOGGER = "torch._dynamo.convert_frame"
 
 

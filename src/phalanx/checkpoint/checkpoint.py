@@ -47,11 +47,11 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx import context
 from phalanx.checkpoint import codec, distributed, keras_objects, sharding, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
+from phalanx.core import context
 from phalanx.core.variable_sync import owner_of
 
 _RESERVED = ("save_counter",)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from phalanx import context
 from phalanx.checkpoint.errors import CheckpointError
+from phalanx.core import context
 
 
 def _multi_process_environment() -> str | None:
@@ -72,7 +72,7 @@ def find_strategy(captured: Any = None, owning: Any = None) -> Any:
         return captured
     if owning is not None:
         return owning
-    from phalanx.strategy import live_strategy
+    from phalanx.core.strategy import live_strategy
 
     live = live_strategy()
     if live is not None and live.num_replicas_in_sync > 1:

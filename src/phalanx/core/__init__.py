@@ -1,7 +1,17 @@
-"""The collaborators of :class:`phalanx.strategy.StrategyExtended`, each with one responsibility.
+"""The core API (layer 2 of docs/ARCHITECTURE.md): what every strategy is built on.
+
+* :mod:`~phalanx.core.strategy`: ``Strategy``, ``StrategyExtended`` (the contract the rest of
+  phalanx relies on), ``DefaultStrategy`` and the extension points integrations join;
+* :mod:`~phalanx.core.context`: the scope stack, ``ReplicaContext`` and ``merge_call``;
+* :mod:`~phalanx.core.variables`, :mod:`~phalanx.core.distributed_variable`: capturing the
+  variables created in ``scope()``; ``phalanx.Variable`` and TF's aggregation rules;
+* :mod:`~phalanx.core.losses` (public as ``phalanx.nn``), :mod:`~phalanx.core.global_batch`,
+  :mod:`~phalanx.core.regroup`, :mod:`~phalanx.core.process`, :mod:`~phalanx.core.compiled`,
+  :mod:`~phalanx.core.options`, :mod:`~phalanx.core.global_strategy`,
+  :mod:`~phalanx.core.integrations`.
 
 A strategy's ``extended`` owns the communicator, the replica's device and the variables; what it
-does with them is done here, by objects it holds and names:
+does with them is done by collaborators it holds and names:
 
 * :class:`~phalanx.core.cross_replica.CrossReplicaValues` (``extended.cross_replica``): the
   collectives on values (``reduce``, ``gather``, local results, ``ReplicaContext.all_reduce``)
@@ -12,5 +22,7 @@ does with them is done here, by objects it holds and names:
   created under the strategy, what is still to broadcast, and the first step's watch for a
   parameter no scope saw.
 
-Nothing here imports :mod:`phalanx.strategy`: the extended passes what each needs.
+The collaborators do not import :mod:`phalanx.core.strategy`: the extended passes what each needs.
+These modules lived at the package root until 27 Nov 2026; the old paths (``phalanx.strategy``)
+still import, with a ``DeprecationWarning`` (``phalanx/__init__.py``).
 """

@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from phalanx import config, global_batch, variables
+from phalanx import config
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.guard import ReplicaGuard
+from phalanx.core import global_batch, variables
 
 
 class ConsistencyChecks:

@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx import nest, regroup
+from phalanx import nest
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.guard import digits_for
+from phalanx.core import regroup
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.errors import (
     CollectiveMismatchError,

@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx import context, hooks, variables
+from phalanx import hooks
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import Communicator
+from phalanx.core import context, variables
 from phalanx.errors import UnsynchronizedParameterError
 
 _TAGS = itertools.count(1)
@@ -105,7 +106,7 @@ class VariableSync:
         self.on_module: Callable[[torch.nn.Module], None] | None = None
         self.on_container: Callable[[torch.nn.Module], None] | None = None
         if comm.world_size > 1:  # a torch optimizer's first step in `run` checks its parameters
-            hooks.install("phalanx.strategy.optimizer_check", "optimizer_step_pre", _check_optimizer)
+            hooks.install("phalanx.core.strategy.optimizer_check", "optimizer_step_pre", _check_optimizer)
 
     # ---------------------------------------------------------------- the capture
     def scope(self, owner: object, default_device: bool = True) -> variables.capture:
@@ -132,7 +133,7 @@ class VariableSync:
 
     def capture_new_modules(self) -> None:
         """Captures what the modules seen since the last call hold that no registration announced
-        (``copy.deepcopy``, ``to_empty``, ...): see :func:`phalanx.variables.capture_modules`.
+        (``copy.deepcopy``, ``to_empty``, ...): see :func:`phalanx.core.variables.capture_modules`.
 
         Called by every replica at the same point (scope exit, start of ``run``), before the
         strategy synchronises new variables; nothing to do on a step that follows no new module.
@@ -274,7 +275,7 @@ class VariableSync:
                         self._step(),
                     )
 
-        name = f"phalanx.strategy.first_run.{id(self)}.{me}"
+        name = f"phalanx.core.strategy.first_run.{id(self)}.{me}"
         hooks.install(name, "module_forward_pre", watch)
         try:
             return fn(*args, **kwargs)

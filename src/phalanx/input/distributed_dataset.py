@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import numpy as np
 import torch
 
-from phalanx import global_batch, nest
+from phalanx import nest
+from phalanx.core import global_batch
 from phalanx.errors import InputMismatchError, PhalanxError
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from phalanx.input.spec import Optional, spec_of

@@ -1,7 +1,7 @@
 """Keras 3 (torch backend) under every phalanx strategy: build and compile in ``scope()``, then ``fit``.
 
 No import is needed: ``strategy.scope()`` imports this package when Keras is loaded (see
-:mod:`phalanx._integrations`), as ``tf.keras`` is strategy-aware by itself; ``import
+:mod:`phalanx.core.integrations`), as ``tf.keras`` is strategy-aware by itself; ``import
 phalanx.keras`` does the same explicitly. A Keras model created inside ``strategy.scope()``
 trains, evaluates and predicts distributed, with tf.keras' semantics: ``batch_size`` is the global
 batch, split across the replicas; the update equals one-device training on that batch; the
@@ -51,6 +51,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
+from phalanx.core.strategy import RUN_OBSERVERS  # noqa: E402
 from phalanx.keras.callbacks import Coordinator  # noqa: E402
 from phalanx.keras.metrics import UnsupportedMetricError, observe_run  # noqa: E402
 from phalanx.keras.model import (  # noqa: E402
@@ -63,7 +64,6 @@ from phalanx.keras.model import (  # noqa: E402
 )
 from phalanx.keras.parameter_server import DatasetCreator, UnsupportedOptimizerError  # noqa: E402
 from phalanx.keras.variables import observe_run as observe_variables  # noqa: E402
-from phalanx.strategy import RUN_OBSERVERS  # noqa: E402
 
 if observe_run not in RUN_OBSERVERS:
     RUN_OBSERVERS.append(observe_run)  # metrics used in custom loops report global values

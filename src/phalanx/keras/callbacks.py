@@ -46,7 +46,7 @@ from phalanx.keras.tensorboard import TensorBoard
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+    from phalanx.core.strategy import Strategy
 
 _cb = keras.callbacks
 

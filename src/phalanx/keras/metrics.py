@@ -42,13 +42,14 @@ from typing import TYPE_CHECKING, Any
 import keras
 import torch
 
-from phalanx import context, nest
+from phalanx import nest
+from phalanx.core import context
 from phalanx.errors import PhalanxError
 from phalanx.ps import pickling
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+    from phalanx.core.strategy import Strategy
 
 _ATTR = "_phalanx_metric_strategy"
 _DEPTH = 2

@@ -4,7 +4,7 @@ Keras 3 has no distribution hook for its torch backend, so phalanx adapts the *m
 created under ``strategy.scope()``, and nothing else: no Keras or torch class is changed.
 
 How a model is found. Keras-on-torch layers are ``torch.nn.Module`` s. ``phalanx.keras`` joins the
-core's scope-enter hooks (:func:`phalanx.strategy.register_scope_enter_hook`); from the first
+core's scope-enter hooks (:func:`phalanx.core.strategy.register_scope_enter_hook`); from the first
 scope on, torch's module-registration hook (a public torch extension point) reports every Keras
 ``Model`` that registers a sub-module: a model built in scope registers its parameter dict, a
 subclassed model its layers. Each such model gets :class:`DistributedModel` attached.
@@ -64,22 +64,23 @@ import keras
 import numpy as np
 import torch
 
-from phalanx import context, hooks, nest
+from phalanx import hooks, nest
 from phalanx._compat.keras import count_optimizer_step
 from phalanx._compat.keras import current_device as keras_device
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
+from phalanx.core import context
+from phalanx.core.losses import mark_loss_scaled
+from phalanx.core.strategy import RUN_OBSERVERS, register_device_context, register_scope_enter_hook
 from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery, sharding
 from phalanx.keras.discovery import distributed_model
-from phalanx.nn import mark_loss_scaled
-from phalanx.strategy import RUN_OBSERVERS, register_device_context, register_scope_enter_hook
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+    from phalanx.core.strategy import Strategy
 
 _KINDS = ("train", "test", "predict")
 _WRITERS = ("save", "save_weights", "export")
@@ -191,7 +192,7 @@ def _replica_device(strategy: "Strategy") -> Any:
 
 
 # The core calls this at every scope entry; it imports this package only by name, when Keras is
-# loaded (phalanx._integrations). Imported inside an open scope (Keras imported there), it joins now.
+# loaded (phalanx.core.integrations). Imported inside an open scope (Keras imported there), it joins now.
 register_scope_enter_hook(_on_scope_enter)
 register_device_context(_replica_device)
 if context.has_strategy():

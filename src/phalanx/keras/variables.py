@@ -9,7 +9,7 @@ joins the strategy before that step, once:
   replicas like a parameter created in scope (sync-on-read ones are only broadcast: their
   replicas' values differ by design);
 * the instance (never the class) is adapted so that ``assign``, ``assign_add`` and ``assign_sub``
-  follow :mod:`phalanx.distributed_variable`'s rules by the variable's ``aggregation``
+  follow :mod:`phalanx.core.distributed_variable`'s rules by the variable's ``aggregation``
   (``'sum'``, ``'mean'``, ``'only_first_replica'``, ``'none'``) and ``synchronization``
   (``'on_read'``: reading ``value``, ``numpy()`` or ``float()`` in cross-replica context combines
   the replicas' values, a collective; checkpoints save that value and restore it as TF does).
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import torch
 
-from phalanx.distributed_variable import (
+from phalanx.core.distributed_variable import (
     AggregationError,
     VariableAggregation,
     VariableSynchronization,
@@ -53,7 +53,7 @@ from phalanx.distributed_variable import (
 from phalanx.keras.metrics import objects_used_by
 
 if TYPE_CHECKING:
-    from phalanx.strategy import Strategy
+    from phalanx.core.strategy import Strategy
 
 _FOUND: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 _ADAPTED: dict[type, type] = {}

@@ -88,11 +88,11 @@ from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
 from phalanx.core.cross_replica import by_dtype
+from phalanx.core.strategy import Strategy, tf_device_name
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
 from phalanx.launch.api import job_env
 from phalanx.strategies.common import SyncExtended, local_devices
-from phalanx.strategy import Strategy, tf_device_name
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping
 _CENTRAL_DEVICE = torch.device("cpu")  # the central copy is CPU memory (a shared mapping)

@@ -20,13 +20,13 @@ import torch
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator, ProcessGroupCommunicator
+from phalanx.core.strategy import StrategyExtended
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
 from phalanx.launch.api import Launcher, replicas
 from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.strategy import StrategyExtended
 
 # Kept for code that imported them from here; the values live in phalanx.config.
 DEFAULT_TIMEOUT = config.COLLECTIVE_TIMEOUT

@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from phalanx import context, hooks, variables
+from phalanx import hooks
 from phalanx._compat.torch import untraced
 from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
+from phalanx.core import context, variables
+from phalanx.core.strategy import Strategy, StrategyExtended
 from phalanx.errors import ClusterSpecError, ShardingError
 from phalanx.strategies.mirrored import MirroredExtended
 from phalanx.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended
-from phalanx.strategy import Strategy, StrategyExtended
 
 # Parameters a module holds itself (not through sub-modules) from which it is sharded as its own
 # group: about 4 MiB of float32, so a transformer block or a wide Linear is gathered on its own

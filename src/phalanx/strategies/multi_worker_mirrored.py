@@ -30,12 +30,12 @@ from phalanx.cluster.spec import ClusterSpec
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.cross_device_ops import NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
+from phalanx.core.strategy import InputSharding, Strategy, tf_device_name
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch.api import job_env
 from phalanx.launch.env import ReplicaEnv
 from phalanx.strategies.common import SyncExtended
-from phalanx.strategy import InputSharding, Strategy, tf_device_name
 
 
 class CommunicationImplementation(enum.Enum):

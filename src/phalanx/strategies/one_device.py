@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.comm.communicator import LocalCommunicator
+from phalanx.core.strategy import Strategy, StrategyExtended, tf_device_name
 from phalanx.devices import canonicalize
-from phalanx.strategy import Strategy, StrategyExtended, tf_device_name
 
 
 class OneDeviceExtended(StrategyExtended):

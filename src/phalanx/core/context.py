@@ -147,21 +147,21 @@ def get_cross_replica_context() -> "Strategy | None":
     return top.strategy if top is not None and top.replica_context is None else None
 
 
-# The default strategy is defined beside Strategy (phalanx.strategy, as TF's distribute_lib does),
+# The default strategy is defined beside Strategy (phalanx.core.strategy, as TF's distribute_lib does),
 # which imports this module: it hands its factory down here when it is imported, so this module,
 # the bottom of the core, never imports a strategy.
 _default_factory: "Callable[[], Strategy] | None" = None
 
 
 def set_default_strategy_factory(factory: "Callable[[], Strategy]") -> None:
-    """Names the function that returns the default strategy (called by :mod:`phalanx.strategy`)."""
+    """Names the function that returns the default strategy (called by :mod:`phalanx.core.strategy`)."""
     global _default_factory
     _default_factory = factory
 
 
 def _default_strategy() -> "Strategy":
-    if _default_factory is None:  # pragma: no cover - phalanx/__init__ imports phalanx.strategy first
-        raise RuntimeError("phalanx.strategy was not imported; import phalanx first")
+    if _default_factory is None:  # pragma: no cover - phalanx/__init__ imports phalanx.core.strategy first
+        raise RuntimeError("phalanx.core.strategy was not imported; import phalanx first")
     return _default_factory()
 
 

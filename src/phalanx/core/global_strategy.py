@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx import context
+from phalanx.core import context
 from phalanx.errors import StrategyScopeError
 
 _current: dict[str, Any] = {"strategy": None, "scope": None}

@@ -29,13 +29,15 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 
 import torch
 
-from phalanx import _integrations, compiled, context, global_batch, nest
+from phalanx import nest
 from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
+from phalanx.core import compiled, context, global_batch, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
+from phalanx.core.losses import loss_scale_watch
 from phalanx.core.variable_sync import VariableSync
 from phalanx.devices import LogicalDevice
 from phalanx.errors import (
@@ -43,7 +45,6 @@ from phalanx.errors import (
     NotCallableError,
 )
 from phalanx.interactive import hooks as _interactive
-from phalanx.nn import loss_scale_watch
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results, mean_dtype
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
@@ -639,7 +640,7 @@ class Strategy:
         Raises:
             StrategyScopeError: another strategy's scope is already open.
         """
-        _integrations.activate_loaded()  # tf.keras needs no extra import; neither does Keras here
+        integrations.activate_loaded()  # tf.keras needs no extra import; neither does Keras here
         for hook in _SCOPE_ENTER_HOOKS:
             hook(self)
         with context.enter_scope(self), _device_contexts(self):
@@ -856,7 +857,7 @@ class DefaultStrategy(Strategy):
     """One replica on the current device; ``scope()`` does not capture variables (as in TF).
 
     Defined here, beside :class:`Strategy`, as TF defines its default strategy in
-    ``distribute_lib``: the context stack (:mod:`phalanx.context`) needs it and must not import
+    ``distribute_lib``: the context stack (:mod:`phalanx.core.context`) needs it and must not import
     a module of concrete strategies.
     """
 

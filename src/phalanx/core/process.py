@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx import context
-from phalanx.strategy import Strategy, live_strategies
+from phalanx.core import context
+from phalanx.core.strategy import Strategy, live_strategies
 
 
 @dataclass(frozen=True)

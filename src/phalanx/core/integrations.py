@@ -8,8 +8,8 @@ name, as entry points are loaded. So ``import keras`` and ``import phalanx``, in
 distribute Keras models built in ``scope()``; a program that never imports Keras never loads it.
 
 Example:
-    >>> from phalanx import _integrations
-    >>> _integrations.INTEGRATIONS["keras"]
+    >>> from phalanx.core import integrations
+    >>> integrations.INTEGRATIONS["keras"]
     'phalanx.keras'
 """
 

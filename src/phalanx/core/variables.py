@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from phalanx import _integrations, context, hooks
+from phalanx import hooks
+from phalanx.core import context, integrations
 from phalanx.errors import KerasIntegrationError
 
 
@@ -121,7 +122,7 @@ def _is_compiler_module(module: torch.nn.Module) -> bool:
 def _check_keras_integration(module: torch.nn.Module) -> None:
     # The core never imports Keras; a Keras layer built in scope without phalanx.keras would train
     # undistributed and wrong, silently. Scope entry activates the integration when Keras is
-    # loaded (phalanx._integrations); Keras imported inside the scope is caught here. Keras
+    # loaded (phalanx.core.integrations); Keras imported inside the scope is caught here. Keras
     # registers its variables from its own code (through a ParameterDict on the layer), so look
     # for a Keras frame among the callers.
     if "keras" not in sys.modules or "phalanx.keras" in sys.modules:
@@ -132,7 +133,7 @@ def _check_keras_integration(module: torch.nn.Module) -> None:
             return
         if frame.f_globals.get("__name__", "").startswith("keras."):
             # Joins the current scope on import; an unsupported Keras raises its typed error.
-            _integrations.activate_loaded(force=True)
+            integrations.activate_loaded(force=True)
             if "phalanx.keras" not in sys.modules:  # pragma: no cover - the import above either works or raises
                 raise KerasIntegrationError(frame.f_locals.get("self", module))
             return
@@ -197,9 +198,9 @@ def _on_module(module: torch.nn.Module, name: str, submodule: torch.nn.Module | 
 
 
 def _install() -> None:
-    hooks.install("phalanx.variables.parameter", "module_parameter_registration", _on_param)
-    hooks.install("phalanx.variables.buffer", "module_buffer_registration", _on_buffer)
-    hooks.install("phalanx.variables.module", "module_module_registration", _on_module)
+    hooks.install("phalanx.core.variables.parameter", "module_parameter_registration", _on_param)
+    hooks.install("phalanx.core.variables.buffer", "module_buffer_registration", _on_buffer)
+    hooks.install("phalanx.core.variables.module", "module_module_registration", _on_module)
 
 
 def capture_modules(

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phalanx import context
+from phalanx.core import context
 from phalanx.errors import PhalanxError
 from phalanx.values import DistributedValues, PerReplica, ReduceOp
 
