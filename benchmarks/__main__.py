@@ -27,7 +27,12 @@ communication rather than only waiting.
 ``--load`` adds the same throughput jobs under a background load (``benchmarks/load.py``: one busy
 process per core and a DataLoader with 2 workers, started before each such job and ended after
 it), shuffled into the same rounds as the idle jobs; the report's ``loaded`` part has their
-figures and ratios beside the idle ones.
+figures and ratios beside the idle ones. Each loaded figure is the mean of ``--load-jobs`` (4)
+shorter jobs shuffled into the round: a loaded job's speed is mostly where the kernel put its
+replicas (on one core or two) for its few seconds, DDP's as much as phalanx's, so a single job
+compares placements more than libraries; ``samples_per_s_per_job`` keeps each job's figure. Why a loaded job is slow: ``python -m
+benchmarks.load_diag`` runs many short loaded jobs whose replicas record their CPU and run-queue
+time, cores, step times and shared-memory waits (``PHALANX_BENCH_DIAG=<directory>``).
 
 ``--device cuda`` runs one replica per visible GPU (one process per GPU). On one GPU that is
 the distribution layer's own cost: Mirrored of one replica (no collective), Mirrored with its
@@ -220,13 +225,25 @@ def _job(cmd: list[str], out: str, timeout: float = 420) -> dict:  # compiled co
 
 
 def _interleaved(
-    configs: dict, models: list[str], rounds: int, seconds: float, device: str = "cpu", loaded: dict | None = None
+    configs: dict,
+    models: list[str],
+    rounds: int,
+    seconds: float,
+    device: str = "cpu",
+    loaded: dict | None = None,
+    load_jobs: int = 1,
+    loaded_jobs: dict | None = None,
 ) -> dict:
     """samples/s per model, config and round; config order shuffled in every round.
 
     ``loaded``: a dict that receives the same figures taken under the background load
     (``benchmarks/load.py``, started before each of those jobs and ended after it); those jobs are
     shuffled into the same rounds, so idle and loaded figures of a round share the machine's drift.
+    A loaded figure is the mean of ``load_jobs`` jobs, each of ``seconds / load_jobs``, shuffled
+    among the round's other jobs: where the kernel places a loaded job's replicas (one core or
+    two) decides its speed for seconds, DDP's as much as phalanx's (``benchmarks/load_diag.py``),
+    so one job per round compares placements more than libraries. ``loaded_jobs`` receives every
+    job's figure.
     """
     extra = ["--device", device] if device != "cpu" else []
     results = {m: {c: [] for c in configs} for m in models}
@@ -234,18 +251,34 @@ def _interleaved(
     if loaded is not None:
         loaded.update({m: {c: [] for c in configs} for m in models})
         conditions["loaded"] = loaded
+    jobs = loaded_jobs if loaded_jobs is not None else {}
+    jobs.update({m: {c: [] for c in configs} for m in models})
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for m in models:
-                order = [(c, cond) for cond in conditions for c in configs]
+                order = [
+                    (c, cond, k)
+                    for cond in conditions
+                    for c in configs
+                    for k in range(load_jobs if cond == "loaded" else 1)
+                ]
                 random.Random(r * 31 + len(m)).shuffle(order)
-                for c, cond in order:
-                    out = os.path.join(tmp, f"{c}-{m}-{r}-{cond}.json")
+                parts: dict = {c: [] for c in configs}
+                for c, cond, k in order:
+                    out = os.path.join(tmp, f"{c}-{m}-{r}-{cond}-{k}.json")
+                    timed = seconds / load_jobs if cond == "loaded" else seconds
                     with BackgroundLoad() if cond == "loaded" else contextlib.nullcontext():
-                        value = _job([*configs[c](m, out, str(seconds)), *extra], out)["samples_per_s"]
-                    conditions[cond][m][c].append(value)
-                    label = f"{c} (loaded)" if cond == "loaded" else c
-                    print(f"  round {r + 1}/{rounds} {m:<10} {label:<23} {value:>10.0f} samples/s", flush=True)
+                        value = _job([*configs[c](m, out, str(timed)), *extra], out)["samples_per_s"]
+                    if cond == "loaded":
+                        parts[c].append(value)
+                        jobs[m][c].append(value)
+                    else:
+                        results[m][c].append(value)
+                    label = f"{c} (loaded {k + 1}/{load_jobs})" if cond == "loaded" else c
+                    print(f"  round {r + 1}/{rounds} {m:<10} {label:<27} {value:>10.0f} samples/s", flush=True)
+                if loaded is not None:
+                    for c in configs:
+                        loaded[m][c].append(statistics.fmean(parts[c]))
     return results
 
 
@@ -415,6 +448,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "'loaded' part",
     )
     parser.add_argument(
+        "--load-jobs",
+        type=_positive,
+        default=4,
+        help="with --load: each loaded figure is the mean of this many jobs of --seconds / N each, "
+        "as many placements of the replicas on the cores (default: 4)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -499,12 +539,16 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
                 names = tuple(c for c in names if c != "px_mirrored_nccl")
         configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
         loaded: dict | None = {} if args.load else None
-        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device, loaded)
+        loaded_jobs: dict = {}
+        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device, loaded, args.load_jobs, loaded_jobs)
         report["throughput"] = {"samples_per_s": raw, "ratios": _ratios(raw, models), "overlap": _overlaps(raw)}
         if loaded is not None:
             report["loaded"] = {
                 "load": LOAD_DESCRIPTION,
+                "jobs_per_figure": args.load_jobs,
+                "seconds_per_job": args.seconds / args.load_jobs,
                 "samples_per_s": loaded,
+                "samples_per_s_per_job": loaded_jobs,
                 "ratios": _ratios(loaded, models),
                 "overlap": _overlaps(loaded),
             }

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 import torch
@@ -30,11 +31,111 @@ def _gradient_numel(model_name: str) -> int:
     return sum(p.numel() for p in make_model(model_name).parameters())
 
 
+class _Diag:
+    """Per-replica diagnostics of one timed job, on with ``PHALANX_BENCH_DIAG=<directory>``.
+
+    Each replica writes ``replica-<pid>.json``: its wall time, its CPU time (user/sys, every thread),
+    voluntary/involuntary context switches, the time its threads were runnable but waited for a
+    core (``/proc/<pid>/task/*/schedstat``), its session and autogroup (the unit the scheduler
+    shares CPU among when autogroup is on), the CPUs its main thread was seen on (sampled every
+    step, ``/proc/self/stat`` field 39) and its step times; a phalanx replica also its
+    shared-memory waits (`phalanx.comm.shm.record_wait_stats`). Off, it costs nothing.
+    """
+
+    def __init__(self) -> None:
+        self.dir = os.environ.get("PHALANX_BENCH_DIAG")
+        self.steps: list[float] = []
+        self.cpus: list[int] = []
+
+    def wrap(self, step):
+        if not self.dir:
+            return step
+
+        def timed(x, y):
+            t = time.perf_counter()
+            step(x, y)
+            self.steps.append(time.perf_counter() - t)
+            with open("/proc/self/stat") as f:
+                cpu = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, after "pid (comm)"
+            self.cpus.append(cpu)
+
+        return timed
+
+    def start(self) -> None:
+        if self.dir:
+            self.steps.clear()
+            self.cpus.clear()
+            self.t0, self.r0, self.s0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), _schedstat()
+            self.m0 = _main_schedstat()
+
+    def write(self, kind: str, rank: int) -> None:
+        if not self.dir:
+            return
+        r1, s1, m1 = resource.getrusage(resource.RUSAGE_SELF), _schedstat(), _main_schedstat()
+        try:
+            with open("/proc/self/autogroup") as f:
+                autogroup = f.read().split()[0]
+        except OSError:
+            autogroup = None
+        steps = sorted(self.steps)
+        out = {
+            "config": kind,
+            "rank": rank,
+            "pid": os.getpid(),
+            "sid": os.getsid(0),
+            "autogroup": autogroup,
+            "wall_s": time.perf_counter() - self.t0,
+            "user_s": r1.ru_utime - self.r0.ru_utime,
+            "sys_s": r1.ru_stime - self.r0.ru_stime,
+            "nvcsw": r1.ru_nvcsw - self.r0.ru_nvcsw,
+            "nivcsw": r1.ru_nivcsw - self.r0.ru_nivcsw,
+            "run_s": (s1[0] - self.s0[0]) / 1e9,
+            "runqueue_wait_s": (s1[1] - self.s0[1]) / 1e9,
+            "main_run_s": (m1[0] - self.m0[0]) / 1e9,  # the training thread alone
+            "main_runqueue_s": (m1[1] - self.m0[1]) / 1e9,
+            "cpus": {str(c): self.cpus.count(c) for c in sorted(set(self.cpus))},
+            "cpu_per_step": self.cpus,
+            "steps": len(steps),
+            "step_median_ms": steps[len(steps) // 2] * 1e3 if steps else None,
+            "step_p90_ms": steps[int(len(steps) * 0.9)] * 1e3 if steps else None,
+            "step_max_ms": steps[-1] * 1e3 if steps else None,
+            "step_times_ms": [round(t * 1e3, 3) for t in self.steps],
+        }
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, f"replica-{os.getpid()}.json"), "w") as f:
+            json.dump(out, f)
+
+
+def _main_schedstat() -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of the main thread."""
+    with open("/proc/self/schedstat") as f:
+        a, b, _ = f.read().split()
+    return int(a), int(b)
+
+
+def _schedstat() -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one), summed over this process's threads."""
+    run = wait = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                a, b, _ = f.read().split()
+        except (OSError, ValueError):
+            continue
+        run, wait = run + int(a), wait + int(b)
+    return run, wait
+
+
+DIAG = _Diag()
+
+
 def _timed(step, data, seconds: float, sync=lambda: None, any_done=lambda done: done) -> tuple[int, float]:
     """Steps over ``data`` until ``seconds`` have passed; ``any_done`` makes every process stop at the same pass."""
     for x, y in data[:5]:  # warm-up
         step(x, y)
     sync()
+    step = DIAG.wrap(step)
+    DIAG.start()
     start, steps = time.perf_counter(), 0
     while True:
         for x, y in data:
@@ -48,6 +149,11 @@ def _timed(step, data, seconds: float, sync=lambda: None, any_done=lambda done: 
 
 def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu") -> dict:
     import phalanx as px
+
+    if DIAG.dir:  # every replica runs this before its strategy builds the shared-memory all-reduce
+        from phalanx.comm.shm import record_wait_stats
+
+        record_wait_stats(DIAG.dir)
 
     if kind == "px_mirrored_nccl":  # under phalanx run -n <GPUs>; one GPU: NCCL at world size 1
         os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
@@ -103,6 +209,7 @@ def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu")
         step = px.function(step)  # TF's @tf.function idiom; the warm-up steps compile
 
     steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync, any_done)
+    DIAG.write(kind, strategy.extended.process_index)
     return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
 
 
@@ -165,6 +272,7 @@ def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -
         for x, y in batches(GLOBAL_BATCH, 20)
     ]
     steps, elapsed = _timed(step, data, seconds, sync, any_done)
+    DIAG.write(kind, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"rank": rank, "steps": steps, "seconds": elapsed}

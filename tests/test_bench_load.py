@@ -50,3 +50,46 @@ def test_the_summary_says_which_figures_were_taken_under_load():
     assert any("px_mirrored_vs_ddp" in line and "loaded" in line for line in lines), lines
     assert any(load.DESCRIPTION in line for line in lines), lines
     assert "--load" in bench.build_parser().format_help()
+
+
+def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
+    """One loaded job per round compared where the kernel put the replicas more than the libraries
+    (benchmarks/load_diag.py): a loaded figure is now the mean of --load-jobs jobs of
+    --seconds / N, each under its own load, with every job's figure kept. (Pure logic: the jobs
+    and the load are stand-ins here; test_the_load_keeps_the_cores_busy... runs the real load.)"""
+    import contextlib
+    import itertools
+
+    bench, _ = _bench()
+    runs: list[tuple[str, float, bool]] = []
+    values = itertools.count(100, 100)
+    under_load = [False]
+
+    @contextlib.contextmanager
+    def fake_load():
+        under_load[0] = True
+        yield
+        under_load[0] = False
+
+    def fake_job(cmd, out):
+        runs.append((cmd[0], float(cmd[-1]), under_load[0]))
+        return {"samples_per_s": float(next(values))}
+
+    monkeypatch.setattr(bench, "_job", fake_job)
+    monkeypatch.setattr(bench, "BackgroundLoad", fake_load)
+
+    def command(config):
+        return lambda m, out, s: [config, m, out, "--seconds", s]
+
+    configs = {c: command(c) for c in ("px", "ddp")}
+    loaded, per_job = {}, {}
+    idle = bench._interleaved(configs, ["mlp"], 2, 2.0, loaded=loaded, load_jobs=4, loaded_jobs=per_job)
+    assert sorted((c, s, load) for c, s, load in runs) == sorted(
+        [(c, 2.0, False) for c in ("px", "ddp") for _ in range(2)]
+        + [(c, 0.5, True) for c in ("px", "ddp") for _ in range(8)]
+    )
+    assert [len(idle["mlp"][c]) for c in ("px", "ddp")] == [2, 2]
+    for c in ("px", "ddp"):
+        jobs = per_job["mlp"][c]
+        assert len(jobs) == 8 and loaded["mlp"][c] == [sum(jobs[:4]) / 4, sum(jobs[4:]) / 4]
+    assert "--load-jobs" in bench.build_parser().format_help()

@@ -590,6 +590,25 @@ def test_a_waiting_rank_sleeps_in_the_kernel_and_wakes_at_once(tmp_path, world):
             assert r["left"][i] - late["arrived"][i] < 0.05, (rank, r, late)
 
 
+def test_wait_statistics_say_where_a_wait_went(tmp_path):
+    # Issue 33's diagnosis: asked to (stats_dir, record_wait_stats), each rank writes at close how
+    # many waits it made, how long they took, how much CPU they cost and how long it slept.
+    stats = tmp_path / "stats"
+    results = _launch(tmp_path, 2, "sleepy_peer", params={"sleep": 0.5, "rounds": 2}, kwargs={"stats_dir": str(stats)})
+    files = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in stats.glob("shm-*-rank*.json")}
+    assert sorted(files) == [0, 1], list(stats.iterdir())
+    waiter = files[0]
+    assert waiter["world_size"] == 2 and waiter["pid"] != files[1]["pid"]
+    assert waiter["waits"] >= 2 and sum(waiter["histogram_us"]) == waiter["waits"], waiter
+    assert waiter["histogram_us"][-1] >= 2, waiter  # the two late rounds took >= 100 ms
+    assert waiter["past_spin"] >= 2 and waiter["sleeps"] >= 2, waiter
+    assert 0.9 <= waiter["wait_s"] < 3.0 and waiter["longest_s"] >= 0.45, waiter
+    assert 0.8 <= waiter["sleep_s"] <= waiter["wait_s"], waiter  # asleep for most of it ...
+    assert waiter["wait_cpu_s"] < 0.05, waiter  # ... so the waits cost it almost no CPU
+    assert waiter["spin_s"] <= waiter["past_spin"] * 0.0021 + 0.01, waiter  # each wait spins <= 2 ms
+    assert sum(results[0]["waited"]) <= waiter["wait_s"] + 0.1, (results[0], waiter)
+
+
 def test_mismatched_tensors_raise_instead_of_corrupting(shared):
     results = shared(2, "mismatch")
     assert [r["type"] for r in results] == ["DistributedRuntimeError"] * 2, results

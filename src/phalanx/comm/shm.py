@@ -43,6 +43,7 @@ Example (run in each of the ``world_size`` processes of a job)::
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import platform
@@ -65,7 +66,7 @@ from phalanx.errors import (
     RendezvousTimeoutError,
 )
 
-__all__ = ["DTYPES", "ShmAllReduce"]
+__all__ = ["DTYPES", "ShmAllReduce", "record_wait_stats"]
 
 _UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply, "max": np.maximum, "min": np.minimum}
 _TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
@@ -187,18 +188,101 @@ class _Futex:
 _FUTEX = _Futex()
 
 
+class _Stats:
+    """Where a communicator's waits went; on only where asked (``stats_dir``, `record_wait_stats`).
+
+    At close (or exit) each rank writes ``shm-<pid>-rank<rank>.json`` into the directory: the
+    number of waits that found a peer missing, their wall time and this thread's CPU time during
+    them, the time spent polling/yielding within the spin budget, the waits that outlived it,
+    futex sleeps and time asleep, the longest wait, and a histogram of wait times. Off, a wait
+    pays one attribute test, and only when a peer is missing.
+    """
+
+    BOUNDS_US = (10, 100, 1000, 10_000, 100_000)  # histogram buckets: < 10 us, < 100 us, ...
+
+    def __init__(self, directory: str, rank: int, world_size: int, budget: float) -> None:
+        self.path = os.path.join(directory, f"shm-{os.getpid()}-rank{rank}.json")
+        self.data: dict[str, Any] = {
+            "rank": rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "spin_budget_s": budget,
+            "waits": 0,  # waits that found a peer missing (the others cost a counter read)
+            "wait_s": 0.0,
+            "wait_cpu_s": 0.0,  # this thread's CPU time while waiting (spinning, yielding, syscalls)
+            "spin_s": 0.0,  # wall time inside the spin budget
+            "past_spin": 0,  # waits that outlived the spin budget
+            "sleeps": 0,
+            "sleep_s": 0.0,
+            "longest_s": 0.0,
+            "histogram_us": [0] * (len(self.BOUNDS_US) + 1),
+        }
+
+    def wait(self, wall: float, cpu: float, spin: float) -> None:
+        d = self.data
+        d["waits"] += 1
+        d["wait_s"] += wall
+        d["wait_cpu_s"] += cpu
+        d["spin_s"] += min(wall, spin)
+        d["past_spin"] += wall > spin
+        d["longest_s"] = max(d["longest_s"], wall)
+        us = wall * 1e6
+        d["histogram_us"][sum(us >= b for b in self.BOUNDS_US)] += 1
+
+    def sleep(self, wall: float) -> None:
+        self.data["sleeps"] += 1
+        self.data["sleep_s"] += wall
+
+    def write(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "w") as f:
+                json.dump(self.data, f)
+        except OSError:  # diagnostics never fail a job
+            pass
+
+
+_STATS_DIR: list[str | None] = [None]  # set by record_wait_stats
+
+
+def record_wait_stats(directory: str | None) -> None:
+    """Makes every `ShmAllReduce` created after this in the process record where its waits go.
+
+    At close (or exit) each rank then writes ``shm-<pid>-rank<rank>.json`` into ``directory``:
+    waits that found a peer missing, their wall and CPU time, time spinning, futex sleeps and time
+    asleep, the longest wait and a histogram (the diagnosis of issue 33; ``python -m
+    benchmarks.load_diag`` turns it on in its jobs). ``None`` turns it off for later instances.
+    A wait pays one attribute test for it, and only when a peer is missing.
+    """
+    _STATS_DIR[0] = directory
+
+
+def _finish(seg: _Segment | None, stats: _Stats | None) -> None:
+    """What closing (or exiting) does: writes the wait statistics, if on, and unmaps the segment."""
+    if stats is not None:
+        stats.write()
+    if seg is not None:
+        seg.release()
+
+
 class _Spin:
     """How long a wait spins (polling, then yielding the core) before it sleeps on the futex.
 
     ``_SPIN_S``, unless the job itself has more replicas on this host than there are cores: then a
     spinning rank holds the very core a peer it waits for needs, and it sleeps at once.
 
-    Not shortened when other tasks crowd the host. Measured with one busy process per core and a
-    DataLoader with 2 workers beside the 2 replicas of a 2-core VM, sleeping after 50 us instead
-    left the large MLP at 0.13-1.04x of the old spin-yield-nap wait (median 0.70x, 5 rounds; noisy):
-    a woken replica can wait behind the busy processes for a slice at each of the all-reduce's
-    chunk waits, where one that yields keeps its turn. Sleeping pays for the long waits (a peer
-    that lost its core for a slice, or is seconds late), where the old wait polled with naps.
+    Not shortened (or lengthened) when other tasks crowd the host: the waits are not what a busy
+    host costs. With one busy process per core and a DataLoader with 2 workers beside the 2
+    replicas of the large MLP on a 2-core VM (``python -m benchmarks.load_diag``, issue 33), a
+    replica's waits cost it a median 1.5 % of its CPU time (the yields hand the core over), and
+    the loaded jobs that collapse, DDP's as often as phalanx's, lose seconds runnable in the run
+    queue, mostly while the scheduler keeps the replicas on different cores. Other budgets did not do better in the
+    same interleaved runs: sleeping at once 1,595 samples/s against 2,259 for this one (median of
+    6 jobs), 20 ms of spin 1,597 against 2,259, 50 ms 1,995 against 3,065 (5 jobs); sleeping after
+    50 us when more tasks were runnable than cores, 0.70x the pre-futex wait (5 rounds). Sleeping
+    pays for the long waits (a peer that lost its core for a slice, or is seconds late).
+
+    `record_wait_stats` makes every communicator write where its waits went (see ``_Stats``).
     """
 
     def __init__(self, replicas: int) -> None:
@@ -309,6 +393,8 @@ class ShmAllReduce:
             step buffers per rank. A step moves ``capacity_bytes / (2 * world_size)`` bytes of
             the tensor, capped at a tuned 1 MiB (so the default 16 MiB maps 4 MiB for 2 ranks);
             larger tensors are processed in chunks of that size.
+        stats_dir: a directory where, at close, this rank writes its wait statistics (see
+            `record_wait_stats`); default: the one `record_wait_stats` set, if any.
 
     Example:
         >>> comm = ShmAllReduce(rank, world_size, store)  # doctest: +SKIP
@@ -325,6 +411,7 @@ class ShmAllReduce:
         prefix: str = "phalanx",
         timeout: float = 30.0,
         capacity_bytes: int = 16 << 20,
+        stats_dir: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size}).")
@@ -332,6 +419,7 @@ class ShmAllReduce:
         self._step = 0
         self._tag = _NO_TAG  # the current call's tag, published beside its signature
         self._closed = False
+        self._stats: _Stats | None = None
         if world_size == 1:  # nothing to exchange
             self._finalizer = weakref.finalize(self, lambda: None)
             return
@@ -343,9 +431,11 @@ class ShmAllReduce:
         self._stride = _RANK_BYTES // 8
         size = self._header + 2 * world_size * chunk
         self._seg, self._peers = self._rendezvous(store, prefix, size)
-        self._finalizer = weakref.finalize(self, self._seg.release)  # also runs at exit
         self._address = self._seg.bytes.ctypes.data  # of the mapping, for the futex calls
         self._spin = _Spin(world_size)
+        where = stats_dir or _STATS_DIR[0]
+        self._stats = _Stats(where, rank, world_size, self._spin.budget) if where else None
+        self._finalizer = weakref.finalize(self, _finish, self._seg, self._stats)  # also runs at exit
 
     # ------------------------------------------------------------------ setup
     def _rendezvous(self, store: Any, prefix: str, size: int) -> tuple[_Segment, dict]:
@@ -525,8 +615,10 @@ class ShmAllReduce:
         field += stride  # skip the header block
         pending = [j for j in ranks if words[j * stride + field] < step]
         if pending:
+            stats, budget = self._stats, self._spin.budget
             start = time.perf_counter()
-            spin_end = start + self._spin.budget
+            cpu = time.thread_time() if stats is not None else 0.0
+            spin_end = start + budget
             yield_end = start + _YIELD_S
             every = _LIVENESS_S
             check, deadline, nap = start + every, start + self.timeout, _MIN_SLEEP_S
@@ -545,11 +637,15 @@ class ShmAllReduce:
                     check = now + every
                 if _FUTEX.available:
                     self._sleep(pending[0] * stride + field, step, min(check, deadline) - now)
+                    if stats is not None:
+                        stats.sleep(time.perf_counter() - now)
                 elif now < yield_end:
                     os.sched_yield()
                 else:
                     time.sleep(nap)
                     nap = min(2 * nap, _MAX_SLEEP_S)
+            if stats is not None:
+                stats.wait(time.perf_counter() - start, time.thread_time() - cpu, budget)
         if _NEEDS_FENCE:
             os.sched_yield()
         if sig is not None:
