@@ -15,6 +15,7 @@ import torch
 
 import phalanx as px
 from phalanx.comm.threaded import per_rank_errors, run_threaded
+from phalanx.core import global_batch, losses
 from phalanx.core.global_batch import BatchInfo, tag
 from phalanx.core.strategy import Strategy, StrategyExtended
 from phalanx.devices import LogicalDevice
@@ -215,7 +216,7 @@ def test_mean_loss_warns_once_naming_the_fix():
         # Where the warning points: the user's line that called strategy.run, not phalanx's.
         return [(str(w.message), w.filename) for w in caught if w.category is px.nn.LossScaleWarning]
 
-    px.nn._warned.clear()
+    losses._warned.clear()
     messages = [m for ms in run_threaded(2, body) for m in ms]
     assert len(messages) == 1 and "compute_average_loss" in messages[0][0] and "2 times" in messages[0][0]
     assert messages[0][1] == __file__, messages[0][1]
@@ -238,7 +239,7 @@ def test_per_replica_batch_as_global_batch_size_warns():
                 )
         return [str(w.message) for w in caught if w.category is px.nn.LossScaleWarning]
 
-    px.nn._warned.clear()
+    losses._warned.clear()
     messages = [m for ms in run_threaded(2, body) for m in ms]
     assert len(messages) == 1 and "this replica's own batch" in messages[0] and "global batch of 8" in messages[0]
 
@@ -246,7 +247,7 @@ def test_per_replica_batch_as_global_batch_size_warns():
 def test_tags_do_not_leak_between_batches():
     a, b = torch.ones(2), torch.ones(2)
     tag(a, BatchInfo(4, 1))
-    assert px.global_batch.find((b,), {}) is None
+    assert global_batch.find((b,), {}) is None
 
 
 def test_dividing_by_the_whole_accumulated_batch_does_not_warn():
@@ -267,7 +268,7 @@ def test_dividing_by_the_whole_accumulated_batch_does_not_warn():
                 )
         return [w for w in caught if w.category is px.nn.LossScaleWarning]
 
-    px.nn._warned.clear()
+    losses._warned.clear()
     assert run_threaded(2, body) == [[], []]
 
 
