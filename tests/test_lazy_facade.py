@@ -95,6 +95,11 @@ assert messages == [
     "phalanx.distributed_variable moved to phalanx.core.distributed_variable; import it from there",
 ], messages
 assert all(w.filename == "<string>" for w in caught), [w.filename for w in caught]
+# phalanx.compiled is also a public name (px.compiled.CompileFallbackWarning): no warning.
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    from phalanx.compiled import CompileFallbackWarning
+assert CompileFallbackWarning is sys.modules["phalanx.core.compiled"].CompileFallbackWarning
 # A pickle written before the move names the class by its old module.
 old_pickle = pickle.dumps(VariableAggregation.SUM, protocol=0).replace(b"phalanx.core.distributed_variable", b"phalanx.distributed_variable")
 assert b"phalanx.distributed_variable" in old_pickle and pickle.loads(old_pickle) is VariableAggregation.SUM

@@ -132,12 +132,12 @@ moved_modules(
             "process": "process",
             "distributed_variable": "distributed_variable",
             "global_batch": "global_batch",
-            "compiled": "compiled",
             "options": "options",
             "global_strategy": "global_strategy",
             "_integrations": "integrations",
         }.items()
     }
 )
+moved_modules({"phalanx.compiled": "phalanx.core.compiled"}, warn=False)  # public as phalanx.compiled
 
 __version__ = "0.1.0"

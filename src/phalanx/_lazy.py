@@ -60,8 +60,9 @@ def attach(
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports of a module's old name give the module at its new one (see :func:`moved_modules`)."""
 
-    def __init__(self, moved: Mapping[str, str]) -> None:
-        self.moved = dict(moved)
+    def __init__(self) -> None:
+        self.moved: dict[str, str] = {}
+        self.quiet: set[str] = set()  # old names that are public names too: no warning
         self._specs: dict[str, Any] = {}  # old name -> the spec of the module it gives
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
@@ -69,8 +70,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = self.moved[spec.name]
-        # stacklevel 2: the warning skips importlib's own frames and names the importing line.
-        warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
+        if spec.name not in self.quiet:
+            # stacklevel 2: the warning skips importlib's own frames and names the importing line.
+            warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)
         self._specs[spec.name] = module.__spec__
         return module
@@ -81,12 +83,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._specs.pop(module.__spec__.name)
 
 
-def moved_modules(moved: Mapping[str, str]) -> None:
+def moved_modules(moved: Mapping[str, str], *, warn: bool = True) -> None:
     """Makes ``import old`` give the module ``new`` for each ``old -> new`` of ``moved``.
 
     The old name becomes another name of the same module object (``sys.modules`` holds both), so
     code, pickles and patches that name the old path keep working; each first import of an old
-    name warns (``DeprecationWarning``) with the new one. Calling it again adds names.
+    name warns (``DeprecationWarning``) with the new one, unless ``warn`` is False (the old name
+    is a public name that stays, ``phalanx.compiled``). Calling it again adds names.
 
     Example:
         >>> moved_modules({"phalanx.old_values": "phalanx.values"})
@@ -99,8 +102,11 @@ def moved_modules(moved: Mapping[str, str]) -> None:
         >>> phalanx.old_values is sys.modules["phalanx.values"]
         True
     """
-    for finder in sys.meta_path:
-        if isinstance(finder, _MovedModules):
-            finder.moved.update(moved)
-            return
-    sys.meta_path.append(_MovedModules(moved))
+    finder = next((f for f in sys.meta_path if isinstance(f, _MovedModules)), None)
+    if finder is None:
+        finder = _MovedModules()
+        sys.meta_path.append(finder)
+    finder.moved.update(moved)
+    finder.quiet.difference_update(moved)
+    if not warn:
+        finder.quiet.update(moved)
