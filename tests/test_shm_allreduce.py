@@ -242,6 +242,59 @@ def scenario_sleepy_peer(comm, rank, world, store, sleep, rounds):
     return out
 
 
+def scenario_crowded(comm, rank, world, store, busy, deadline):
+    """Rank 0 crowds the host with ``busy`` spinning processes (each in a session, so an autogroup,
+    of its own, as a second job would be) while the ranks compute and all-reduce; each records where
+    the leader put them, and what a child forked while packed gets. The ranks stop together: rank 0
+    votes through the all-reduce itself once it has seen packing and forked its child."""
+    mask = sorted(os.sched_getaffinity(0))
+    out = {"mask": mask, "packed": None, "steps_to_pack": None, "threads": None, "child": None}
+    load = []
+    if rank == 0:
+        spin = [sys.executable, "-c", "while True: pass"]
+        load = [subprocess.Popen(spin, start_new_session=True) for _ in range(busy)]
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    grads, vote = torch.ones(300_000), torch.zeros(1)
+    end, steps = time.monotonic() + deadline, 0
+
+    def look() -> None:  # where the last all-reduce left this rank
+        core = comm._placement.core
+        if core < 0 or out["packed"] is not None:
+            return
+        out["packed"], out["steps_to_pack"] = core, steps
+        out["threads"] = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        if rank == 0:  # a DataLoader worker started now must not inherit the one core
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(write, json.dumps(sorted(os.sched_getaffinity(0))).encode())
+                os._exit(0)
+            os.close(write)
+            out["child"] = json.loads(os.read(read, 4096))
+            os.close(read)
+            os.waitpid(pid, 0)
+
+    try:
+        while True:
+            for _ in range(4):
+                a = torch.tanh(a @ b)  # a few ms of compute, like a small model's step
+            comm.all_reduce(grads, "mean")
+            steps += 1
+            look()
+            vote[0] = 1.0 if rank == 0 and (out["packed"] is not None or time.monotonic() > end) else 0.0
+            comm.all_reduce(vote)  # the peers follow the leader's choice here at the latest
+            look()
+            if vote[0] > 0:
+                break
+    finally:
+        for p in load:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    comm.close()
+    out["after_close"] = sorted(os.sched_getaffinity(0))
+    return out
+
+
 def scenario_mismatch(comm, rank, world, store):
     from phalanx.errors import DistributedRuntimeError
 
@@ -607,6 +660,22 @@ def test_wait_statistics_say_where_a_wait_went(tmp_path):
     assert waiter["wait_cpu_s"] < 0.05, waiter  # ... so the waits cost it almost no CPU
     assert waiter["spin_s"] <= waiter["past_spin"] * 0.0021 + 0.01, waiter  # each wait spins <= 2 ms
     assert sum(results[0]["waited"]) <= waiter["wait_s"] + 0.1, (results[0], waiter)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packing needs two cores")
+def test_a_crowded_host_packs_the_replicas_on_one_core_and_gives_their_cores_back(tmp_path):
+    # Issue 33: replicas on a host crowded by other programs run together on one core (a replica
+    # that waits hands its core to its peer, not to the neighbour), every thread of the process
+    # moves, a forked child gets the original mask, and closing gives it back.
+    busy = 2 * len(os.sched_getaffinity(0))
+    results = _launch(tmp_path, 2, "crowded", params={"busy": busy, "deadline": 60.0}, deadline=120.0)
+    for rank, r in enumerate(results):
+        assert r["packed"] is not None, f"rank {rank} was never packed beside {busy} busy processes: {r}"
+        assert r["packed"] in r["mask"], r
+        assert all(m == [r["packed"]] for m in r["threads"].values()), f"rank {rank}: {r['threads']}"
+        assert r["after_close"] == r["mask"], f"rank {rank} kept {r['after_close']} after close: {r}"
+    assert results[0]["packed"] == results[1]["packed"], results  # one core for both
+    assert results[0]["child"] == results[0]["mask"], results[0]
 
 
 def test_mismatched_tensors_raise_instead_of_corrupting(shared):

@@ -78,6 +78,8 @@ class Settings:
             synchronous strategy build its process group anyway (NCCL on a GPU), as DDP does at world
             size 1, so that one GPU runs the real collective path (tests, benchmarks).
         shm: PHALANX_SHM=0 turns the shared-memory all-reduce off.
+        shm_packing: PHALANX_SHM_PACKING=0 keeps a host's replicas on their own cores when the host
+            is crowded (by default they move onto one core then; see ``phalanx.comm.placement``).
         host_id: PHALANX_HOST_ID, what makes processes "the same host" (default: the hostname).
         bind_address: PHALANX_BIND_ADDRESS, overrides the host a parameter-server task listens on.
         cluster_secret: PHALANX_CLUSTER_SECRET (never shown in ``repr``).
@@ -111,6 +113,7 @@ class Settings:
     central_copy: bool = field(default=False, metadata={"env": "PHALANX_CENTRAL_COPY"})
     single_replica_collectives: bool = field(default=False, metadata={"env": "PHALANX_SINGLE_REPLICA_COLLECTIVES"})
     shm: bool = field(default=True, metadata={"env": "PHALANX_SHM"})
+    shm_packing: bool = field(default=True, metadata={"env": "PHALANX_SHM_PACKING"})
     host_id: str | None = field(default=None, metadata={"env": "PHALANX_HOST_ID"})
     bind_address: str | None = field(default=None, metadata={"env": "PHALANX_BIND_ADDRESS"})
     cluster_secret: str | None = field(default=None, repr=False, metadata={"env": "PHALANX_CLUSTER_SECRET"})
@@ -153,6 +156,8 @@ class Settings:
                 values[f.name] = _flag(name, raw, "1 builds the process group of a one-replica job (tests, benchmarks)")
             elif f.name == "shm":
                 values[f.name] = raw != "0"
+            elif f.name == "shm_packing":
+                values[f.name] = _flag(name, raw, "0 keeps a host's replicas on their own cores when it is crowded")
             elif f.type == "int":
                 if not raw.strip().isdigit():
                     raise ClusterSpecError(name, raw, "must be a non-negative integer")

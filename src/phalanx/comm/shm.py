@@ -58,6 +58,8 @@ import numpy as np
 import torch
 
 from phalanx.comm.health import alive, start_time
+from phalanx.comm.placement import SPREAD, Placement
+from phalanx.config import Settings
 from phalanx.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -102,6 +104,10 @@ _ARRIVED, _SIG, _TAG, _REDUCED = 0, 1, 3, 16  # _SIG + parity, _TAG + parity
 # Non-zero while the rank sleeps on a peer's counter (a futex on the counter's low 32 bits): a
 # rank that publishes makes the wake-up system call only then. On its own cache line.
 _SLEEPING = 8
+# This rank's compute thread's nanoseconds on a core and runnable (see `Placement`), published once
+# per placement window, on a cache line of their own.
+_RUN, _RUNNABLE = 24, 25
+_CHOICE = 2  # header word 2: the leader's placement, the chosen core + 1 (0: spread)
 _LOW_WORD = 0 if sys.byteorder == "little" else 4  # the byte offset of an int64's low 32 bits
 _NO_TAG = -(1 << 63)  # the tag slot of a call made without a tag
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
@@ -217,6 +223,14 @@ class _Stats:
             "longest_s": 0.0,
             "histogram_us": [0] * (len(self.BOUNDS_US) + 1),
         }
+        self.placement: Placement | None = None
+
+    def _placement(self) -> dict[str, Any]:
+        p = self.placement
+        if p is None:
+            return {}
+        packed = p.packed_s + (time.perf_counter() - p._packed_at if p.core != SPREAD else 0.0)
+        return {"packing": p.enabled, "packs": p.packs, "packed_s": packed}
 
     def wait(self, wall: float, cpu: float, spin: float) -> None:
         d = self.data
@@ -237,7 +251,7 @@ class _Stats:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "w") as f:
-                json.dump(self.data, f)
+                json.dump({**self.data, **self._placement()}, f)
         except OSError:  # diagnostics never fail a job
             pass
 
@@ -257,8 +271,11 @@ def record_wait_stats(directory: str | None) -> None:
     _STATS_DIR[0] = directory
 
 
-def _finish(seg: _Segment | None, stats: _Stats | None) -> None:
-    """What closing (or exiting) does: writes the wait statistics, if on, and unmaps the segment."""
+def _finish(seg: _Segment | None, stats: _Stats | None, placement: Placement | None = None) -> None:
+    """What closing (or exiting) does: puts the threads back on their own cores, writes the wait
+    statistics, if on, and unmaps the segment."""
+    if placement is not None:
+        placement.restore()
     if stats is not None:
         stats.write()
     if seg is not None:
@@ -395,6 +412,9 @@ class ShmAllReduce:
             larger tensors are processed in chunks of that size.
         stats_dir: a directory where, at close, this rank writes its wait statistics (see
             `record_wait_stats`); default: the one `record_wait_stats` set, if any.
+        packing: whether the ranks move onto one core while the host is crowded, and back when
+            it calms down (see `~phalanx.comm.placement`); default: ``PHALANX_SHM_PACKING``
+            (on unless set to 0).
 
     Example:
         >>> comm = ShmAllReduce(rank, world_size, store)  # doctest: +SKIP
@@ -412,6 +432,7 @@ class ShmAllReduce:
         timeout: float = 30.0,
         capacity_bytes: int = 16 << 20,
         stats_dir: str | None = None,
+        packing: bool | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size}).")
@@ -420,6 +441,7 @@ class ShmAllReduce:
         self._tag = _NO_TAG  # the current call's tag, published beside its signature
         self._closed = False
         self._stats: _Stats | None = None
+        self._placement = Placement(False, 1, enabled=False)
         if world_size == 1:  # nothing to exchange
             self._finalizer = weakref.finalize(self, lambda: None)
             return
@@ -433,9 +455,17 @@ class ShmAllReduce:
         self._seg, self._peers = self._rendezvous(store, prefix, size)
         self._address = self._seg.bytes.ctypes.data  # of the mapping, for the futex calls
         self._spin = _Spin(world_size)
+        packing = Settings.from_environ().shm_packing if packing is None else packing
+        self._placement = Placement(rank == 0, world_size, enabled=packing)
+        blocks = [(j + 1) * self._stride for j in range(world_size)]
+        self._all_times = [(at + _RUN, at + _RUNNABLE) for at in blocks]
+        self._times = self._all_times[rank]
         where = stats_dir or _STATS_DIR[0]
         self._stats = _Stats(where, rank, world_size, self._spin.budget) if where else None
-        self._finalizer = weakref.finalize(self, _finish, self._seg, self._stats)  # also runs at exit
+        if self._stats is not None:
+            self._stats.placement = self._placement
+        # also runs at exit
+        self._finalizer = weakref.finalize(self, _finish, self._seg, self._stats, self._placement)
 
     # ------------------------------------------------------------------ setup
     def _rendezvous(self, store: Any, prefix: str, size: int) -> tuple[_Segment, dict]:
@@ -535,6 +565,13 @@ class ShmAllReduce:
         arr = (raw.detach() if raw.requires_grad else raw).numpy()  # shares memory, any strides
         flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
         reduce = _Reduction(tensor.dtype, key, self.world_size)
+        placement = self._placement
+        if placement.enabled:  # once a window: publish, decide (the leader), follow
+            words = self._seg.words
+            if placement.publish(words, self._times) and placement.leader:
+                placement.decide(words, self._all_times, _CHOICE)
+            if words[_CHOICE] - 1 != placement.core:
+                placement.follow(words[_CHOICE] - 1)
         sig = (flat.size << 8) | (code << 3) | _OP_CODES[key]
         self._tag = _NO_TAG if tag is None else int(tag)
         try:

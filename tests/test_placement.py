@@ -1,0 +1,121 @@
+"""The packing policy of phalanx.comm.placement, alone and wired to shared words (issue 33).
+
+The multi-process test, replicas packed beside real busy processes, is in test_shm_allreduce.py.
+Here the readings the policy takes from /proc are fed in, so every branch runs on a quiet or a busy
+machine alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from phalanx.comm import placement
+from phalanx.comm.placement import SPREAD, Placement, decide
+
+W = 0.25  # a window
+
+
+@pytest.mark.parametrize(
+    "run, runnable, packed",
+    [
+        ([0.05, 0.06], [0.15, 0.16], True),  # each ran a fifth, waiting for a core the rest: crowded
+        ([0.23, 0.22], [0.0, 0.01], False),  # an idle host
+        ([0.05, 0.05], [0.01, 0.0], False),  # idle, asleep (input, a slow peer): not the host's doing
+        ([0.1, 0.1], [0.14, 0.14], True),  # 0.8 of a core between them: one core of their own is more
+        ([0.12, 0.12], [0.12, 0.12], False),  # ~a core between them: packing would gain nothing
+        ([0.2, 0.2], [0.1, 0.1], False),  # 1.6 cores between them: more than one core would give
+        ([0.05, 0.2], [0.2, 0.0], False),  # only one of them is crowded
+    ],
+)
+def test_spread_replicas_pack_only_when_the_host_takes_their_cores(run, runnable, packed):
+    assert decide(False, run, runnable, 0.0, W, 0) == (packed, 0)
+
+
+def test_packed_replicas_spread_after_consecutive_calm_windows_only():
+    assert decide(True, [0.1, 0.1], [0.1, 0.1], 0.2, W, 0) == (True, 1)  # one calm window: wait
+    assert decide(True, [0.1, 0.1], [0.1, 0.1], 0.2, W, 1) == (False, 0)  # two in a row: spread
+    assert decide(True, [0.1, 0.1], [0.1, 0.1], 0.05, W, 1) == (True, 0)  # busy again: start over
+    assert decide(True, [], [], 0.2, W, 1) == (True, 1)  # nothing measured: no change
+    assert decide(False, [0.0], [0.3], 0.0, 0.0, 0) == (False, 0)  # an empty window: no change
+
+
+class _Host:
+    """Two ranks' shared words (a list stands in for the segment) and the /proc readings."""
+
+    CHOICE, SLOTS = 0, [(1, 2), (3, 4)]
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.words = [0] * 5
+        self.times = [(0, 0), (0, 0)]  # each rank's (run, runnable) ns, as schedstat gives them
+        self.idle = 0.0  # seconds the other cores have been idle
+        self.rank, self.now = 0, 100.0
+        monkeypatch.setattr(placement, "_clock", lambda: self.now)
+        monkeypatch.setattr(placement, "_schedstat", lambda: self.times[self.rank])
+        monkeypatch.setattr(placement, "_idle_s", lambda cores: self.idle)
+        monkeypatch.setattr(placement, "_current_core", lambda: 1)
+        moved: list[set[int]] = []
+        monkeypatch.setattr(placement, "_set_threads", moved.append)
+        self.moved = moved
+
+    def window(self, leader: Placement, peer: Placement, run: float, runnable: float, idle: float = 0.0) -> None:
+        """A window passes: each rank ran ``run`` s and waited ``runnable`` s; the other cores idled ``idle`` s."""
+        self.times = [(r + int(run * 1e9), w + int(runnable * 1e9)) for r, w in self.times]
+        self.idle += idle
+        self.now += W
+        for rank, p in ((1, peer), (0, leader)):
+            self.rank = rank
+            p._next = 0.0  # the window is over
+            if p.publish(self.words, self.SLOTS[rank]) and p.leader:
+                p.decide(self.words, self.SLOTS, self.CHOICE)
+        for p in (leader, peer):
+            p.follow(self.words[self.CHOICE] - 1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packing needs two cores")
+def test_the_leaders_choice_moves_both_ranks_and_a_calm_host_spreads_them_again(monkeypatch):
+    host = _Host(monkeypatch)
+    leader, peer = Placement(True, 2, window_s=W), Placement(False, 2, window_s=W)
+    mask = leader.mask
+    host.window(leader, peer, 0.05, 0.18)  # the first publication: no window to judge yet
+    host.window(leader, peer, 0.05, 0.18)
+    assert host.words[host.CHOICE] == 1 + 1  # core 1, where the leader runs
+    assert (leader.core, peer.core) == (1, 1) and host.moved == [{1}, {1}]
+    assert leader.packs == peer.packs == 1
+    host.window(leader, peer, 0.12, 0.12)  # the first window packed only starts the count
+    host.window(leader, peer, 0.12, 0.12, idle=0.01)  # the other core is busy: stay
+    host.window(leader, peer, 0.12, 0.12, idle=0.2)
+    assert (leader.core, peer.core) == (1, 1)
+    host.window(leader, peer, 0.12, 0.12, idle=0.2)  # the second calm window in a row
+    assert host.words[host.CHOICE] == 0 and (leader.core, peer.core) == (SPREAD, SPREAD)
+    assert host.moved[2:] == [mask, mask]
+    assert leader.packed_s > 0
+
+
+def test_packing_off_or_one_core_never_moves_a_thread(monkeypatch):
+    host = _Host(monkeypatch)
+    for leader, peer in [
+        (Placement(True, 2, enabled=False, window_s=W), Placement(False, 2, enabled=False, window_s=W)),
+        (Placement(True, 1, window_s=W), Placement(False, 1, window_s=W)),  # one replica: nothing to pack
+    ]:
+        for _ in range(3):
+            host.window(leader, peer, 0.05, 0.18)
+        assert host.words[host.CHOICE] == 0 and host.moved == []
+
+
+def test_packing_is_a_setting_with_a_typed_error(monkeypatch):
+    from phalanx.config import Settings
+    from phalanx.errors import ClusterSpecError
+
+    assert Settings.from_environ({}).shm_packing is True
+    assert Settings.from_environ({"PHALANX_SHM_PACKING": "0"}).shm_packing is False
+    with pytest.raises(ClusterSpecError, match="PHALANX_SHM_PACKING"):
+        Settings.from_environ({"PHALANX_SHM_PACKING": "off"})
+
+
+def test_the_proc_readers_read_this_host():
+    run, runnable = placement._schedstat()
+    assert run > 0 and runnable >= 0  # this thread has run
+    assert placement._current_core() in os.sched_getaffinity(0)
+    assert placement._idle_s(sorted(os.sched_getaffinity(0))) > 0  # the cores idled at some point since boot
