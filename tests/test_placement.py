@@ -41,6 +41,16 @@ def test_packed_replicas_spread_after_consecutive_calm_windows_only():
     assert decide(False, [0.0], [0.3], 0.0, 0.0, 0) == (False, 0)  # an empty window: no change
 
 
+class _Shared(list):
+    """Stands in for the process's one owner slot: here two ranks live in one process."""
+
+    def __getitem__(self, i):
+        return None
+
+    def __setitem__(self, i, value):
+        pass
+
+
 class _Host:
     """Two ranks' shared words (a list stands in for the segment) and the /proc readings."""
 
@@ -51,6 +61,7 @@ class _Host:
         self.times = [(0, 0), (0, 0)]  # each rank's (run, runnable) ns, as schedstat gives them
         self.idle = 0.0  # seconds the other cores have been idle
         self.rank, self.now = 0, 100.0
+        monkeypatch.setattr(placement, "_OWNER", _Shared([None]))
         monkeypatch.setattr(placement, "_clock", lambda: self.now)
         monkeypatch.setattr(placement, "_schedstat", lambda: self.times[self.rank])
         monkeypatch.setattr(placement, "_idle_s", lambda cores: self.idle)
@@ -112,6 +123,15 @@ def test_packing_is_a_setting_with_a_typed_error(monkeypatch):
     assert Settings.from_environ({"PHALANX_SHM_PACKING": "0"}).shm_packing is False
     with pytest.raises(ClusterSpecError, match="PHALANX_SHM_PACKING"):
         Settings.from_environ({"PHALANX_SHM_PACKING": "off"})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packing needs two cores")
+def test_one_placement_per_process_moves_its_threads(monkeypatch):
+    monkeypatch.setattr(placement, "_OWNER", [None])
+    first, second = Placement(True, 2), Placement(True, 2)
+    assert first.enabled and not second.enabled  # two leaders would take turns moving the threads
+    first.restore()
+    assert not first.enabled and Placement(True, 2).enabled  # the slot is free again after close
 
 
 def test_the_proc_readers_read_this_host():

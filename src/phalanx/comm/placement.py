@@ -30,12 +30,12 @@ worker started while packed runs anywhere). A process started another way while 
 (``subprocess``, multiprocessing's spawn or forkserver) inherits the one-core mask.
 ``PHALANX_SHM_PACKING=0`` turns packing off.
 
-Example (what `~phalanx.comm.shm.ShmAllReduce` does)::
+Example (what `~phalanx.comm.shm.ShmAllReduce` does at each all-reduce, on every rank)::
 
-    placement = Placement(leader=rank == 0, replicas=world_size)
-    placement.publish(words, my_slot)        # every rank, at each all-reduce
-    want = placement.decide(words, slots)    # the leader: a new choice, or None
-    placement.follow(want)                   # every rank: moves its threads if the choice changed
+    placement = Placement(leader=rank == 0, replicas=world_size)  # once
+    if placement.publish(words, my_slots) and placement.leader:    # once a window
+        placement.decide(words, all_slots, CHOICE)                 # writes a new choice, if any
+    placement.follow(words[CHOICE] - 1)                            # moves the threads if it changed
 """
 
 from __future__ import annotations
@@ -147,6 +147,10 @@ def _set_threads(mask: set[int]) -> None:
 
 
 _FORK_HOOK: list[set[int] | None] = [None]  # the mask a forked child gets back, while packed
+# The one Placement of this process that may move its threads: a second communicator's leader
+# (created while the first one lives) could otherwise choose differently, and the two would take
+# turns moving the same threads.
+_OWNER: list[Placement | None] = [None]
 
 
 def _child_after_fork() -> None:
@@ -182,6 +186,11 @@ class Placement:
         except (AttributeError, OSError):  # not Linux: nothing to place
             self.mask = None
         self.enabled = bool(enabled and self.mask is not None and len(self.mask) >= 2 and replicas >= 2)
+        if self.enabled:
+            if _OWNER[0] is None:
+                _OWNER[0] = self
+            else:
+                self.enabled = False
         self.leader, self.window_s = leader, window_s
         self.core = SPREAD  # where this rank's threads are now
         self.packs = 0  # times this rank moved onto one core
@@ -244,6 +253,13 @@ class Placement:
             _set_threads({core})
         self.core = core
 
+    def packed_seconds(self) -> float:
+        """Time this rank has spent packed so far."""
+        return self.packed_s + (_clock() - self._packed_at if self.core != SPREAD else 0.0)
+
     def restore(self) -> None:
-        """Back to the mask this rank had (at close, and when the communicator fails)."""
+        """Back to the mask this rank had, for good (at close, and when the communicator fails)."""
         self.follow(SPREAD)
+        if _OWNER[0] is self:
+            _OWNER[0] = None
+        self.enabled = False

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from phalanx.comm.health import alive, start_time
-from phalanx.comm.placement import SPREAD, Placement
+from phalanx.comm.placement import Placement
 from phalanx.config import Settings
 from phalanx.errors import (
     CollectiveMismatchError,
@@ -229,8 +229,7 @@ class _Stats:
         p = self.placement
         if p is None:
             return {}
-        packed = p.packed_s + (time.perf_counter() - p._packed_at if p.core != SPREAD else 0.0)
-        return {"packing": p.enabled, "packs": p.packs, "packed_s": packed}
+        return {"packing": p.enabled, "packs": p.packs, "packed_s": p.packed_seconds()}
 
     def wait(self, wall: float, cpu: float, spin: float) -> None:
         d = self.data
@@ -272,12 +271,12 @@ def record_wait_stats(directory: str | None) -> None:
 
 
 def _finish(seg: _Segment | None, stats: _Stats | None, placement: Placement | None = None) -> None:
-    """What closing (or exiting) does: puts the threads back on their own cores, writes the wait
-    statistics, if on, and unmaps the segment."""
-    if placement is not None:
-        placement.restore()
+    """What closing (or exiting) does: writes the wait statistics, if on, puts the threads back on
+    their own cores, and unmaps the segment."""
     if stats is not None:
         stats.write()
+    if placement is not None:
+        placement.restore()
     if seg is not None:
         seg.release()
 
@@ -293,7 +292,8 @@ class _Spin:
     replicas of the large MLP on a 2-core VM (``python -m benchmarks.load_diag``, issue 33), a
     replica's waits cost it a median 1.5 % of its CPU time (the yields hand the core over), and
     the loaded jobs that collapse, DDP's as often as phalanx's, lose seconds runnable in the run
-    queue, mostly while the scheduler keeps the replicas on different cores. Other budgets did not do better in the
+    queue, mostly while the scheduler keeps the replicas on different cores (which
+    `~phalanx.comm.placement` now prevents on a crowded host). Other budgets did not do better in the
     same interleaved runs: sleeping at once 1,595 samples/s against 2,259 for this one (median of
     6 jobs), 20 ms of spin 1,597 against 2,259, 50 ms 1,995 against 3,065 (5 jobs); sleeping after
     50 us when more tasks were runnable than cores, 0.70x the pre-futex wait (5 rounds). Sleeping
