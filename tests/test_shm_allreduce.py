@@ -251,7 +251,8 @@ def scenario_crowded(comm, rank, world, store, busy, deadline):
     out = {"mask": mask, "packed": None, "steps_to_pack": None, "threads": None, "child": None}
     load = []
     if rank == 0:
-        spin = [sys.executable, "-c", "while True: pass"]
+        # Each spins while this rank lives: one killed at the launch's deadline leaves none behind.
+        spin = [sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"]
         load = [subprocess.Popen(spin, start_new_session=True) for _ in range(busy)]
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     grads, vote = torch.ones(300_000), torch.zeros(1)
