@@ -298,15 +298,11 @@ def run_jobs(
 
 
 def free_ports(n: int) -> list[int]:
-    import socket
+    """``n`` distinct ports outside the kernel's ephemeral range (see `phalanx.launch.env.free_port`):
+    no client connection of a test running beside this one can take them before they are bound."""
+    from phalanx.launch.env import free_port
 
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return [free_port() for _ in range(n)]
 
 
 def tf_config(workers: list[str], index: int, task_type: str = "worker", **extra_jobs: list[str]) -> dict[str, str]:
