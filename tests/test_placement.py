@@ -8,7 +8,10 @@ machine alike.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
+import psutil
 import pytest
 
 from phalanx.comm import placement
@@ -66,6 +69,7 @@ class _Host:
         monkeypatch.setattr(placement, "_schedstat", lambda: self.times[self.rank])
         monkeypatch.setattr(placement, "_idle_s", lambda cores: self.idle)
         monkeypatch.setattr(placement, "_current_core", lambda: 1)
+        monkeypatch.setattr(placement, "_free_descendants", lambda core, mask: None)
         moved: list[set[int]] = []
         monkeypatch.setattr(placement, "_set_threads", moved.append)
         self.moved = moved
@@ -132,6 +136,41 @@ def test_one_placement_per_process_moves_its_threads(monkeypatch):
     assert first.enabled and not second.enabled  # two leaders would take turns moving the threads
     first.restore()
     assert not first.enabled and Placement(True, 2).enabled  # the slot is free again after close
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packing needs two cores")
+def test_a_process_started_while_packed_gets_the_original_mask_back(monkeypatch):
+    """subprocess, spawn and forkserver do not run the fork hook: the kernel hands them the packed
+    mask, and the rank gives it back to them and to their own children at its next window, and
+    when it spreads."""
+    monkeypatch.setattr(placement, "_OWNER", [None])
+    here = Placement(True, 2, window_s=0.0)
+    mask, core = set(here.mask), min(here.mask)
+    words = [0] * 3
+    here.follow(core)
+    started: list[subprocess.Popen] = []
+    try:
+        assert os.sched_getaffinity(0) == {core}
+        started.append(subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True))
+        shell = psutil.Process(started[0].pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not shell.children():
+            time.sleep(0.05)
+        family = [shell.pid] + [c.pid for c in shell.children()]
+        assert len(family) == 2, family  # the shell and its sleep
+        assert all(os.sched_getaffinity(pid) == {core} for pid in family)  # what the kernel gave them
+        assert here.publish(words, (1, 2))  # a window has passed (window_s=0)
+        assert all(os.sched_getaffinity(pid) == mask for pid in family)
+        started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+        assert os.sched_getaffinity(started[1].pid) == {core}
+        here.follow(SPREAD)  # spreading frees them at once
+        assert os.sched_getaffinity(started[1].pid) == mask and os.sched_getaffinity(0) == mask
+    finally:
+        here.restore()
+        for p in started:
+            os.killpg(p.pid, 9)
+            p.wait()
+    assert os.sched_getaffinity(0) == mask
 
 
 def test_the_proc_readers_read_this_host():

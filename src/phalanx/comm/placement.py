@@ -27,8 +27,10 @@ publishes in the shared segment, its compute thread's time running and time wait
 Each rank applies the leader's choice at its next all-reduce, to every thread of its process, and
 puts its own mask back when the host calms down, at close, and in a child it forks (so a DataLoader
 worker started while packed runs anywhere). A process started another way while packed
-(``subprocess``, multiprocessing's spawn or forkserver) inherits the one-core mask.
-``PHALANX_SHM_PACKING=0`` turns packing off.
+(``subprocess``, multiprocessing's spawn or forkserver) inherits the one-core mask from the
+kernel; each rank gives its descendants whose mask is exactly the packed core the original mask
+back within a window, and at the latest when it spreads or closes. ``PHALANX_SHM_PACKING=0``
+turns packing off.
 
 Example (what `~phalanx.comm.shm.ShmAllReduce` does at each all-reduce, on every rank)::
 
@@ -133,6 +135,43 @@ def _current_core() -> int | None:
         return None
 
 
+def _descendants() -> list[int]:
+    """The process ids of this process's children, theirs, and so on (``/proc/.../children``)."""
+    found: list[int] = []
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _free_descendants(core: int, mask: set[int]) -> None:
+    """Gives ``mask`` back to every descendant thread whose mask is exactly ``{core}``: a process
+    started while packed (subprocess, spawn, forkserver), which inherited the packed mask."""
+    for pid in _descendants():
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) == {core}:
+                    os.sched_setaffinity(tid, mask)
+            except OSError:  # exited, or not ours to change
+                pass
+
+
 def _set_threads(mask: set[int]) -> None:
     """Gives every thread of this process the affinity ``mask``; threads gone meanwhile are skipped."""
     try:
@@ -203,13 +242,16 @@ class Placement:
     def publish(self, words: Any, slots: tuple[int, int]) -> bool:
         """Writes this thread's schedstat times into its two ``slots`` once per window.
 
-        Returns True when a window has passed (the leader then decides).
+        While packed, it also frees the descendants that inherited the packed mask. Returns True
+        when a window has passed (the leader then decides).
         """
         now = _clock()
         if not self.enabled or now < self._next:
             return False
         self._next = now + self.window_s
         words[slots[0]], words[slots[1]] = _schedstat()
+        if self.core != SPREAD and self.mask is not None:
+            _free_descendants(self.core, self.mask)
         return True
 
     def decide(self, words: Any, slots: Sequence[tuple[int, int]], choice_slot: int) -> None:
@@ -229,6 +271,10 @@ class Placement:
             return
         packed, self._calm = decide(core != SPREAD, run, runnable, max(0.0, idle - idle_before), now - then, self._calm)
         if packed and core == SPREAD:
+            # The core the leader runs on: the kernel put it there knowing every core's load. The
+            # core with the fewest other runnable programs in a /proc snapshot did worse (issue 33,
+            # benchmarks/results/run-2026-11-27i-issue33-least-contended-core-ab.json: 2 jobs of 10
+            # under 1,100 samples/s, against none of 10 packed where the leader ran).
             here = _current_core()
             words[choice_slot] = 1 + (here if here in self.mask else min(self.mask))
             self._last = None  # the next window starts from the new placement
@@ -251,6 +297,8 @@ class Placement:
                 self.packs += 1
             _FORK_HOOK[0] = set(self.mask)
             _set_threads({core})
+        if self.core != SPREAD:  # what was started on the core it leaves goes free now
+            _free_descendants(self.core, self.mask)
         self.core = core
 
     def packed_seconds(self) -> float:
