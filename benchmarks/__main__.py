@@ -233,6 +233,7 @@ def _interleaved(
     loaded: dict | None = None,
     load_jobs: int = 1,
     loaded_jobs: dict | None = None,
+    load_cores: dict | None = None,
 ) -> dict:
     """samples/s per model, config and round; config order shuffled in every round.
 
@@ -243,7 +244,7 @@ def _interleaved(
     among the round's other jobs: where the kernel places a loaded job's replicas (one core or
     two) decides its speed for seconds, DDP's as much as phalanx's (``benchmarks/load_diag.py``),
     so one job per round compares placements more than libraries. ``loaded_jobs`` receives every
-    job's figure.
+    job's figure, and ``load_cores`` the cores the load took beside each of them.
     """
     extra = ["--device", device] if device != "cpu" else []
     results = {m: {c: [] for c in configs} for m in models}
@@ -267,11 +268,14 @@ def _interleaved(
                 for c, cond, k in order:
                     out = os.path.join(tmp, f"{c}-{m}-{r}-{cond}-{k}.json")
                     timed = seconds / load_jobs if cond == "loaded" else seconds
-                    with BackgroundLoad() if cond == "loaded" else contextlib.nullcontext():
+                    load = BackgroundLoad() if cond == "loaded" else None
+                    with load if load is not None else contextlib.nullcontext():
                         value = _job([*configs[c](m, out, str(timed)), *extra], out)["samples_per_s"]
-                    if cond == "loaded":
+                    if load is not None:
                         parts[c].append(value)
                         jobs[m][c].append(value)
+                        if load_cores is not None:
+                            load_cores.setdefault(m, {}).setdefault(c, []).append(load.cores)
                     else:
                         results[m][c].append(value)
                     label = f"{c} (loaded {k + 1}/{load_jobs})" if cond == "loaded" else c
@@ -540,7 +544,10 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         configs = {c: THROUGHPUT_CONFIGS[c] for c in names}
         loaded: dict | None = {} if args.load else None
         loaded_jobs: dict = {}
-        raw = _interleaved(configs, models, args.rounds, args.seconds, args.device, loaded, args.load_jobs, loaded_jobs)
+        load_cores: dict = {}
+        raw = _interleaved(
+            configs, models, args.rounds, args.seconds, args.device, loaded, args.load_jobs, loaded_jobs, load_cores
+        )
         report["throughput"] = {"samples_per_s": raw, "ratios": _ratios(raw, models), "overlap": _overlaps(raw)}
         if loaded is not None:
             report["loaded"] = {
@@ -549,6 +556,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
                 "seconds_per_job": args.seconds / args.load_jobs,
                 "samples_per_s": loaded,
                 "samples_per_s_per_job": loaded_jobs,
+                "load_cores_per_job": load_cores,  # CPU time of the load / wall time, beside each job
                 "ratios": _ratios(loaded, models),
                 "overlap": _overlaps(loaded),
             }

@@ -2,11 +2,15 @@
 
 Real machines are busy while they train: DataLoader workers, a tokenizer, a second job, a noisy
 neighbour. The load here is one busy process per core and one torch DataLoader with 2 worker
-processes that do CPU work per item, all in one process group of their own that is started just
-before a job and ended just after it. Usage::
+processes that do CPU work per item, each load process in a session of its own, started just
+before a job and ended just after it. The job starts only once every load process is at work
+(under the busy processes, the DataLoader takes 1.5-2.5 s to import torch on a 2-core VM, where
+a fixed one-second head start let some jobs run their first second beside half the load), and
+``cores`` tells what the load took while the job ran. Usage::
 
-    with BackgroundLoad():
+    with BackgroundLoad() as load:
         run_the_job()
+    print(load.cores)  # CPU time of every load process / wall time, while the job ran
 
     python -m benchmarks.load busy|dataloader   # one load process (what BackgroundLoad starts)
 """
@@ -14,6 +18,7 @@ before a job and ended just after it. Usage::
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +45,8 @@ class BackgroundLoad:
         self.busy = cores if busy is None else busy
         self.dataloader_workers = dataloader_workers
         self._procs: list[subprocess.Popen] = []
+        self.cores: float | None = None  # what the load took while the job ran, in cores
+        self._started: tuple[float, float] | None = None
 
     def __enter__(self) -> BackgroundLoad:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -53,18 +60,42 @@ class BackgroundLoad:
                         [sys.executable, "-m", "benchmarks.load", *args],
                         cwd=ROOT,
                         env=env,
-                        stdout=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,  # one line, "ready", once at work
                         stderr=subprocess.DEVNULL,
                         start_new_session=True,  # its DataLoader workers are ended with it
                     )
                 )
-            time.sleep(1.0)  # the DataLoader's workers are up and busy before the job starts
+            deadline = time.monotonic() + _READY_TIMEOUT_S
+            for p in self._procs:
+                if not select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise TimeoutError(f"load process {p.args[3:]} not at work after {_READY_TIMEOUT_S:.0f} s")
+                if p.stdout.readline().strip() != b"ready":
+                    raise RuntimeError(f"load process {p.args[3:]} exited with {p.wait()} before it was at work")
+            self._started = (time.monotonic(), self._cpu_s())
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def _cpu_s(self) -> float:
+        """CPU seconds used so far by every process of the load's sessions (DataLoader workers too)."""
+        sessions, total = {p.pid for p in self._procs}, 0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                except OSError:  # exited meanwhile
+                    continue
+                if int(fields[3]) in sessions:  # field 6, the session id
+                    total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime in ticks
+        return total / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc: object) -> None:
+        if self._started is not None:
+            wall = time.monotonic() - self._started[0]
+            self.cores = (self._cpu_s() - self._started[1]) / wall if wall > 0 else None
+            self._started = None
         for p in self._procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # the session this process leads: it and its workers
@@ -72,10 +103,20 @@ class BackgroundLoad:
                 pass
         for p in self._procs:
             p.wait(timeout=30)
+            p.stdout.close()
         self._procs = []
 
 
+_READY_TIMEOUT_S = 60.0
+
+
+def _ready() -> None:
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+
+
 def _busy() -> None:
+    _ready()
     x = 0
     while True:
         x = (x * 1103515245 + 12345) & 0x7FFFFFFF
@@ -97,8 +138,9 @@ def _dataloader(workers: int) -> None:
             rng = np.random.default_rng(i)
             return torch.from_numpy(np.sort(rng.random(200_000, dtype=np.float32))[:16].copy())
 
-    for _ in torch.utils.data.DataLoader(Work(), batch_size=8, num_workers=workers):
-        pass
+    for i, _ in enumerate(torch.utils.data.DataLoader(Work(), batch_size=8, num_workers=workers)):
+        if i == 0:  # its workers are up and producing
+            _ready()
 
 
 if __name__ == "__main__":

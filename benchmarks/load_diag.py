@@ -32,7 +32,8 @@ def _read(directory: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _line(record: dict) -> str:
-    parts = [f"{record['name']:<12} {record['samples_per_s']:>7.0f}/s same cpu {record.get('same_cpu', 0):.2f}"]
+    load = "" if record.get("load_cores") is None else f" load {record['load_cores']:.2f} cores"
+    parts = [f"{record['name']:<12} {record['samples_per_s']:>7.0f}/s same cpu {record.get('same_cpu', 0):.2f}{load}"]
     for r in record["replicas"]:
         cpu = r["user_s"] + r["sys_s"]
         parts.append(
@@ -79,10 +80,11 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "out.json")
                     cmd = THROUGHPUT_CONFIGS[config](args.model, out, str(args.seconds))
+                    load = None
                     if args.idle:
                         result = _job(cmd, out)
                     else:
-                        with BackgroundLoad():
+                        with BackgroundLoad() as load:
                             result = _job(cmd, out)
             finally:
                 for k, v in saved.items():
@@ -92,6 +94,7 @@ def main() -> None:
                         os.environ[k] = v
             replicas, shm = _read(directory)
             record = {"job": i, "name": name, "samples_per_s": result["samples_per_s"], "replicas": replicas}
+            record["load_cores"] = load.cores if load is not None else None
             record["shm"] = shm
             if len(replicas) == 2:  # steps run in lockstep: step k of one replica beside step k of the other
                 pairs = list(zip(replicas[0]["cpu_per_step"], replicas[1]["cpu_per_step"]))

@@ -21,20 +21,30 @@ def _bench():
     return bench, load
 
 
-def test_the_load_keeps_the_cores_busy_and_leaves_no_process_behind():
+def test_the_load_is_at_work_when_the_job_starts_says_what_it_took_and_leaves_no_process_behind():
     _, load = _bench()
     with load.BackgroundLoad(busy=1, dataloader_workers=2) as running:
+        # At entry, not some time later: the DataLoader's workers have delivered a batch.
         leaders = [psutil.Process(p.pid) for p in running._procs]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(leaders[1].children()) < 2:  # the DataLoader's workers
-            time.sleep(0.2)
         everyone = leaders + leaders[1].children()
         assert len(everyone) == 4, everyone  # one busy process, the DataLoader and its 2 workers
         busy = sum(p.cpu_times().user for p in everyone)
         time.sleep(1.0)
         assert sum(p.cpu_times().user for p in everyone) - busy > 0.3, "the load does not use the CPU"
+    # 3 processes spinning (the busy one, 2 workers) on this host's cores, beside this test.
+    assert running.cores is not None and running.cores > 0.5, running.cores
     gone, alive = psutil.wait_procs(everyone, timeout=10)
     assert not alive, alive
+
+
+def test_a_load_process_that_dies_before_it_is_at_work_is_a_typed_error(monkeypatch):
+    _, load = _bench()
+    monkeypatch.setattr(load.sys, "executable", "/bin/false")
+    import pytest
+
+    with pytest.raises(RuntimeError, match="exited with 1 before it was at work"):
+        with load.BackgroundLoad(busy=1, dataloader_workers=0):
+            pass
 
 
 def test_the_summary_says_which_figures_were_taken_under_load():
@@ -57,7 +67,6 @@ def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
     (benchmarks/load_diag.py): a loaded figure is now the mean of --load-jobs jobs of
     --seconds / N, each under its own load, with every job's figure kept. (Pure logic: the jobs
     and the load are stand-ins here; test_the_load_keeps_the_cores_busy... runs the real load.)"""
-    import contextlib
     import itertools
 
     bench, _ = _bench()
@@ -65,11 +74,15 @@ def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
     values = itertools.count(100, 100)
     under_load = [False]
 
-    @contextlib.contextmanager
-    def fake_load():
-        under_load[0] = True
-        yield
-        under_load[0] = False
+    class fake_load:
+        cores = 1.5
+
+        def __enter__(self):
+            under_load[0] = True
+            return self
+
+        def __exit__(self, *exc):
+            under_load[0] = False
 
     def fake_job(cmd, out):
         runs.append((cmd[0], float(cmd[-1]), under_load[0]))
@@ -82,8 +95,10 @@ def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
         return lambda m, out, s: [config, m, out, "--seconds", s]
 
     configs = {c: command(c) for c in ("px", "ddp")}
-    loaded, per_job = {}, {}
-    idle = bench._interleaved(configs, ["mlp"], 2, 2.0, loaded=loaded, load_jobs=4, loaded_jobs=per_job)
+    loaded, per_job, cores = {}, {}, {}
+    idle = bench._interleaved(
+        configs, ["mlp"], 2, 2.0, loaded=loaded, load_jobs=4, loaded_jobs=per_job, load_cores=cores
+    )
     assert sorted((c, s, load) for c, s, load in runs) == sorted(
         [(c, 2.0, False) for c in ("px", "ddp") for _ in range(2)]
         + [(c, 0.5, True) for c in ("px", "ddp") for _ in range(8)]
@@ -92,4 +107,5 @@ def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
     for c in ("px", "ddp"):
         jobs = per_job["mlp"][c]
         assert len(jobs) == 8 and loaded["mlp"][c] == [sum(jobs[:4]) / 4, sum(jobs[4:]) / 4]
+        assert cores["mlp"][c] == [1.5] * 8
     assert "--load-jobs" in bench.build_parser().format_help()
