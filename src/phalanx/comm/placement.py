@@ -29,7 +29,7 @@ puts its own mask back when the host calms down, at close, and in a child it for
 worker started while packed runs anywhere). A process started another way while packed
 (``subprocess``, multiprocessing's spawn or forkserver) inherits the one-core mask from the
 kernel; each rank gives its descendants whose mask is exactly the packed core the original mask
-back within a window, and at the latest when it spreads or closes. ``PHALANX_SHM_PACKING=0``
+back at its first all-reduce of the next window, and when it spreads or closes. ``PHALANX_SHM_PACKING=0``
 turns packing off.
 
 Example (what `~phalanx.comm.shm.ShmAllReduce` does at each all-reduce, on every rank)::
