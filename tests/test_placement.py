@@ -69,7 +69,7 @@ class _Host:
         monkeypatch.setattr(placement, "_schedstat", lambda: self.times[self.rank])
         monkeypatch.setattr(placement, "_idle_s", lambda cores: self.idle)
         monkeypatch.setattr(placement, "_current_core", lambda: 1)
-        monkeypatch.setattr(placement, "_free_descendants", lambda core, mask: None)
+        monkeypatch.setattr(placement, "_free_descendants", lambda core, mask, replicas=(): None)
         moved: list[set[int]] = []
         monkeypatch.setattr(placement, "_set_threads", moved.append)
         self.moved = moved
@@ -144,15 +144,18 @@ def test_a_process_started_while_packed_gets_the_original_mask_back(monkeypatch)
     mask, and the rank gives it back to them and to their own children at its next window, and
     when it spreads."""
     monkeypatch.setattr(placement, "_OWNER", [None])
-    here = Placement(True, 2, window_s=0.0)
+    # A peer replica that is this rank's child (a self-launched job's replica 1), packed by itself.
+    peer = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    started: list[subprocess.Popen] = [peer]
+    here = Placement(True, 2, window_s=0.0, pids=[os.getpid(), peer.pid])
     mask, core = set(here.mask), min(here.mask)
+    os.sched_setaffinity(peer.pid, {core})
     words = [0] * 3
     here.follow(core)
-    started: list[subprocess.Popen] = []
     try:
         assert os.sched_getaffinity(0) == {core}
         started.append(subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True))
-        shell = psutil.Process(started[0].pid)
+        shell = psutil.Process(started[-1].pid)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not shell.children():
             time.sleep(0.05)
@@ -161,10 +164,12 @@ def test_a_process_started_while_packed_gets_the_original_mask_back(monkeypatch)
         assert all(os.sched_getaffinity(pid) == {core} for pid in family)  # what the kernel gave them
         assert here.publish(words, (1, 2))  # a window has passed (window_s=0)
         assert all(os.sched_getaffinity(pid) == mask for pid in family)
+        assert os.sched_getaffinity(peer.pid) == {core}  # the peer follows the leader itself
         started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
-        assert os.sched_getaffinity(started[1].pid) == {core}
+        assert os.sched_getaffinity(started[-1].pid) == {core}
         here.follow(SPREAD)  # spreading frees them at once
-        assert os.sched_getaffinity(started[1].pid) == mask and os.sched_getaffinity(0) == mask
+        assert os.sched_getaffinity(started[-1].pid) == mask and os.sched_getaffinity(0) == mask
+        assert os.sched_getaffinity(peer.pid) == {core}
     finally:
         here.restore()
         for p in started:

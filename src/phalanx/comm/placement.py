@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 __all__ = ["SPREAD", "Placement", "decide"]
@@ -156,10 +156,16 @@ def _descendants() -> list[int]:
     return found
 
 
-def _free_descendants(core: int, mask: set[int]) -> None:
+def _free_descendants(core: int, mask: set[int], replicas: Collection[int] = ()) -> None:
     """Gives ``mask`` back to every descendant thread whose mask is exactly ``{core}``: a process
-    started while packed (subprocess, spawn, forkserver), which inherited the packed mask."""
+    started while packed (subprocess, spawn, forkserver), which inherited the packed mask.
+
+    The processes in ``replicas`` are left alone: a job that starts its replicas itself
+    (``python train.py``, `phalanx.launch.self_launch`) has replica 1 as a child of replica 0, and
+    that child is packed on purpose."""
     for pid in _descendants():
+        if pid in replicas:
+            continue
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
@@ -217,9 +223,19 @@ class Placement:
         replicas: the number of ranks on this host.
         enabled: False keeps every rank on its own mask (``PHALANX_SHM_PACKING=0``).
         window_s: seconds between two decisions (and two publications).
+        pids: the process ids of this host's ranks, which follow the leader's choice themselves
+            and are never given a mask back by another rank.
     """
 
-    def __init__(self, leader: bool, replicas: int, enabled: bool = True, window_s: float = _WINDOW_S) -> None:
+    def __init__(
+        self,
+        leader: bool,
+        replicas: int,
+        enabled: bool = True,
+        window_s: float = _WINDOW_S,
+        pids: Collection[int] = (),
+    ) -> None:
+        self.pids = frozenset(pids)
         try:
             self.mask: set[int] | None = set(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # not Linux: nothing to place
@@ -251,7 +267,7 @@ class Placement:
         self._next = now + self.window_s
         words[slots[0]], words[slots[1]] = _schedstat()
         if self.core != SPREAD and self.mask is not None:
-            _free_descendants(self.core, self.mask)
+            _free_descendants(self.core, self.mask, self.pids)
         return True
 
     def decide(self, words: Any, slots: Sequence[tuple[int, int]], choice_slot: int) -> None:
@@ -271,10 +287,9 @@ class Placement:
             return
         packed, self._calm = decide(core != SPREAD, run, runnable, max(0.0, idle - idle_before), now - then, self._calm)
         if packed and core == SPREAD:
-            # The core the leader runs on: the kernel put it there knowing every core's load. The
-            # core with the fewest other runnable programs in a /proc snapshot did worse (issue 33,
-            # benchmarks/results/run-2026-11-27i-issue33-least-contended-core-ab.json: 2 jobs of 10
-            # under 1,100 samples/s, against none of 10 packed where the leader ran).
+            # The core the leader runs on: the kernel put it there knowing every core's load. (The
+            # core with the fewest other runnable programs in a /proc snapshot was tried, issue 33;
+            # its only A/B run is not evidence either way, see docs/performance.md.)
             here = _current_core()
             words[choice_slot] = 1 + (here if here in self.mask else min(self.mask))
             self._last = None  # the next window starts from the new placement
@@ -298,7 +313,7 @@ class Placement:
             _FORK_HOOK[0] = set(self.mask)
             _set_threads({core})
         if self.core != SPREAD:  # what was started on the core it leaves goes free now
-            _free_descendants(self.core, self.mask)
+            _free_descendants(self.core, self.mask, self.pids)
         self.core = core
 
     def packed_seconds(self) -> float:

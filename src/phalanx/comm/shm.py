@@ -456,7 +456,7 @@ class ShmAllReduce:
         self._address = self._seg.bytes.ctypes.data  # of the mapping, for the futex calls
         self._spin = _Spin(world_size)
         packing = Settings.from_environ().shm_packing if packing is None else packing
-        self._placement = Placement(rank == 0, world_size, enabled=packing)
+        self._placement = Placement(rank == 0, world_size, enabled=packing, pids=[p for p, _ in self._peers.values()])
         blocks = [(j + 1) * self._stride for j in range(world_size)]
         self._all_times = [(at + _RUN, at + _RUNNABLE) for at in blocks]
         self._times = self._all_times[rank]
