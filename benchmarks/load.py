@@ -4,9 +4,9 @@ Real machines are busy while they train: DataLoader workers, a tokenizer, a seco
 neighbour. The load here is one busy process per core and one torch DataLoader with 2 worker
 processes that do CPU work per item, each load process in a session of its own, started just
 before a job and ended just after it. The job starts only once every load process is at work
-(under the busy processes, the DataLoader takes 1.5-2.5 s to import torch on a 2-core VM, where
-a fixed one-second head start let some jobs run their first second beside half the load), and
-``cores`` tells what the load took while the job ran. Usage::
+(under the busy processes, the DataLoader takes 1.5-2.5 s to import torch on a 2-core VM, longer
+than the fixed one-second head start it used to get), and ``cores`` tells what the load took
+while the job ran. Usage::
 
     with BackgroundLoad() as load:
         run_the_job()
