@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,8 +41,6 @@ def test_the_load_is_at_work_when_the_job_starts_says_what_it_took_and_leaves_no
 def test_a_load_process_that_dies_before_it_is_at_work_is_a_typed_error(monkeypatch):
     _, load = _bench()
     monkeypatch.setattr(load.sys, "executable", "/bin/false")
-    import pytest
-
     with pytest.raises(RuntimeError, match="exited with 1 before it was at work"):
         with load.BackgroundLoad(busy=1, dataloader_workers=0):
             pass
@@ -66,7 +65,7 @@ def test_a_loaded_figure_is_the_mean_of_several_shorter_jobs(monkeypatch):
     """One loaded job per round compared where the kernel put the replicas more than the libraries
     (benchmarks/load_diag.py): a loaded figure is now the mean of --load-jobs jobs of
     --seconds / N, each under its own load, with every job's figure kept. (Pure logic: the jobs
-    and the load are stand-ins here; test_the_load_keeps_the_cores_busy... runs the real load.)"""
+    and the load are stand-ins here; test_the_load_is_at_work_when_the_job_starts... runs the real load.)"""
     import itertools
 
     bench, _ = _bench()

@@ -28,9 +28,9 @@ Each rank applies the leader's choice at its next all-reduce, to every thread of
 puts its own mask back when the host calms down, at close, and in a child it forks (so a DataLoader
 worker started while packed runs anywhere). A process started another way while packed
 (``subprocess``, multiprocessing's spawn or forkserver) inherits the one-core mask from the
-kernel; each rank gives its descendants whose mask is exactly the packed core the original mask
-back at its first all-reduce of the next window, and when it spreads or closes. ``PHALANX_SHM_PACKING=0``
-turns packing off.
+kernel; each rank gives its descendants whose mask is exactly the packed core (the job's other
+replicas aside) the original mask back at its first all-reduce of the next window, and when it
+spreads or closes. ``PHALANX_SHM_PACKING=0`` turns packing off.
 
 Example (what `~phalanx.comm.shm.ShmAllReduce` does at each all-reduce, on every rank)::
 
