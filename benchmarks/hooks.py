@@ -1,30 +1,38 @@
-"""Host time of phalanx's gradient hooks at world size 1, against DDP's, in one process.
+"""What the distribution layer costs a step at world size 1, against DDP, in one process.
 
-Usage: ``python -m benchmarks.hooks [--device cpu|cuda] [--rounds 9] [--steps 300] [--out FILE.json]``
+Usage: ``python -m benchmarks.hooks [--device cpu|cuda] [--model M] [--rounds 9] [--steps 300] [--out FILE.json]``
 
-A tiny model (32-64-64-10 MLP, batch 16, SGD) keeps each step short, so what the distribution
-layer adds in Python shows. Four configurations are built in this one process and timed in
-interleaved rounds (the order reversed every round, so a machine that gets busier or quieter
-shifts all four alike):
+Every configuration trains its own copy of one workload (``benchmarks/models.py``) in this one
+process, and they are timed in interleaved rounds (the order reversed every round, so a machine
+that gets busier or quieter shifts them all alike):
 
 - ``raw``: the plain loop;
 - ``ddp_ws1``: the same model in ``DistributedDataParallel`` over a process group of world size 1
   (gloo on the CPU, NCCL on a GPU): DDP's C++ reducer, its hooks and one all-reduce per bucket;
+- ``px_one_device``: ``OneDeviceStrategy``;
 - ``px_mirrored``: ``MirroredStrategy`` of one replica, which runs no collective;
 - ``px_ws1``: the same with its process group built anyway (``PHALANX_SINGLE_REPLICA_COLLECTIVES=1``):
-  phalanx's gradient hooks (``comm/reducer.py``), the consistency guard riding in the first bucket
-  and one all-reduce per bucket;
+  the path every multi-GPU job runs, phalanx's gradient hooks (``comm/reducer.py``), the
+  consistency guard riding in the first bucket and one all-reduce per bucket;
 - ``px_ws1_noguard``: ``px_ws1`` with the guard off (``set_consistency_checks(False)``): what the
   guard, which DDP has no counterpart of, costs.
 
-Each figure is the median over the rounds of the per-step time in microseconds. ``hook cost vs
-DDP`` is ``(px_ws1 - px_mirrored) / (ddp_ws1 - raw)``: what phalanx's gradient exchange costs a
-step over the ratio of what DDP's costs (1.0: as much as DDP; below 1.0: less), both as the ratio
-of the medians and as the median of the per-round ratios; ``without guard`` the same with
-``px_ws1_noguard``. On this 2-core VM gloo's hand-over to its worker thread and back (DDP's too)
-is most of either cost and varies from run to run by tens of microseconds: compare figures of one
-run only. On a GPU each timed block ends with ``torch.cuda.synchronize()``; the steps there are
-bound by the host as well.
+Each figure is the median over the rounds of the per-step time in microseconds. The report gives:
+
+- ``hook cost vs DDP``: ``(px_ws1 - px_mirrored) / (ddp_ws1 - raw)``, what phalanx's gradient
+  exchange costs a step over what DDP's costs (1.0: as much; below: less), as the ratio of the
+  medians and as the median of the per-round ratios; ``without guard`` the same with
+  ``px_ws1_noguard``. On a CPU this is the proxy of the GPU figures: host time is what a GPU
+  step loses to the distribution layer;
+- ``speed``: each configuration's steps per second over the raw loop's and over DDP's (the
+  median of per-round ratios): on a GPU, ``px_ws1 / ddp_ws1`` is the NCCL path against DDP;
+- ``guard share``: ``(px_ws1 - px_ws1_noguard) / px_ws1``, the guard's part of a step.
+
+The default model is ``transformer_small``, the language model at a small width: about 75
+parameter tensors and little compute, so per-parameter host work shows (the proxy of the
+transformer on a GPU). On this 2-core VM gloo's hand-over to its worker thread and back (DDP's
+too) varies from run to run by tens of microseconds: compare figures of one run only. On a GPU
+each timed block ends with ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -42,26 +50,20 @@ import torch.distributed as dist
 
 import phalanx as px
 from benchmarks.__main__ import machine
+from benchmarks.models import EXTRA_MODELS, MODELS, workload
 from phalanx.launch.env import free_port
 
-CONFIGS = ("raw", "ddp_ws1", "px_mirrored", "px_ws1", "px_ws1_noguard")
+CONFIGS = ("raw", "ddp_ws1", "px_one_device", "px_mirrored", "px_ws1", "px_ws1_noguard")
 
 
-def _model(device: torch.device) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
-    ).to(device)
-
-
-def configs(device: str) -> dict[str, Callable[[], None]]:
+def configs(device: str, model: str = "transformer_small", batch: int | None = None) -> dict[str, Callable[[], None]]:
     """One training step per configuration (see the module docstring), each with its own model.
 
     Initialises torch's default process group (world size 1) for DDP if nothing has yet.
     """
+    w = workload(model)
     here = torch.device("cuda:0" if device == "cuda" else "cpu")
-    x = torch.randn(16, 32, device=here)
-    y = torch.randint(0, 10, (16,), device=here)
+    x, y = (t.to(here) for t in w.batches(batch or w.global_batch, 1)[0])
     if not dist.is_initialized():
         dist.init_process_group(
             "nccl" if device == "cuda" else "gloo",
@@ -71,17 +73,21 @@ def configs(device: str) -> dict[str, Callable[[], None]]:
         )
 
     def make(strategy: px.Strategy | None = None, ddp: bool = False) -> Callable[[], None]:
+        torch.manual_seed(0)
         if strategy is None:
-            model = _model(here)
+            model_ = w.make().to(here)
             if ddp:
-                model = torch.nn.parallel.DistributedDataParallel(model)
+                model_ = torch.nn.parallel.DistributedDataParallel(model_)
         else:
             with strategy.scope():
-                model = _model(here)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                model_ = w.make()
+        opt = w.make_optimizer(model_.parameters())
+        n = x.shape[0]
 
         def step() -> None:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            with w.autocast(here.type):
+                out = model_(x)
+            loss = w.per_example_loss(out, y).sum() / n
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -91,7 +97,12 @@ def configs(device: str) -> dict[str, Callable[[], None]]:
         return lambda: strategy.run(step)
 
     replica = [str(here)]
-    runs = {"raw": make(), "ddp_ws1": make(ddp=True), "px_mirrored": make(px.MirroredStrategy(replica))}
+    runs = {
+        "raw": make(),
+        "ddp_ws1": make(ddp=True),
+        "px_one_device": make(px.OneDeviceStrategy(str(here))),
+        "px_mirrored": make(px.MirroredStrategy(replica)),
+    }
     os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
     try:
         runs["px_ws1"] = make(px.MirroredStrategy(replica))
@@ -107,7 +118,7 @@ def measure(runs: dict[str, Callable[[], None]], rounds: int, steps: int, device
     """Per-step microseconds of each configuration, one figure per round; rounds interleaved."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for step in runs.values():  # warm-up: first-step checks, allocator, caches
-        for _ in range(50):
+        for _ in range(min(50, max(5, steps // 4))):
             step()
     sync()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -125,31 +136,41 @@ def measure(runs: dict[str, Callable[[], None]], rounds: int, steps: int, device
 
 
 def summary(times: dict[str, list[float]]) -> dict:
-    """Medians, and the hook cost of phalanx's gradient exchange against DDP's."""
+    """Medians, the hook cost of phalanx's gradient exchange against DDP's, speeds and the guard's share."""
     med = {name: statistics.median(v) for name, v in times.items()}
     out: dict = {"us_per_step": med}
-    if all(name in times for name in CONFIGS):
-        ddp = med["ddp_ws1"] - med["raw"]
-        out["hook_cost_us"] = {
-            "ddp": ddp,
-            "phalanx": med["px_ws1"] - med["px_mirrored"],
-            "phalanx_without_guard": med["px_ws1_noguard"] - med["px_mirrored"],
-        }
-        for suffix, config in (("", "px_ws1"), ("_without_guard", "px_ws1_noguard")):
-            phalanx = out["hook_cost_us"]["phalanx" + suffix]
-            out["hook_cost_vs_ddp" + suffix] = phalanx / ddp if ddp > 0 else None
-            per_round = [
-                (p - m) / (d - r)
-                for r, d, m, p in zip(times["raw"], times["ddp_ws1"], times["px_mirrored"], times[config])
-                if d > r
-            ]
-            out["hook_cost_vs_ddp" + suffix + "_per_round_median"] = statistics.median(per_round) if per_round else None
+    if not all(name in times for name in CONFIGS):
+        return out
+    ddp = med["ddp_ws1"] - med["raw"]
+    out["hook_cost_us"] = {
+        "ddp": ddp,
+        "phalanx": med["px_ws1"] - med["px_mirrored"],
+        "phalanx_without_guard": med["px_ws1_noguard"] - med["px_mirrored"],
+    }
+    for suffix, config in (("", "px_ws1"), ("_without_guard", "px_ws1_noguard")):
+        phalanx = out["hook_cost_us"]["phalanx" + suffix]
+        out["hook_cost_vs_ddp" + suffix] = phalanx / ddp if ddp > 0 else None
+        per_round = [
+            (p - m) / (d - r)
+            for r, d, m, p in zip(times["raw"], times["ddp_ws1"], times["px_mirrored"], times[config])
+            if d > r
+        ]
+        out["hook_cost_vs_ddp" + suffix + "_per_round_median"] = statistics.median(per_round) if per_round else None
+
+    def speed(a: str, b: str) -> float:  # steps/s of a over steps/s of b, median of per-round ratios
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+
+    out["speed_vs_raw"] = {c: speed(c, "raw") for c in CONFIGS if c != "raw"}
+    out["speed_vs_ddp"] = {c: speed(c, "ddp_ws1") for c in ("px_ws1", "px_ws1_noguard")}
+    out["guard_share_of_step"] = statistics.median(
+        (g - n) / g for g, n in zip(times["px_ws1"], times["px_ws1_noguard"])
+    )
     return out
 
 
 def table(result: dict) -> str:
     """The result as text."""
-    lines = [f"{name:14s} {us:8.1f} us/step" for name, us in result["us_per_step"].items()]
+    lines = [f"{name:14s} {us:10.1f} us/step" for name, us in result["us_per_step"].items()]
     if "hook_cost_vs_ddp" in result:
         cost = result["hook_cost_us"]
         lines.append(
@@ -162,12 +183,21 @@ def table(result: dict) -> str:
                     f"hook cost vs DDP{label}: {result['hook_cost_vs_ddp' + suffix]:.2f} "
                     f"(median of per-round ratios {result['hook_cost_vs_ddp' + suffix + '_per_round_median']:.2f})"
                 )
+        raw, ddp = result["speed_vs_raw"], result["speed_vs_ddp"]
+        lines.append(
+            "speed vs raw: "
+            + ", ".join(f"{c} {v:.3f}" for c, v in raw.items())
+            + f"; NCCL path vs DDP: {ddp['px_ws1']:.3f} (guard off {ddp['px_ws1_noguard']:.3f})"
+        )
+        lines.append(f"guard share of a step: {result['guard_share_of_step'] * 100:.1f} %")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=MODELS + EXTRA_MODELS, default="transformer_small")
+    parser.add_argument("--batch", type=int, help="examples per step (default: the workload's global batch)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=300, help="steps per configuration per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU's intra-op pool)")
@@ -177,11 +207,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--device cuda: no CUDA device")
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")  # DDP's and phalanx's one-replica notices, once each
-    runs = configs(args.device)
+    runs = configs(args.device, args.model, args.batch)
     times = measure(runs, args.rounds, args.steps, args.device)
     result = {
         "device": args.device,
         "machine": machine(args.device),
+        "model": args.model,
+        "parameter_tensors": sum(1 for _ in workload(args.model).make().parameters()),
         "rounds": args.rounds,
         "steps": args.steps,
         "threads": args.threads,

@@ -64,6 +64,14 @@ def central_storage_cpu(n: int = 2, **_: Any) -> Any:
     return px.CentralStorageStrategy(_cpus(n))
 
 
+def fully_sharded_cpu(n: int = 2, min_params_to_shard: int = 64, **_: Any) -> Any:
+    """FullyShardedStrategy over ``n`` CPU replicas; by default every module of 64 or more parameter
+    elements is a sharding group of its own, so small test models shard layer by layer."""
+    import phalanx as px
+
+    return px.FullyShardedStrategy(_cpus(n), min_params_to_shard=min_params_to_shard)
+
+
 def multi_worker(n: int = 2, **_: Any) -> Any:
     import phalanx as px
 
@@ -128,6 +136,7 @@ COMBINATIONS: dict[str, Combination] = {
         Combination("mirrored_cpu_3", mirrored_cpu, 3),
         Combination("central_storage_cpu_2", central_storage_cpu, 2),
         Combination("central_storage_cpu_3", central_storage_cpu, 3),
+        Combination("fully_sharded_cpu_2", fully_sharded_cpu, 2),
         Combination("multi_worker_2", multi_worker, 2, launch="phalanx_run"),
         Combination("parameter_server_1ps_2workers", parameter_server, 2, launch="ps", ps=1),
         Combination("parameter_server_2ps_2workers", parameter_server, 2, launch="ps", ps=2),
@@ -139,6 +148,7 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "one_device": one_device,
     "mirrored_cpu": mirrored_cpu,
     "central_storage_cpu": central_storage_cpu,
+    "fully_sharded_cpu": fully_sharded_cpu,
     "multi_worker": multi_worker,
     "parameter_server": parameter_server,
 }

@@ -3,9 +3,17 @@
 Parameters are grouped into buckets in reverse creation order (roughly the order backward
 produces their gradients). When every gradient of a bucket is ready, and every earlier bucket has
 been launched, its all-reduce starts while backward goes on. A callback queued on the autograd
-engine launches whatever is left (gradients of parameters this replica did not use count as
-zeros) and waits for all buckets. Buckets are always launched in index order, so every replica
-issues the same collectives in the same order whatever order its gradients arrive in.
+engine launches whatever is left and waits for all buckets. Buckets are always launched in index
+order, so every replica issues the same collectives in the same order whatever order its
+gradients arrive in.
+
+Unused parameters. A parameter this replica's pass did not reach adds zeros to the sum, and each
+bucket carries one flag per parameter after its gradients (1: used here), summed with them. A
+parameter that no replica used (flag sum 0) keeps the ``.grad`` it had, None after
+``zero_grad()``, as on one device, under DDP with ``find_unused_parameters`` and in TF: an
+optimizer then skips it, where a zero gradient would let momentum or weight decay move it. One
+used by some replicas only gets the sum. The flags are read back only where this replica left a
+parameter unused, so the usual pass never waits for them on a GPU.
 
 Gradients live in the buckets (DDP's ``gradient_as_bucket_view``). Each bucket has one flat buffer,
 kept from pass to pass; as a gradient arrives it is moved into its place there and ``.grad``
@@ -56,24 +64,37 @@ class _Bucket:
         self.numel = sum(self.sizes)
         self.ready: set[int] = set()
         self.handle: Any = None
-        self.flat: torch.Tensor | None = None  # the persistent buffer: gradients, then the guard's room
+        # The persistent buffer: the gradients, one "used" flag per parameter, then the guard's room.
+        self.flat: torch.Tensor | None = None
         # Per parameter: its gradient's place in `flat`, shaped as the parameter; None for a
         # parameter that is not contiguous (channels_last): its .grad keeps autograd's layout.
         self.views: list[torch.Tensor | None] = []
-        # The guard's room after the gradients (bucket 0), as a view of `flat`: made once, not per pass.
+        # One flag per parameter after the gradients, as a view of `flat`: 1 where this replica's
+        # pass gave the parameter a gradient, 0 where not; summed, 0 means no replica used it.
+        self.flags: torch.Tensor | None = None
+        # The guard's room after the flags (bucket 0), as a view of `flat`: made once, not per pass.
         self.tail: torch.Tensor | None = None
+        # Positions of the parameters this replica did not use in the pass being synchronised,
+        # and, once summed, of those no replica used.
+        self.unused_here: list[int] = []
+        self.unused_everywhere: set[int] = set()
+
+    @property
+    def head(self) -> int:
+        """Elements before the guard's room: the gradients and the flags."""
+        return self.numel + len(self.params)
 
     def buffer(self, room: int = 0) -> torch.Tensor:
-        """The bucket's flat buffer with ``room`` elements after the gradients; made on first use.
+        """The bucket's flat buffer with ``room`` elements after the gradients and flags; made on first use.
 
         Made again, bigger, when the guard first needs room (bucket 0's first pass): gradients
         already moved in are carried over, and their parameters' ``.grad`` follow.
         """
         flat = self.flat
-        if flat is not None and flat.numel() - self.numel >= room:
+        if flat is not None and flat.numel() - self.head >= room:
             return flat
         first = self.params[0]
-        grown = torch.empty(self.numel + room, dtype=first.dtype, device=first.device)
+        grown = torch.empty(self.head + room, dtype=first.dtype, device=first.device)
         views: list[torch.Tensor | None] = []
         for i, p in enumerate(self.params):
             offset, n = self.offsets[i], self.sizes[i]
@@ -83,7 +104,20 @@ class _Bucket:
                 p.grad = view
             views.append(view)
         self.flat, self.views, self.tail = grown, views, None
+        self.flags = grown[self.numel : self.head]
         return grown
+
+
+def _write_flags(flags: torch.Tensor, unused: list[int]) -> None:
+    """Flags every parameter of a bucket used (1), but those at ``unused`` (0)."""
+    flags.fill_(1)
+    if not unused:
+        return
+    if flags.is_cuda:  # one small kernel each, no index tensor copied from the host (which would wait)
+        for pos in unused:
+            flags[pos : pos + 1].zero_()
+    else:
+        flags[unused] = 0
 
 
 def _aliases(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
@@ -202,6 +236,11 @@ class GradientReducer:
         views = self._buckets[b].views
         return bool(views) and p.grad is not None and _aliases(p.grad, views[pos])
 
+    def offset_of(self, param: torch.nn.Parameter) -> int:
+        """Where ``param``'s gradient starts in its bucket's flat buffer (and in the bucket's sum)."""
+        b, pos = self._where[id(param)]
+        return self._buckets[b].offsets[pos]
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """The synchronised parameters, in bucket order (the same on every replica)."""
         return [p for bucket in self._buckets for p in bucket.params]
@@ -273,6 +312,7 @@ class GradientReducer:
             self._guard_len = room = 0 if extra is None else extra.numel()
         flat = bucket.buffer(room)
         dirty, views = self._dirty, bucket.views
+        unused = bucket.unused_here = []
         for pos, p in enumerate(bucket.params):
             key, grad = id(p), p.grad
             if grad is not None and grad is views[pos] and key in dirty and p.requires_grad:
@@ -285,23 +325,39 @@ class GradientReducer:
                 if self._in_bucket(p):
                     p.grad = p.grad.clone()
                 place.zero_()
+                unused.append(pos)
                 continue
             if key not in dirty:
-                # Not reached by this pass: it adds zeros; an earlier sum in .grad is kept aside.
+                # Not reached by this replica's passes: it adds zeros and flags itself unused; an
+                # earlier sum in .grad is kept aside (see _finish for what the flags decide).
                 if p.grad is not None:
                     self._base[key] = p.grad.clone() if self._in_bucket(p) else p.grad
                     p.grad = None
                 place.zero_()
+                unused.append(pos)
             elif p.grad is None:
                 place.zero_()
             elif not _aliases(p.grad, bucket.views[pos]):
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
+        _write_flags(bucket.flags, unused)
         if extra is not None:
             tail = bucket.tail
             if tail is None or tail.numel() != room:
-                tail = bucket.tail = flat[bucket.numel : bucket.numel + room]
+                tail = bucket.tail = flat[bucket.head : bucket.head + room]
             tail.copy_(extra)
-        bucket.handle = self._all_reduce(flat if flat.numel() == bucket.numel + room else flat[: bucket.numel + room])
+        end = bucket.head + room
+        bucket.handle = self._all_reduce(flat if flat.numel() == end else flat[:end])
+
+    def _unused_everywhere(self, bucket: _Bucket, summed: torch.Tensor) -> set[int]:
+        """The positions of ``bucket``'s parameters that no replica used: their summed flag is 0.
+
+        Read only where this replica did not use one itself (a parameter it used is used), so
+        the usual pass reads nothing back: on a GPU, reading would wait for the all-reduce.
+        """
+        if not bucket.unused_here:
+            return set()
+        flags = summed[bucket.numel : bucket.head].tolist()
+        return {pos for pos in bucket.unused_here if flags[pos] == 0}
 
     def _verify_guard(self, summed: torch.Tensor) -> None:
         if not summed.is_cuda:
@@ -361,6 +417,7 @@ class GradientReducer:
                         tail = flat[flat.numel() - self._guard_len :]
                     self._verify_guard(tail)
                 views = bucket.views
+                gone = bucket.unused_everywhere = self._unused_everywhere(bucket, flat)
                 for pos, p in enumerate(bucket.params):
                     if not p.requires_grad:
                         # Frozen since it was registered (fine-tuning): left as on one device,
@@ -372,6 +429,11 @@ class GradientReducer:
                     prior = base.pop(key, None) if base else None
                     if not keep:
                         p.grad = None
+                        continue
+                    if pos in gone:
+                        # No replica used it: .grad stays what it was (None after zero_grad()), as on
+                        # one device, so the optimizer skips it (DDP's find_unused_parameters does the same).
+                        p.grad = prior
                         continue
                     grad = p.grad
                     if prior is None and in_own and grad is not None and grad is views[pos]:
@@ -399,7 +461,7 @@ class GradientReducer:
             bucket.ready.clear()
             bucket.handle = None
             if not self._persistent:  # .grad keeps this pass's buffer alive as long as the user keeps .grad
-                bucket.flat, bucket.views, bucket.tail = None, [], None
+                bucket.flat, bucket.views, bucket.tail, bucket.flags = None, [], None, None
         self._next = 0
         self._pending = False
         self._guard_len = 0

@@ -133,12 +133,12 @@ class _CopyModeReducer(GradientReducer):
         **guarding: Any,
     ) -> None:
         self._on_reduced = on_reduced
-        self._launched: list[tuple[list[torch.nn.Parameter], Any]] = []
+        self._launched: list[tuple[Any, Any]] = []  # (bucket, its handle)
         super().__init__(params, reduce, bucket_bytes, keep_grads=False, persistent=False, **guarding)
 
     def _launch(self, bucket: Any) -> None:
         super()._launch(bucket)
-        self._launched.append((bucket.params, bucket.handle))
+        self._launched.append((bucket, bucket.handle))
 
     def _finish(self) -> None:
         launched, before = self._launched, self.reductions
@@ -146,7 +146,12 @@ class _CopyModeReducer(GradientReducer):
             super()._finish()
             # A failed reduction raised above: replica 0's parameters keep the last step's values.
             if self._on_reduced is not None and self.reductions != before:
-                self._on_reduced([(params, handle.wait()) for params, handle in launched])
+                self._on_reduced(
+                    [
+                        ([p for i, p in enumerate(bucket.params) if i not in bucket.unused_everywhere], handle.wait())
+                        for bucket, handle in launched
+                    ]
+                )
         finally:
             self._launched = []
 
@@ -360,13 +365,15 @@ class CentralStorageExtended(SyncExtended):
             self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
 
     def _adopt_reduced(self, buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
-        """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients."""
+        """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients.
+
+        ``buckets`` lists, per bucket, the parameters some replica used (one that no replica used
+        keeps no gradient, as on one device) with the bucket's sum.
+        """
         for params, flat in buckets:
-            offset = 0
             for p in params:
-                n = p.numel()
+                offset, n = self._reducer.offset_of(p), p.numel()
                 grad = flat[offset : offset + n].view(p.shape)
-                offset += n
                 central = self._central_of.get(id(p))
                 if central is not None:
                     _point(p, central)

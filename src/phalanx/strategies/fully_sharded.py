@@ -290,6 +290,12 @@ class ShardedVariables(StrategyExtended):
                         force_sum = getattr(m, "set_force_sum_reduction_for_comms", None)
                         if force_sum is not None:
                             force_sum(True)
+                        # A parameter one replica used and another did not: every replica takes
+                        # part in the group's reduce-scatter with it (zeros where unused), so the
+                        # collectives keep one layout (torch >= 2.9; before, they mismatch).
+                        unused = getattr(m, "set_reduce_scatter_unused_params", None)
+                        if unused is not None:
+                            unused(True, recurse=False)
                 for name, new in root.named_parameters():
                     old = before.get(name)
                     if old is not None and old is not new:
