@@ -56,15 +56,23 @@ from phalanx.launch.env import free_port
 CONFIGS = ("raw", "ddp_ws1", "px_one_device", "px_mirrored", "px_ws1", "px_ws1_noguard")
 
 
-def configs(device: str, model: str = "transformer_small", batch: int | None = None) -> dict[str, Callable[[], None]]:
+def configs(
+    device: str, model: str = "transformer_small", batch: int | None = None, only: tuple[str, ...] = CONFIGS
+) -> dict[str, Callable[[], None]]:
     """One training step per configuration (see the module docstring), each with its own model.
+
+    Args:
+        device: ``cpu`` or ``cuda``.
+        model: a workload of ``benchmarks/models.py``.
+        batch: examples per step (default: the workload's global batch).
+        only: the configurations to build.
 
     Initialises torch's default process group (world size 1) for DDP if nothing has yet.
     """
     w = workload(model)
     here = torch.device("cuda:0" if device == "cuda" else "cpu")
     x, y = (t.to(here) for t in w.batches(batch or w.global_batch, 1)[0])
-    if not dist.is_initialized():
+    if "ddp_ws1" in only and not dist.is_initialized():
         dist.init_process_group(
             "nccl" if device == "cuda" else "gloo",
             init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -96,22 +104,24 @@ def configs(device: str, model: str = "transformer_small", batch: int | None = N
             return step
         return lambda: strategy.run(step)
 
-    replica = [str(here)]
-    runs = {
-        "raw": make(),
-        "ddp_ws1": make(ddp=True),
-        "px_one_device": make(px.OneDeviceStrategy(str(here))),
-        "px_mirrored": make(px.MirroredStrategy(replica)),
+    def ws1(guard: bool) -> Callable[[], None]:
+        os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
+        try:
+            strategy = px.MirroredStrategy([str(here)])
+        finally:
+            del os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"]
+        strategy.extended.set_consistency_checks(guard)
+        return make(strategy)
+
+    builders: dict[str, Callable[[], Callable[[], None]]] = {
+        "raw": make,
+        "ddp_ws1": lambda: make(ddp=True),
+        "px_one_device": lambda: make(px.OneDeviceStrategy(str(here))),
+        "px_mirrored": lambda: make(px.MirroredStrategy([str(here)])),
+        "px_ws1": lambda: ws1(True),
+        "px_ws1_noguard": lambda: ws1(False),
     }
-    os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"] = "1"
-    try:
-        runs["px_ws1"] = make(px.MirroredStrategy(replica))
-        unguarded = px.MirroredStrategy(replica)
-        unguarded.extended.set_consistency_checks(False)
-        runs["px_ws1_noguard"] = make(unguarded)
-    finally:
-        del os.environ["PHALANX_SINGLE_REPLICA_COLLECTIVES"]
-    return runs
+    return {name: builders[name]() for name in only}
 
 
 def measure(runs: dict[str, Callable[[], None]], rounds: int, steps: int, device: str) -> dict[str, list[float]]:
