@@ -44,13 +44,14 @@ a small all-reduce of its own just before the first bucket.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from phalanx._compat.torch import queue_backward_callback, untraced
+from phalanx._compat.torch import queue_backward_callback
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -74,6 +75,8 @@ class _Bucket:
         self.flags: torch.Tensor | None = None
         # The guard's room after the flags (bucket 0), as a view of `flat`: made once, not per pass.
         self.tail: torch.Tensor | None = None
+        # Whether this synchronisation zeroed the buffer for its first gradient (see _start_bucket).
+        self.started = False
         # Positions of the parameters this replica did not use in the pass being synchronised,
         # and, once summed, of those no replica used.
         self.unused_here: list[int] = []
@@ -168,6 +171,10 @@ class GradientReducer:
         self._pending = False
         self._next = 0
         self._lock = threading.Lock()  # autograd may run hooks of different devices on other threads
+        self._task = -2  # the autograd run (graph task) the last hook ran in
+        self._task_accumulates = True  # whether that run accumulates into .grad (backward, not autograd.grad)
+        self._deferred = False  # a bucket is complete: launch it at the next hook (see _make_hook)
+        self._early_launch = True  # launch buckets during backward (one device); else at its end
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.guard = guard
         self.reductions = 0  # completed backward passes, for strategies that act after one
@@ -209,27 +216,107 @@ class GradientReducer:
 
     def _new_bucket(self, params: list[torch.nn.Parameter]) -> None:
         index = len(self._buckets)
-        self._buckets.append(_Bucket(params))
+        bucket = _Bucket(params)
+        self._buckets.append(bucket)
+        if len({p.device for bucket in self._buckets for p in bucket.params[:1]}) > 1:
+            # Hooks of different devices run on different autograd threads: a bucket is launched
+            # only at the end of backward, when every gradient is certainly accumulated.
+            self._early_launch = False
         for pos, p in enumerate(params):
             self._where[id(p)] = (index, pos)
-            # untraced: the hook runs inside a compiled step's backward; never trace the collectives
-            self._hooks.append(p.register_post_accumulate_grad_hook(untraced(self._on_grad)))
-            self._hooks.append(p.register_hook(self._before_accumulate(p)))
+            self._hooks.append(p.register_hook(self._make_hook(p, bucket, index, pos)))
 
-    def _before_accumulate(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
-        key, dirty = id(p), self._dirty  # the same set for the reducer's life (cleared, never replaced)
+    def _make_hook(self, p: torch.nn.Parameter, bucket: _Bucket, index: int, pos: int) -> Callable[[torch.Tensor], None]:
+        """The one hook of ``p``: runs just before autograd accumulates its gradient into ``.grad``.
+
+        It points ``.grad`` at the parameter's place in the bucket (zeroed when the bucket started
+        this synchronisation), so autograd adds the gradient there itself: no copy of our own and
+        no second hook. A bucket whose every parameter has been reached is launched at the next
+        hook (its last gradient has been accumulated by then: a device's hooks and accumulations
+        run one after the other on one thread) or at the end of backward. Runs once per parameter
+        per pass: kept lean.
+        """
+        key, dirty, ready, lock = id(p), self._dirty, bucket.ready, self._lock
+        node = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad, kept alive with the hook
+        modules = sys.modules
 
         def hook(grad: torch.Tensor) -> None:
-            if key in dirty:
-                return
-            dirty.add(key)
-            if p.grad is not None:
-                # Summed in an earlier pass: keep it out of this pass's all-reduce, add it back after.
-                # A copy if it lives in the bucket, which this pass's gradient is about to fill.
-                self._base[key] = p.grad.clone() if self._in_bucket(p) else p.grad
-                p.grad = None
+            if "torch._dynamo" in modules and torch.compiler.is_compiling():
+                # Traced into a compiled backward: run as plain Python instead, never traced.
+                return torch.compiler.disable(hook)(grad)
+            with lock:
+                task = torch._C._current_graph_task_id()
+                if task != self._task:
+                    self._new_task(task, node)
+                if not self._task_accumulates:
+                    return None  # autograd.grad(): nothing is accumulated into .grad
+                if self._deferred:
+                    self._launch_complete()
+                if not self._pending:
+                    self._pending = True
+                    queue_backward_callback(self._finish if self.sync else self._finish_local)
+                if key not in dirty:
+                    dirty.add(key)
+                    if not bucket.started:
+                        self._start_bucket(bucket)
+                    current = p.grad
+                    if current is not None:
+                        # Summed in an earlier pass: kept out of this pass's all-reduce, added back after.
+                        self._base[key] = current
+                    view = bucket.views[pos]
+                    if view is not None and grad.layout == torch.strided and grad.dtype == view.dtype:
+                        p.grad = view  # zero: autograd accumulates this pass's gradient in place
+                    elif current is not None:
+                        p.grad = None
+                if self.sync:
+                    ready.add(pos)
+                    if index == self._next and len(ready) == len(bucket.params):
+                        if self._early_launch:
+                            self._deferred = True
+            return None
 
         return hook
+
+    def _new_task(self, task: int, node: Any) -> None:
+        """The first hook of a new autograd run: does it accumulate into ``.grad``?
+
+        ``torch.autograd.grad`` runs the parameters' hooks too, but accumulates nothing; torch
+        refuses to say whether it will run a parameter's accumulation there (the one way to tell).
+        """
+        self._task = task
+        try:
+            self._task_accumulates = bool(torch._C._will_engine_execute_node(node))
+        except RuntimeError:
+            self._task_accumulates = False
+
+    def _start_bucket(self, bucket: _Bucket) -> None:
+        """The first gradient of ``bucket`` in this synchronisation: its buffer is zeroed for autograd
+        to accumulate into. A parameter whose ``.grad`` lives there (an earlier sum, kept by a user
+        who did not zero it) gets a copy of its own first: the zeroing must not touch it."""
+        bucket.started = True
+        fresh = bucket.flat is None
+        flat = bucket.buffer()
+        if not fresh:
+            views = bucket.views
+            for i, p in enumerate(bucket.params):
+                g = p.grad
+                if g is not None and _aliases(g, views[i]):
+                    p.grad = g.clone()
+        flat[: bucket.numel].zero_()
+
+    def _launch_complete(self) -> None:
+        """Launches, in order, every bucket whose parameters have all been reached and accumulated."""
+        self._deferred = False
+        buckets = self._buckets
+        try:
+            while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
+                self._launch(buckets[self._next])
+                self._next += 1
+        except BaseException:
+            # The pass is over (autograd re-raises this from backward): leave .grad as the user
+            # left it and the reducer ready for the next pass.
+            self._reset()
+            raise
 
     def _in_bucket(self, p: torch.nn.Parameter) -> bool:
         b, pos = self._where[id(p)]
@@ -255,51 +342,6 @@ class GradientReducer:
             self.sync = previous
 
     # ---------------------------------------------------------------------------- backward
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        """A parameter's gradient of this pass is ready: moved into the bucket; full buckets launched.
-
-        Autograd gives a parameter without ``.grad`` a fresh tensor (``zero_grad()`` sets ``.grad``
-        to None): it is copied into its place in the bucket and ``.grad`` becomes that view. Once
-        ``.grad`` is the view, later passes of the same synchronisation (under ``no_sync``)
-        accumulate into the bucket in place, and the all-reduce works on it with no copy. Done as
-        each gradient arrives, as DDP's reducer does: the gradient is still in the caches, and its
-        memory is freed for the rest of backward. Runs once per parameter per pass: kept lean.
-        """
-        with self._lock:
-            if not self._pending:
-                self._pending = True
-                queue_backward_callback(self._finish if self.sync else self._finish_local)
-            b, pos = self._where[id(param)]
-            bucket = self._buckets[b]
-            grad = param.grad
-            if grad is not None:
-                if bucket.flat is None:
-                    bucket.buffer()  # the first gradient of the bucket's first pass
-                view = bucket.views[pos]
-                # Not checked: whether grad is another tensor on the view's memory (the user's own
-                # view of it): copying it onto itself changes nothing, and the check would cost
-                # every gradient of every pass.
-                if view is not None and grad is not view and grad.layout == torch.strided and grad.dtype == view.dtype:
-                    view.copy_(grad)
-                    param.grad = view
-            if not self.sync:
-                return
-            ready = bucket.ready
-            ready.add(pos)
-            # Only this bucket changed: something can be launched only if it is the next one and full.
-            if b != self._next or len(ready) != len(bucket.params):
-                return
-            try:
-                buckets = self._buckets
-                while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
-                    self._launch(buckets[self._next])
-                    self._next += 1
-            except BaseException:
-                # The pass is over (autograd re-raises this from backward): leave .grad as the user
-                # left it and the reducer ready for the next pass.
-                self._reset()
-                raise
-
     def _launch(self, bucket: _Bucket) -> None:
         if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is not None:
             self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
@@ -390,6 +432,7 @@ class GradientReducer:
             for bucket in self._buckets:
                 bucket.ready.clear()
             self._pending = False
+            self._deferred = False
             self.skipped += 1
 
     def _finish(self) -> None:
@@ -460,10 +503,12 @@ class GradientReducer:
         for bucket in self._buckets:
             bucket.ready.clear()
             bucket.handle = None
+            bucket.started = False
             if not self._persistent:  # .grad keeps this pass's buffer alive as long as the user keeps .grad
                 bucket.flat, bucket.views, bucket.tail, bucket.flags = None, [], None, None
         self._next = 0
         self._pending = False
+        self._deferred = False
         self._guard_len = 0
         # After a failure the set-aside gradients go back, so .grad is what the user left.
         for key, base in self._base.items():
