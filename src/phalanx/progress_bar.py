@@ -126,6 +126,9 @@ class Progress:
         self.samples = 0
         self.postfix: dict[str, Any] = {}
         self._started: float | None = None
+        # The speed leaves out the first step (start-up: compilation, the trackers' first
+        # connection), as a warm-up: measured from its end.
+        self._first_done: tuple[float, int] | None = None
         self._last_line = 0.0
         self._printed_n = 0
         self._bar: Any = None
@@ -139,13 +142,22 @@ class Progress:
 
     @property
     def samples_per_second(self) -> float | None:
-        return self.samples / self.elapsed if self.samples and self.elapsed > 0 else None
+        """The job's examples per second since the first step ended (None before a second step)."""
+        if self._first_done is None or self.n < 2:
+            return None
+        at, samples = self._first_done
+        seconds = time.perf_counter() - at
+        return (self.samples - samples) / seconds if self.samples > samples and seconds > 0 else None
 
     @property
     def seconds_left(self) -> float | None:
         if self.total is None or not self.n or self.elapsed <= 0:
             return None
-        return max(0.0, (self.total - self.n) * self.elapsed / self.n)
+        if self._first_done is not None and self.n >= 2:  # the pace after the warm-up step
+            per_step = (time.perf_counter() - self._first_done[0]) / (self.n - 1)
+        else:
+            per_step = self.elapsed / self.n
+        return max(0.0, (self.total - self.n) * per_step)
 
     def line(self) -> str:
         """The plain line: ``desc: step n/total (p%), s samples/s, h:mm:ss left, key=value ...``."""
@@ -177,6 +189,8 @@ class Progress:
                 # Counted when the loop body is done: the step is finished, not just started.
                 self.n += 1
                 self.samples += size or 0
+                if self.n == 1:
+                    self._first_done = (time.perf_counter(), self.samples)
                 self._draw()
         finally:
             self.close()

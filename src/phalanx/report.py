@@ -150,7 +150,9 @@ PLACES = Places()
 
 def record_place(kind: str, where: str | os.PathLike[str]) -> None:
     """Notes that the job wrote ``kind`` (``"logs"``, ``"traces"``, ``"checkpoints"``) at ``where``."""
-    PLACES.add(kind, os.fspath(where))
+    where = os.fspath(where)
+    # A path as an absolute one (the job may have changed directory since); a URI as it is.
+    PLACES.add(kind, where if "://" in where or not where else os.path.abspath(where))
 
 
 # ----------------------------------------------------------------------------- rows
