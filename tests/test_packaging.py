@@ -79,7 +79,19 @@ def test_the_notebook_repl_keras_tracker_and_progress_floors_are_all_pinned():
 
 @pytest.mark.parametrize(
     "name",
-    ["torch", "numpy", "keras", "ipython", "ipykernel", "nbclient", "nbformat", "mlflow-skinny", "wandb", "tqdm", "rich"],
+    [
+        "torch",
+        "numpy",
+        "keras",
+        "ipython",
+        "ipykernel",
+        "nbclient",
+        "nbformat",
+        "mlflow-skinny",
+        "wandb",
+        "tqdm",
+        "rich",
+    ],
 )
 def test_this_environment_keeps_to_the_declared_ranges(name):
     version = Version(metadata.version(name))

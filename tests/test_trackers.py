@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import wandb_records
 
 import phalanx as px
 from phalanx import summary
@@ -28,7 +29,7 @@ from phalanx.errors import (
 )
 from phalanx.trackers import CSVTracker, MLflowTracker, Tracker
 
-import wandb_records
+from conftest import client_or_skip
 
 
 def _csv_rows(logdir: Path) -> list[tuple[int, str, float]]:
@@ -41,7 +42,7 @@ def _csv_rows(logdir: Path) -> list[tuple[int, str, float]]:
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """An MLflow file store in tmp_path (MLflow 3.x needs MLFLOW_ALLOW_FILE_STORE for it)."""
-    pytest.importorskip("mlflow")
+    client_or_skip("mlflow")
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -50,7 +51,7 @@ def mlflow_store(tmp_path, monkeypatch):
 
 @pytest.fixture
 def wandb_offline(monkeypatch):
-    pytest.importorskip("wandb")
+    client_or_skip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -90,7 +91,7 @@ def test_csv_tracker_writes_step_name_value_and_the_run_description(tmp_path):
 
 
 def test_tensorboard_tracker_is_read_back_by_tensorboard(tmp_path):
-    pytest.importorskip("tensorboard")
+    client_or_skip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     writer = summary.create_file_writer(tmp_path / "tb", trackers=("tensorboard",), config={"lr": 0.1})
@@ -118,9 +119,7 @@ def test_mlflow_tracker_is_one_run_read_back_from_the_file_store(tmp_path, mlflo
     (experiment,) = [e for e in client.search_experiments() if e.name == "Default"]
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.run_name == "baseline" and run.info.status == "FINISHED"
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == list(
-        enumerate(losses)
-    )
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == list(enumerate(losses))
     assert run.data.params == {"lr": "0.1", "opt.name": "sgd"}
     assert run.data.tags["phalanx.num_replicas"] == "1" and run.data.tags["phalanx.strategy"]
     texts = [a.path for a in client.list_artifacts(run.info.run_id, "text/note")]
@@ -128,7 +127,7 @@ def test_mlflow_tracker_is_one_run_read_back_from_the_file_store(tmp_path, mlflo
 
 
 def test_mlflow_tracker_options_name_the_store_and_experiment(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
+    client_or_skip("mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -143,9 +142,7 @@ def test_mlflow_tracker_options_name_the_store_and_experiment(tmp_path, monkeypa
 
 
 def test_wandb_tracker_writes_one_offline_run_read_back_from_its_run_file(tmp_path, wandb_offline):
-    writer = summary.create_file_writer(
-        tmp_path / "logs", trackers=("wandb",), config={"lr": 0.1}, run_name="baseline"
-    )
+    writer = summary.create_file_writer(tmp_path / "logs", trackers=("wandb",), config={"lr": 0.1}, run_name="baseline")
     losses = _write_three_steps(writer)
     writer.close()
     (run_dir,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")

@@ -305,6 +305,4 @@ def progress(
         >>> print(out.getvalue().splitlines()[0].split(",")[0])
         demo: step 1/3 (33%)
     """
-    return Progress(
-        iterable, total, desc, batch_size=batch_size, style=style, interval=interval, file=file
-    )
+    return Progress(iterable, total, desc, batch_size=batch_size, style=style, interval=interval, file=file)

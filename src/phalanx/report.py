@@ -109,9 +109,8 @@ class JobReport:
         ]
         for r in self.replicas:
             gpu = _size(r.peak_gpu_bytes) if r.peak_gpu_bytes is not None else "-"
-            lines.append(
-                f"  {r.replica:>7}  {r.steps:>6}  {100 * r.collective_share:>10.1f}%  {_size(r.peak_host_bytes):>10}  {gpu:>10}"
-            )
+            share = f"{100 * r.collective_share:.1f}%"
+            lines.append(f"  {r.replica:>7}  {r.steps:>6}  {share:>11}  {_size(r.peak_host_bytes):>10}  {gpu:>10}")
         for m in self.missing:
             lines.append(f"  {m:>7}  (no report: the replica ended before sending it)")
         for kind in ("logs", "traces", "checkpoints"):
@@ -292,4 +291,3 @@ def _setting() -> str:
     from phalanx.config import settings
 
     return (settings().job_report or "").strip()
-

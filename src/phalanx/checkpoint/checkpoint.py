@@ -47,7 +47,6 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx import report
 from phalanx.checkpoint import codec, distributed, keras_objects, sharding, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError

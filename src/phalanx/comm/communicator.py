@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.comm import health, process_group, rendezvous
-from phalanx.comm.timing import MARKS, CollectiveTimes
 from phalanx.comm.memory_store import InMemoryStore
+from phalanx.comm.timing import MARKS, CollectiveTimes
 from phalanx.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,

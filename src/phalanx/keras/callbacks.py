@@ -120,11 +120,7 @@ def for_replica(callbacks: list[Any], is_chief: bool) -> list[Any]:
     """
     if is_chief:
         return list(callbacks)
-    return [
-        cb
-        for cb in callbacks
-        if not isinstance(cb, CHIEF_ONLY) or (isinstance(cb, TensorBoard) and cb.profiles)
-    ]
+    return [cb for cb in callbacks if not isinstance(cb, CHIEF_ONLY) or (isinstance(cb, TensorBoard) and cb.profiles)]
 
 
 class Coordinator(keras.callbacks.Callback):

@@ -4,9 +4,9 @@
 replica) to every tracker of ``writer`` (TensorBoard, CSV, MLflow, W&B; see
 :func:`phalanx.summary.create_file_writer`), once per job:
 
-* ``batch_<name>`` (``batch_loss``, ``batch_accuracy``: Keras' ``TensorBoard`` names) every ``update_freq`` training batches
-  (``"batch"``: each, an int N: every N-th, ``"epoch"``: none), at the job's global step (the
-  training batches so far, counted from 1);
+* ``batch_<name>`` (``batch_loss``, ``batch_accuracy``: Keras' ``TensorBoard`` names) every
+  ``update_freq`` training batches (``"batch"``: each, an int N: every N-th, ``"epoch"``: none),
+  at the job's global step (the training batches so far, counted from 1);
 * ``epoch_<name>`` (``epoch_loss``, ``epoch_val_loss``, ...) and ``epoch`` (the epoch's index) at
   each epoch's end, at the global step reached then, so one axis serves both (as Lightning
   logs them) and a tracker that wants steps in order (W&B) keeps every point.

@@ -4,12 +4,11 @@
 names, checks that each client is installed (a typed error naming the extra otherwise), and holds
 the tracker classes, whose options a program passes by giving an object instead of a name:
 
-| name | client | extra | what it keeps |
-|---|---|---|---|
-| ``"tensorboard"`` | ``torch.utils.tensorboard`` | ``phalanx[tensorboard]`` | scalars, histograms, text |
-| ``"csv"`` | the standard library | none | scalars (``metrics.csv``: ``step,name,value``) |
-| ``"mlflow"`` | ``mlflow`` (``mlflow-skinny`` is enough) | ``phalanx[mlflow]`` | scalars, text (artifacts), config as parameters |
-| ``"wandb"`` | ``wandb`` | ``phalanx[wandb]`` | scalars, histograms, text, config |
+* ``"tensorboard"``: ``torch.utils.tensorboard`` (``phalanx[tensorboard]``); scalars, histograms, text.
+* ``"csv"``: the standard library; scalars (``metrics.csv``: ``step,name,value``).
+* ``"mlflow"``: ``mlflow`` (``mlflow-skinny`` is enough; ``phalanx[mlflow]``); scalars, text (as
+  artifacts), the config as parameters.
+* ``"wandb"``: ``wandb`` (``phalanx[wandb]``); scalars, histograms, text, config.
 
 Example:
     >>> from phalanx import trackers
@@ -18,7 +17,7 @@ Example:
     >>> trackers.resolve(("tensorbord",))
     Traceback (most recent call last):
     ...
-    phalanx.errors.UnknownTrackerError: Unknown tracker 'tensorbord'. HINT: use one of 'tensorboard', 'csv', 'mlflow', 'wandb', or pass a phalanx.trackers.Tracker object
+    phalanx.errors.UnknownTrackerError: Unknown tracker 'tensorbord'. HINT: use one of 'tensorboard', ...
 """
 
 from __future__ import annotations

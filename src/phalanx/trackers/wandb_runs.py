@@ -55,8 +55,8 @@ class WandbTracker(Tracker):
 
         import wandb
 
-        config = {**run.config, **{f"phalanx.{k}" if not k.startswith(("phalanx.", "torch.")) else k: v
-                                   for k, v in run.environment.items()}}
+        os.makedirs(run.logdir, exist_ok=True)  # W&B before 0.19 falls back to a temp folder when it is missing
+        config = {**run.config, **run.environment}
         self._run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or "phalanx",
             entity=self.entity,
@@ -89,7 +89,9 @@ class WandbTracker(Tracker):
         import wandb
 
         array = np.asarray(values, dtype=np.float64).ravel()
-        self._put(name, wandb.Histogram(np_histogram=np.histogram(array, bins=bins if isinstance(bins, int) else 30)), step)
+        self._put(
+            name, wandb.Histogram(np_histogram=np.histogram(array, bins=bins if isinstance(bins, int) else 30)), step
+        )
 
     def text(self, name: str, text: str, step: int) -> None:
         self._put(name, text, step)
