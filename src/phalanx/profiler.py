@@ -4,8 +4,8 @@
 (``strategy.run`` calls, counted from 1 over the job, as ``strategy.extended.step`` counts them)
 in every replica, and each replica writes its own Chrome trace,
 ``<logdir>/plugins/profile/steps_<a>-<b>/replica<r>.pt.trace.json``, which Perfetto
-(ui.perfetto.dev) and ``chrome://tracing`` open, and which the PyTorch profiler's TensorBoard
-plugin (``torch-tb-profiler``) finds under the log directory. While it records, phalanx's
+(ui.perfetto.dev) and ``chrome://tracing`` open (its name follows
+``torch.profiler.tensorboard_trace_handler``'s pattern, for ``torch-tb-profiler``). While it records, phalanx's
 collectives are marked ``phalanx::all_reduce``, ``phalanx::broadcast``, ... so the trace shows
 where a step waited for its peers. ``phalanx.keras.callbacks.TensorBoard(profile_batch=(a, b))``
 takes the same profile of Keras ``fit``'s batches.
