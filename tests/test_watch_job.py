@@ -262,3 +262,32 @@ def test_keras_tensorboard_profile_batch_writes_a_trace_per_worker(keras_fit_job
 def test_keras_fit_job_report_is_printed_once(keras_fit_job):
     _, _, res = keras_fit_job
     assert res.output.count("phalanx job report: MultiWorkerMirroredStrategy, 2 replicas") == 1, res.output[-3000:]
+
+
+NEVER_CLOSED = """
+import sys
+from phalanx import summary
+
+writer = summary.create_file_writer(sys.argv[1], trackers=("csv", "mlflow", "wandb"))
+with writer.as_default(step=1):
+    summary.scalar("loss", 0.5)
+print("end of program", flush=True)
+"""
+
+
+def test_a_writer_never_closed_ends_its_runs_at_exit_without_a_warning(tmp_path):
+    (tmp_path / "program.py").write_text(PRELUDE + NEVER_CLOSED)
+    uri = (tmp_path / "mlruns").as_uri()
+    res = run_job(
+        [sys.executable, str(tmp_path / "program.py"), str(tmp_path / "run")],
+        timeout=120,
+        cwd=tmp_path,
+        env={**TRACKER_ENV, "MLFLOW_TRACKING_URI": uri},
+    )
+    assert res.returncode == 0, res.logs()[-5000:]
+    # W&B finishes its own run at exit; closing it again is not "a tracker failing mid-run".
+    assert "TrackerFailedWarning" not in res.output, res.output
+    run, history = _mlflow_run(uri, "loss")
+    assert run.info.status == "FINISHED" and history["loss"] == [(1, 0.5)]
+    rows, _ = _wandb_rows(tmp_path / "run")
+    assert [r["loss"] for r in rows] == [0.5]

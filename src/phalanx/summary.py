@@ -113,9 +113,11 @@ _OPEN_WRITERS: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
 
 def _close_open_writers() -> None:
     # An MLflow run left open stays RUNNING; a program that never calls writer.close() still
-    # ends its runs (W&B closes its own at exit too).
+    # ends its runs. Quietly: W&B finishes its own run at exit, maybe before this runs, and a
+    # client that closed itself is no tracker failing mid-run.
     for writer in list(_OPEN_WRITERS):
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), warnings.catch_warnings():
+            warnings.simplefilter("ignore", TrackerFailedWarning)
             writer.close()
 
 

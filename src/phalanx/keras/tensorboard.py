@@ -87,7 +87,10 @@ class TensorBoard(keras.callbacks.Callback):
         return self._profile is not None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._train_step = 0
+        # The batch step goes on across fits of one callback (Keras' restarts at 0): a summary's
+        # steps must not go back (phalanx.summary refuses it), and a second fit's batches follow
+        # the first's on one axis.
+        pass
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._profile is not None and self._train_step + 1 == self._profile.first:

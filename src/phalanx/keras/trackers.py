@@ -52,9 +52,8 @@ class Trackers(keras.callbacks.Callback):
         self.writer = writer
         self.update_freq = 1 if update_freq == "batch" else update_freq
         self.close = close
-        self.global_step = 0
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
+        # The training batches so far, over every fit this callback took part in: a second fit's
+        # points follow the first's (a summary's steps never go back).
         self.global_step = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
