@@ -151,4 +151,3 @@ def test_places_are_listed_once_each(tmp_path):
     places.add("logs", "a")
     places.add("traces", "b")
     assert places.as_dict() == {"logs": ["a"], "traces": ["b"]}
-
