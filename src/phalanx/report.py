@@ -32,6 +32,7 @@ import os
 import resource
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -275,11 +276,13 @@ def _exchange_and_print() -> None:
         store.set(f"{_KEY}{row.replica}", json.dumps(asdict(row)))
         return
     rows, missing = [row], []
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS  # one wait for all of them, not one each
     for rank in range(comm.world_size):
         if rank == row.replica:
             continue
         try:
-            store.wait([f"{_KEY}{rank}"], datetime.timedelta(seconds=EXIT_WAIT_SECONDS))
+            left = max(0.05, deadline - time.monotonic())
+            store.wait([f"{_KEY}{rank}"], datetime.timedelta(seconds=left))
             rows.append(ReplicaRow(**json.loads(store.get(f"{_KEY}{rank}"))))
         except Exception:  # ended without sending (killed, or failed after its last step)
             missing.append(rank)
