@@ -278,6 +278,24 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_lose_nothing(tmp_pa
     assert [t.name for t in writer.trackers] == ["csv"]
 
 
+def test_a_real_client_failing_mid_run_is_dropped_and_csv_keeps_every_value(tmp_path, mlflow_store):
+    import shutil
+
+    writer = summary.create_file_writer(tmp_path / "logs", trackers=("mlflow", "csv"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            with writer.as_default(step=step):
+                summary.scalar("loss", float(step))
+            if step == 1:
+                shutil.rmtree(tmp_path / "mlruns")  # the tracking store is gone under the run
+    writer.close()
+    found = [w for w in caught if issubclass(w.category, TrackerFailedWarning)]
+    assert len(found) == 1, [str(w.message) for w in found]
+    assert "'mlflow' tracker failed in flush() at step 2" in str(found[0].message)
+    assert [v for s, n, v in _csv_rows(tmp_path / "logs")] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_a_tracker_that_cannot_start_its_run_is_a_typed_error(tmp_path):
     class _NoServer(CSVTracker):
         name = "noserver"

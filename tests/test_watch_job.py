@@ -69,7 +69,9 @@ with px.profile(logdir, steps=(2, 3)):
         with writer.as_default(step=strategy.extended.step):
             summary.scalar("loss", loss)
 writer.close()
+report = summary.job_report(print_it=False)     # a collective: every replica calls it
 print("LOSSES " + json.dumps(losses), flush=True)
+print("REPORT " + json.dumps([[r.replica, r.steps, r.samples] for r in report.replicas]), flush=True)
 """
 
 
@@ -212,6 +214,9 @@ def test_custom_loop_job_report_is_printed_once_by_the_chief(custom_loop_job):
     replica_rows = [line.split() for line in lines[3:5]]
     assert [row[0] for row in replica_rows] == ["0", "1"] and all(row[1] == "6" for row in replica_rows)
     assert all(row[4] in ("MiB", "GiB") for row in replica_rows), report  # peak host memory
+    assert any(float(row[2].rstrip("%")) > 0 for row in replica_rows), report  # the communicator's timers
+    # phalanx.summary.job_report(), called by every replica, gathered every replica's row.
+    assert _printed(res.output, "REPORT") == [[0, 6, 96], [1, 6, 96]]
     assert f"traces: {out / 'run' / 'plugins' / 'profile' / 'steps_2-3'}" in report
     assert f"logs: {out / 'run'}" in report
 

@@ -165,6 +165,7 @@ class SummaryWriter:
         self._opened = False
         self._closed = False
         self._last_step: dict[str, int] = {}
+        self._latest_step: int | None = None  # the step of the last value written, for messages
         self._warned_non_finite = False
         self._lock = threading.Lock()
 
@@ -228,7 +229,7 @@ class SummaryWriter:
 
     def flush(self) -> None:
         if self._opened and not self._closed:
-            self._each("flush")
+            self._each("flush", step=self._latest_step)
 
     def close(self) -> None:
         """Flushes and ends every tracker's run; later writes through this writer are ignored."""
@@ -283,6 +284,7 @@ class SummaryWriter:
         if not self.is_writing():
             return False
         self._open()
+        self._latest_step = step
         if kind == "scalar":
             number = float(value)
             if not math.isfinite(number) and not self._warned_non_finite:
