@@ -296,3 +296,27 @@ def test_a_writer_never_closed_ends_its_runs_at_exit_without_a_warning(tmp_path)
     assert run.info.status == "FINISHED" and history["loss"] == [(1, 0.5)]
     rows, _ = _wandb_rows(tmp_path / "run")
     assert [r["loss"] for r in rows] == [0.5]
+
+
+def test_a_job_that_only_logs_prints_its_report_at_exit(tmp_path):
+    """No progress bar, no profile: a summary writer alone asks for the job report."""
+    (tmp_path / "program.py").write_text(
+        PRELUDE
+        + """
+import sys, torch
+import phalanx as px
+from phalanx import summary
+
+strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+writer = summary.create_file_writer(sys.argv[1], trackers=("csv",))
+for step in range(1, 4):
+    loss = strategy.reduce("SUM", strategy.run(lambda: torch.ones(())), axis=None)
+    with writer.as_default(step=step):
+        summary.scalar("loss", loss)
+writer.close()
+"""
+    )
+    res = run_job([sys.executable, str(tmp_path / "program.py"), str(tmp_path / "run")], timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.logs()[-5000:]
+    assert res.output.count("phalanx job report: MirroredStrategy, 2 replicas") == 1, res.output
+    assert "3 steps in" in res.output and f"logs: {tmp_path / 'run' / 'metrics.csv'}" in res.output

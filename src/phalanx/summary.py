@@ -161,6 +161,10 @@ class SummaryWriter:
             )
         self._config = dict(config or {})
         self._run_name = run_name
+        if self._trackers:
+            from phalanx import report
+
+            report.activate()  # a job that logs its run gets the job report at exit (every replica sends its row)
         self._chief: bool | None = None
         self._opened = False
         self._closed = False
