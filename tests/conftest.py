@@ -16,6 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+# MLflow 3.x sends usage telemetry from a thread it starts at import, and notes its session in
+# os.environ; the tests have no network and must leave no thread or variable behind.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
 # The scripts are programs the tests start (they train at import): never import them while
 # collecting (pyproject's --doctest-modules would).
 collect_ignore = ["scripts"]
@@ -395,3 +399,15 @@ def benchmark_module(name: str):
         return importlib.import_module(f"benchmarks.{name}")
     finally:
         sys.path.remove(root)
+
+
+def client_or_skip(module: str):
+    """Imports a tracker's client (``mlflow``, ``wandb``, ``tensorboard``); skips where it is not
+    installed, and fails where it is installed but does not import (a floor that needs something the
+    metadata does not install must fail the oldest-versions job, not skip in it)."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed", allow_module_level=True)
+    return importlib.import_module(module)

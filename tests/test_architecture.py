@@ -115,7 +115,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: ("errors", "nest", "values", "devices", "config", "_sidetable", "_compat", "_lazy", "_signal_routing"),
     1: ("cluster", "launch", "comm", "hooks", "interactive"),
     2: ("core", "input"),
-    3: ("checkpoint", "summary"),
+    3: ("checkpoint", "summary", "trackers", "report", "profiler", "progress_bar"),
     4: ("strategies", "ps"),
     5: ("keras",),
     6: ("phalanx", "experimental", "nn", "coordinator", "cluster_resolver", "cli", "demo", "server"),

@@ -428,3 +428,26 @@ def test_notebook_fully_sharded_strategy_trains_and_a_second_one_reuses_the_sess
             assert "GROUP False" in out["stdout"], out["stdout"]
     finally:
         kernel.shutdown()
+
+
+def test_notebook_progress_bar_is_drawn_once_by_the_kernel(tmp_path):
+    """phalanx.progress in a notebook: the kernel (the chief) draws one bar; its replica prints nothing."""
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.ok("import torch, phalanx\n" + STRATEGY, timeout=180)
+        shown = kernel.ok(
+            "bar = phalanx.progress(strategy.experimental_distribute_dataset([torch.ones(8, 2)] * 4), desc='nbbar')\n"
+            "for x in bar:\n"
+            "    loss = strategy.reduce('sum', strategy.run(lambda t: t.sum(), args=(x,)), axis=None)\n"
+            "    bar.set_postfix(loss=loss)\n"
+            "print('style', bar.style, 'chief', bar.chief)"
+        )
+        assert "style tqdm chief True" in shown["stdout"], shown
+        assert shown["stderr"].count("nbbar") >= 1 and "4/4" in shown["stderr"], shown
+        assert "loss=16" in shown["stderr"], shown
+        # Replica 1 ran the same cell; what it prints goes to its log: no bar there.
+        kernel.ok("if phalanx.interactive.replica_id() == 1:\n    print('replica 1 was here', flush=True)")
+        logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*.log"))
+        assert "replica 1 was here" in logs and "nbbar" not in logs, logs[-2000:]
+    finally:
+        kernel.shutdown()

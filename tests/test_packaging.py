@@ -59,13 +59,40 @@ def test_each_oldest_pin_is_the_metadata_lower_bound():
         )
 
 
-def test_the_notebook_repl_and_keras_floors_are_all_pinned():
+def test_the_notebook_repl_keras_tracker_and_progress_floors_are_all_pinned():
     pins = _pins()
-    for name in ("keras", "numpy", "ipython", "ipykernel", "nbclient", "nbformat", "pexpect"):
+    for name in (
+        "keras",
+        "numpy",
+        "ipython",
+        "ipykernel",
+        "nbclient",
+        "nbformat",
+        "pexpect",
+        "mlflow-skinny",
+        "wandb",
+        "tqdm",
+        "rich",
+    ):
         assert name in pins, f"{name}'s lower bound is not tested: pin it in {CONSTRAINTS.name}"
 
 
-@pytest.mark.parametrize("name", ["torch", "numpy", "keras", "ipython", "ipykernel", "nbclient", "nbformat"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch",
+        "numpy",
+        "keras",
+        "ipython",
+        "ipykernel",
+        "nbclient",
+        "nbformat",
+        "mlflow-skinny",
+        "wandb",
+        "tqdm",
+        "rich",
+    ],
+)
 def test_this_environment_keeps_to_the_declared_ranges(name):
     version = Version(metadata.version(name))
     for req in _requirements():
@@ -77,3 +104,10 @@ def test_ci_installs_into_fresh_virtual_environments():
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.count("python3 -m venv") >= 2, "CI must not test the machine's own Python"
     assert f"-c .ci/{CONSTRAINTS.name}" in ci
+
+
+def test_the_oldest_versions_job_runs_the_tracker_and_progress_tests():
+    ci = (ROOT / ".ci" / "run").read_text()
+    oldest = ci[ci.index("job 2") :]
+    for test in ("tests/test_trackers.py", "tests/test_watch_unit.py", "tests/test_watch_job.py"):
+        assert test in oldest, f"{test} exercises the extras' clients: run it at their oldest versions too"

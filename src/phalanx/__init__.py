@@ -16,7 +16,7 @@ from phalanx._lazy import attach, moved_modules
 # The facade is lazy (phalanx._lazy): a name is imported on first use, so `phalanx run`'s
 # supervisor, which imports phalanx.launch only, does not import torch.
 if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
-    from phalanx import checkpoint, cluster_resolver, coordinator, experimental, interactive, nn
+    from phalanx import checkpoint, cluster_resolver, coordinator, experimental, interactive, nn, trackers
     from phalanx.cluster import ClusterSpec
     from phalanx.comm.cross_device_ops import (
         CrossDeviceOps,
@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         InputReplicationMode,
         ValueContext,
     )
+    from phalanx.profiler import profile
+    from phalanx.progress_bar import progress
     from phalanx.ps.strategy import ParameterServerStrategy
     from phalanx.server import Server
     from phalanx.strategies.central_storage import CentralStorageStrategy
@@ -65,7 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
 # public name -> the module it is
 _SUBMODULES = {
     name: f"phalanx.{name}"
-    for name in ("checkpoint", "cluster_resolver", "coordinator", "experimental", "interactive", "nn")
+    for name in ("checkpoint", "cluster_resolver", "coordinator", "experimental", "interactive", "nn", "trackers")
 } | {"compiled": "phalanx.core.compiled"}
 # name -> the module that defines it
 _ATTRIBUTES = {
@@ -98,6 +100,8 @@ _ATTRIBUTES = {
     "num_processes": "phalanx.core.process",
     "process_index": "phalanx.core.process",
     "Server": "phalanx.server",
+    "profile": "phalanx.profiler",
+    "progress": "phalanx.progress_bar",
     "CentralStorageStrategy": "phalanx.strategies.central_storage",
     "FullyShardedStrategy": "phalanx.strategies.fully_sharded",
     "MirroredStrategy": "phalanx.strategies.mirrored",

@@ -100,6 +100,8 @@ class Settings:
         start_method: PHALANX_START_METHOD, how ``phalanx run`` starts its replicas: ``fork``
             (from a server that imported torch once; the default on Linux) or ``spawn`` (each a
             fresh interpreter); see :mod:`phalanx.launch.forkserver`.
+        job_report: PHALANX_JOB_REPORT=0 turns off the job report a job that watched itself (a
+            summary writer, a progress bar, a profile) prints at exit (:mod:`phalanx.report`).
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -131,6 +133,7 @@ class Settings:
     interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
     start_method: str | None = field(default=None, metadata={"env": "PHALANX_START_METHOD"})
     fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
+    job_report: str | None = field(default=None, metadata={"env": "PHALANX_JOB_REPORT"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -456,3 +456,69 @@ class UnsynchronizedParameterError(ReplicaDivergenceError):
             "so the replicas would train different models.",
             hint=_DIVERGENCE_HINTS["unsynchronised parameters"],
         )
+
+
+# --------------------------------------------------------------------------- watching a run
+class SummaryError(PhalanxError, ValueError):
+    """A summary call phalanx cannot honour (no step, a per-replica value, a step that goes back)."""
+
+
+class UnknownTrackerError(SummaryError):
+    """A tracker name phalanx does not know (``create_file_writer(trackers=("tensorbord",))``).
+
+    Attributes:
+        name: the name received.
+        known: the names phalanx knows.
+    """
+
+    def __init__(self, name: Any, known: tuple[str, ...]) -> None:
+        self.name, self.known = name, known
+        super().__init__(
+            f"Unknown tracker {name!r}.",
+            hint=f"use one of {', '.join(map(repr, known))}, or pass a phalanx.trackers.Tracker object",
+        )
+
+
+class TrackerUnavailableError(SummaryError, ImportError):
+    """A tracker whose official client is not installed; the hint names the extra that installs it.
+
+    Attributes:
+        tracker: the tracker's name (``"mlflow"``).
+        module: the client's module that could not be found.
+        extra: the ``phalanx[...]`` extra that installs it.
+    """
+
+    def __init__(self, tracker: str, module: str, extra: str) -> None:
+        self.tracker, self.module, self.extra = tracker, module, extra
+        super().__init__(
+            f"The {tracker!r} tracker needs the {module!r} package, which is not installed.",
+            hint=f'pip install "phalanx[{extra}]"',
+        )
+
+
+class TrackerError(SummaryError, RuntimeError):
+    """A tracker could not start its run (a tracking server or a login it needs is missing).
+
+    Attributes:
+        tracker: the tracker's name.
+    """
+
+    def __init__(self, tracker: str, cause: BaseException, *, hint: str | None = None) -> None:
+        self.tracker = tracker
+        super().__init__(f"The {tracker!r} tracker could not start its run: {cause}", hint=hint)
+
+
+class TrackerFailedWarning(UserWarning):
+    """A tracker failed in the middle of a run; the run goes on with the others, which lose nothing."""
+
+
+class NonFiniteSummaryWarning(UserWarning):
+    """A summary value was NaN or infinite; it is logged as it is, and said once per writer."""
+
+
+class ProgressError(PhalanxError, ValueError):
+    """A progress bar phalanx cannot show (an unknown style, its client missing, a per-replica value)."""
+
+
+class ProfileError(PhalanxError, ValueError):
+    """A profile phalanx cannot take (steps that are not a range ``(first, last)`` of positive steps)."""

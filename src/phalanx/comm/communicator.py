@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.comm import health, process_group, rendezvous
 from phalanx.comm.memory_store import InMemoryStore
+from phalanx.comm.timing import MARKS, CollectiveTimes
 from phalanx.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -243,6 +245,7 @@ class ProcessGroupCommunicator:
         self.spec = spec
         self.rank, self.world_size = spec.rank, spec.world_size
         self.step: int | None = None
+        self.times = CollectiveTimes()  # the job report's share of time spent in collectives
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me, spec.address(spec.rank))  # its port for errors
@@ -409,7 +412,16 @@ class ProcessGroupCommunicator:
             "product": dist.ReduceOp.PRODUCT,
         }[op]
         if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
-            return self._hierarchical_all_reduce(tensor, op, native)
+            # Synchronous: the wait for the peers is inside the call. Timed inline (no context
+            # manager) because this is the gradient buckets' path.
+            start = time.perf_counter()
+            try:
+                if MARKS.active:
+                    with torch.profiler.record_function("phalanx::all_reduce"):
+                        return self._hierarchical_all_reduce(tensor, op, native)
+                return self._hierarchical_all_reduce(tensor, op, native)
+            finally:
+                self.times.add(time.perf_counter() - start)
         with self.errors_for("all-reduce"):
             # NCCL's work.wait() only orders the current CUDA stream after the collective: the
             # host goes on, and backward overlaps the gradient buckets as DDP's do.
@@ -458,7 +470,9 @@ class ProcessGroupCommunicator:
         return None
 
     def _wait(self, work: Any, operation: str) -> None:
-        with self.errors_for(operation):
+        # Only the wait is timed: starting an asynchronous collective returns at once, and the
+        # time between start and wait is the overlap with backward, not waiting.
+        with self.times.measure(operation.replace("-", "_")), self.errors_for(operation):
             work.wait()
 
     def _group_for(self, tensor: torch.Tensor) -> Any:
@@ -469,7 +483,7 @@ class ProcessGroupCommunicator:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = dst, dist.ReduceOp.SUM
         group = self._group_for(tensor)
-        with self.errors_for("reduce"):
+        with self.times.measure("reduce"), self.errors_for("reduce"):
             if tensor.is_cuda and group is self._cpu_pg:
                 # gloo reduces CUDA tensors only in all-reduce and broadcast: stage through the host.
                 host = tensor.cpu()
@@ -482,20 +496,20 @@ class ProcessGroupCommunicator:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        with self.errors_for("broadcast"):
+        with self.times.measure("broadcast"), self.errors_for("broadcast"):
             self._group_for(tensor).broadcast([tensor], opts).wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Returns every rank's ``tensor`` (all of the same shape), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self.errors_for("all-gather"):
+        with self.times.measure("all_gather"), self.errors_for("all-gather"):
             self._group_for(tensor).allgather([out], [tensor.contiguous()]).wait()
         return out
 
     def barrier(self) -> None:
         # Through gloo even in an NCCL job: NCCL's barrier is an all-reduce on a guessed device.
-        with self.errors_for("barrier"):
+        with self.times.measure("barrier"), self.errors_for("barrier"):
             self._cpu_pg.barrier().wait()
 
     def name(self, rank: int) -> str:

@@ -37,6 +37,7 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.core import compiled, context, global_batch, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
+from phalanx.core.job_stats import JobStats
 from phalanx.core.losses import loss_scale_watch
 from phalanx.core.variable_sync import VariableSync
 from phalanx.devices import LogicalDevice
@@ -134,6 +135,7 @@ class StrategyExtended:
         self._input_sharding = sharding = input_sharding or InputSharding()
         self._reducer: GradientReducer | None = None
         self._step = 0
+        self.stats = JobStats()  # steps, samples and time, for the job report (phalanx.report)
         self._container_strategy_ref: Any = None
         # Whether gradients, guard, extended.all_reduce and barriers go through the communicator:
         # with several replicas, or with one whose process group was built anyway
@@ -281,6 +283,8 @@ class StrategyExtended:
         strategy, books = self.container_strategy, self.variable_sync
         self._step += 1
         self._comm.step = self._step  # the communicator names the step in its errors
+        times = getattr(self._comm, "times", None)
+        self.stats.step_began(times.seconds if times is not None else 0.0)
         with context.enter_scope(strategy):
             self._before_run()
             with (

@@ -519,6 +519,9 @@ def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int, int | None]], p
         ordinal += 1
         batch = strategy._wrap_local(local)  # friend: Strategy's wrapping of local values
         global_batch.tag(batch, global_batch.BatchInfo(global_size, ordinal, sliced))
+        stats = getattr(strategy.extended, "stats", None)  # a parameter-server strategy's extended has none
+        if stats is not None:
+            stats.add_samples(global_size)
         return batch
 
     for local, global_size, sliced in source:

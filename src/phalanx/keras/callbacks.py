@@ -4,7 +4,8 @@ Every replica runs ``fit`` (one process per replica), so every replica has the c
 program passed. Two kinds need care:
 
 * **Writers** (``ModelCheckpoint``, ``TensorBoard`` (Keras' and :class:`TensorBoard`, phalanx's
-  torch-backend one, importable from here), ``CSVLogger``, ``RemoteMonitor``,
+  torch-backend one, importable from here), :class:`Trackers` (``fit``'s metrics to the trackers
+  of a ``phalanx.summary`` writer), ``CSVLogger``, ``RemoteMonitor``,
   ``BackupAndRestore``, the progress bar) run on the chief only, so no two processes write the
   same file. The others get the rest of the list; ``History`` stays everywhere (the logs it
   records are the same on every replica).
@@ -43,6 +44,7 @@ import torch
 
 from phalanx._compat import keras as compat_keras
 from phalanx.keras.tensorboard import TensorBoard
+from phalanx.keras.trackers import Trackers
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -66,7 +68,7 @@ CHIEF_ONLY: tuple[type, ...] = tuple(
         )
     )
     if c is not None
-) + (TensorBoard,)
+) + (TensorBoard, Trackers)
 
 # Callbacks that may change the training state at train begin (restore a backup), on the chief.
 RESTORING: tuple[type, ...] = tuple(c for c in (getattr(_cb, "BackupAndRestore", None),) if c is not None)
@@ -93,7 +95,7 @@ _NEVER_STOP_MID_EPOCH: tuple[type, ...] = tuple(
         )
     )
     if c is not None
-) + (TensorBoard,)
+) + (TensorBoard, Trackers)
 
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
@@ -111,8 +113,14 @@ def may_stop_mid_epoch(callbacks: list[Any]) -> bool:
 
 
 def for_replica(callbacks: list[Any], is_chief: bool) -> list[Any]:
-    """The callbacks this replica runs: all on the chief, all but the writers elsewhere."""
-    return list(callbacks) if is_chief else [cb for cb in callbacks if not isinstance(cb, CHIEF_ONLY)]
+    """The callbacks this replica runs: all on the chief, all but the writers elsewhere.
+
+    A phalanx :class:`TensorBoard` that profiles stays on every replica: each writes its own
+    trace (its summary writers still write on the chief only).
+    """
+    if is_chief:
+        return list(callbacks)
+    return [cb for cb in callbacks if not isinstance(cb, CHIEF_ONLY) or (isinstance(cb, TensorBoard) and cb.profiles)]
 
 
 class Coordinator(keras.callbacks.Callback):

@@ -576,7 +576,9 @@ class SyncAdapter(DistributedModel):
         if self._checks_left > 0:
             self._checks_left -= 1
             self._sync_new_variables()
-        return _Step(data[0], self._num_replicas, self._rank)
+        step = _Step(data[0], self._num_replicas, self._rank)
+        self._ext.stats.add_samples(step.global_size)  # the job report's samples per second
+        return step
 
     def _train_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
         step = self._begin(data)

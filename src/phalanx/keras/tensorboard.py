@@ -8,9 +8,14 @@ names, so ``tensorboard --logdir DIR`` shows what it shows for a tf.keras job:
 * ``DIR/train``: ``epoch_loss``, ``epoch_<metric>``, ``epoch_learning_rate`` at every epoch;
   ``batch_loss``, ``batch_<metric>`` every ``update_freq`` batches (when it is ``"batch"`` or
   an int); ``<weight path>/histogram`` of every weight every ``histogram_freq`` epochs;
-* ``DIR/validation``: ``epoch_loss`` and ``epoch_<metric>`` of the validation data.
+* ``DIR/validation``: ``epoch_loss`` and ``epoch_<metric>`` of the validation data;
+* ``DIR/plugins/profile/batches_<a>-<b>/replica<r>.pt.trace.json`` with ``profile_batch=(a, b)``:
+  a ``torch.profiler`` trace of training batches ``a`` to ``b`` (counted from 1 over the whole
+  ``fit``, as Keras counts them), one per replica, with phalanx's collectives marked
+  (:mod:`phalanx.profiler`); Perfetto and ``chrome://tracing`` open it.
 
-Under a strategy it runs on the chief only (as the other writing callbacks), and its writers
+Under a strategy it runs on the chief only (as the other writing callbacks; when it profiles, on
+every replica, so that each writes its trace), and its writers
 (:mod:`phalanx.summary`) write only in the chief process, so a job leaves one set of event files.
 The losses and metrics are those of the progress bar and ``History``: aggregated over all
 replicas.
@@ -42,9 +47,11 @@ class TensorBoard(keras.callbacks.Callback):
         histogram_freq: every how many epochs to write weight histograms (0: never).
         update_freq: ``"epoch"`` (default), ``"batch"`` or an int N: also write the batch logs
             every N batches.
-        write_graph, write_images, write_steps_per_second, profile_batch, embeddings_freq,
-            embeddings_metadata: accepted for compatibility with ``keras.callbacks.TensorBoard``;
-            nothing is written for them.
+        profile_batch: the training batches to profile: ``(a, b)``, ``"a,b"`` or one batch
+            ``n`` (0: none, the default).
+        write_graph, write_images, write_steps_per_second, embeddings_freq, embeddings_metadata:
+            accepted for compatibility with ``keras.callbacks.TensorBoard``; nothing is written
+            for them.
     """
 
     def __init__(
@@ -68,12 +75,31 @@ class TensorBoard(keras.callbacks.Callback):
         self._train = summary.create_file_writer(os.path.join(self.log_dir, "train"))
         self._validation = summary.create_file_writer(os.path.join(self.log_dir, "validation"))
         self._train_step = 0
+        self._profile = None
+        if profile_batch not in (0, None, "", (0, 0), "0"):
+            from phalanx.profiler import Profile
+
+            self._profile = Profile(self.log_dir, profile_batch, label="batches")
+
+    @property
+    def profiles(self) -> bool:
+        """Whether it takes a profile (then it runs on every replica, each writing its trace)."""
+        return self._profile is not None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._train_step = 0
+        # The batch step goes on across fits of one callback (Keras' restarts at 0): a summary's
+        # steps must not go back (phalanx.summary refuses it), and a second fit's batches follow
+        # the first's on one axis.
+        pass
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._profile is not None and self._train_step + 1 == self._profile.first:
+            self._profile.start()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._train_step += 1
+        if self._profile is not None and self._train_step == self._profile.last:
+            self._profile.stop()
         if self.update_freq == "epoch" or self._train_step % self.update_freq:
             return
         with self._train.as_default(step=self._train_step):
@@ -99,6 +125,8 @@ class TensorBoard(keras.callbacks.Callback):
                     summary.scalar(f"epoch_{name}", _number(value))
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._profile is not None:
+            self._profile.stop()  # fit ended inside the range: write what was recorded
         self._train.flush()
         self._validation.flush()
 
