@@ -109,6 +109,24 @@ def test_a_replica_training_with_another_learning_rate_is_stopped_within_n_steps
     assert "ReplicaDivergenceError" in res.logs()
 
 
+def test_a_scope_for_another_device_makes_tensors_where_torch_would_and_moves_them():
+    """Issue 44: scope() does not make torch create tensors on the replica's device (a GPU's own
+    random generator would give other initial weights than the same program on a CPU, or than
+    Model().to(device)); it moves what modules register. Checked with a capture for a device this
+    machine may not have: entering it changes torch's default device for nobody."""
+    import torch
+
+    from phalanx.core.variables import Capture, capture
+
+    seen = []
+    spec = Capture(object(), torch.device("cuda:0"), seen.append, seen.append)
+    before = torch.get_default_device()
+    with capture(spec):
+        assert torch.get_default_device() == before
+        assert torch.empty(1).device == before
+    assert seen == []
+
+
 def test_the_guard_fingerprints_again_every_n_steps():
     from types import SimpleNamespace
 

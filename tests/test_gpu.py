@@ -37,8 +37,8 @@ _INITIAL = _layers().state_dict()  # made on the CPU, outside any scope
 
 
 def _model():
-    # Created inside a GPU strategy's scope, parameters are initialised on the GPU with the CUDA
-    # generator; load the same CPU-made values everywhere so that runs start equal.
+    # The same CPU-made values everywhere, so that runs start equal whatever else drew from the
+    # generator before (a scope makes a model's values as plain torch does: see the test below).
     model = _layers()
     model.load_state_dict(_INITIAL)
     return model
@@ -134,6 +134,27 @@ def test_mirrored_default_takes_every_visible_gpu():
         assert layer.weight.is_cuda
     finally:
         strategy.close()
+
+
+def test_a_model_built_in_a_gpu_scope_starts_as_plain_torch_with_the_same_seed():
+    """Issue 44: initial weights do not depend on the device a strategy builds them for."""
+    torch.manual_seed(123)
+    plain = _layers().to("cuda")
+    for strategy in (px.OneDeviceStrategy("gpu:0"), px.MirroredStrategy(["gpu:0"])):
+        torch.manual_seed(123)
+        with strategy.scope():
+            model = _layers()
+        assert all(p.is_cuda for p in model.parameters())
+        for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(a, b), name
+        strategy.close()
+    # Opting in to creation on the device, with torch's own idiom, uses the device's generator.
+    torch.manual_seed(123)
+    strategy = px.OneDeviceStrategy("gpu:0")
+    with strategy.scope(), torch.device(strategy.extended.device):
+        on_device = _layers()
+    assert on_device[0].weight.is_cuda
+    assert not torch.equal(on_device[0].weight, plain[0].weight)
 
 
 def test_a_module_built_inside_run_lands_on_the_replica_gpu():

@@ -15,6 +15,13 @@ sent, and no extra wait.
 Values are integers below 2**24, exactly representable in float32; in 16-bit dtypes each value is
 written as three base-256 digits (bfloat16 holds integers up to 256 exactly).
 
+On a GPU nothing of this waits for the device: this replica's fields go to the bucket from one of
+two pinned host buffers used in turn (:class:`_Staging`), the parameter fingerprint is computed on
+the device in a few kernels over all parameters at once (:func:`fingerprint_tensor`) and written
+into the bucket there, and the sum is copied back to pinned memory and read at the next pass
+(:meth:`ReplicaGuard.check_pending`). So a divergence is named one step late on a GPU (at once on
+a CPU), and a parameter divergence within ``every`` steps (plus one on a GPU).
+
 Example (two replicas, as the sum would combine their vectors)::
 
     >>> import torch
@@ -25,7 +32,9 @@ Example (two replicas, as the sum would combine their vectors)::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +59,7 @@ class FieldGuard:
         world_size: the number of replicas.
     """
 
-    __slots__ = ("_buffers", "_width", "rank", "world_size")
+    __slots__ = ("_buffers", "_staging", "_width", "rank", "world_size")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -59,6 +68,7 @@ class FieldGuard:
         # torch.cat that builds the bucket, so reusing it is safe): ~1 us instead of ~20 us for
         # building a tensor from a list on every step.
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, object]] = {}
+        self._staging = _Staging()
 
     def size(self, dtype: torch.dtype) -> int:
         """Elements the guard appends to a tensor of ``dtype``."""
@@ -67,13 +77,7 @@ class FieldGuard:
     def encode(self, values: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A vector, zero but in this replica's slot, that sums to every replica's values."""
         digits = digits_for(dtype) or 1
-        mine: list[int] = []
-        for v in values:
-            v = int(v) % _LIMIT
-            if digits == 1:
-                mine.append(v)
-            else:
-                mine += [(v >> 16) & 0xFF, (v >> 8) & 0xFF, v & 0xFF]
+        mine = self._row(values, digits)
         if digits == 1 and (device == "cpu" or getattr(device, "type", None) == "cpu"):
             cached = self._buffers.get(dtype)
             if cached is None:
@@ -91,6 +95,46 @@ class FieldGuard:
             # the GPU reached this point of the step (backward so far), on every step.
             return host.pin_memory().to(device, non_blocking=True)
         return host.to(device)
+
+    def _row(self, values: Sequence[int], digits: int) -> list[int]:
+        mine: list[int] = []
+        for v in values:
+            v = int(v) % _LIMIT
+            if digits == 1:
+                mine.append(v)
+            else:
+                mine += [(v >> 16) & 0xFF, (v >> 8) & 0xFF, v & 0xFF]
+        return mine
+
+    def write(self, values: Sequence[int], out: torch.Tensor) -> None:
+        """Writes the vector :meth:`encode` would return into ``out`` (a view of a bucket, any device).
+
+        On the CPU, in place through numpy (wide dtypes). Elsewhere from a pinned host buffer
+        without waiting for the device (see :class:`_Staging`): the host never waits for the GPU.
+        """
+        digits = digits_for(out.dtype) or 1
+        mine = self._row(values, digits)
+        at = self.rank * len(mine)
+        if out.device.type == "cpu" and digits == 1:
+            view = out.numpy()
+            view[:] = 0
+            view[at : at + len(mine)] = mine
+            return
+        host, array = self._staging.take(out.numel(), out.device)
+        array[:] = 0
+        array[at : at + len(mine)] = mine
+        out.copy_(host, non_blocking=True)
+        self._staging.copied(out.device)
+
+    def place(self, field: int, value: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes ``value`` (an int64 tensor on ``out``'s device) as this replica's field ``field``
+        of ``out``, on the device: no value comes to the host (the device-side fingerprint)."""
+        digits = digits_for(out.dtype) or 1
+        at = (self.rank * self._width + field) * digits
+        if digits == 1:
+            out[at : at + 1].copy_(value.reshape(1))
+        else:
+            out[at : at + 3].copy_(torch.stack([(value >> 16) & 0xFF, (value >> 8) & 0xFF, value & 0xFF]))
 
     def decode(self, summed: torch.Tensor) -> list[list[int]]:
         """Every replica's values, one row per replica."""
@@ -149,6 +193,87 @@ class FieldGuard:
                     raise ReplicaDivergenceError(field, (name(0), name(r)), values, step=first[0], parameter=parameter)
 
 
+class _Staging:
+    """Two host buffers used in turn for the guard's copies to a device, so that the host never waits.
+
+    A copy from pinned memory returns before the device has made it; the buffer may be written
+    again only once it has. Each buffer's last copy is marked with an event, and a buffer is taken
+    again only after its event (two passes ago: long done, so the wait is a query). On the CPU the
+    buffers are plain memory and the copies happen at once.
+    """
+
+    __slots__ = ("_buffers", "_events", "_turn")
+
+    def __init__(self) -> None:
+        self._buffers: list[tuple[torch.Tensor, object] | None] = [None, None]
+        self._events: list[object | None] = [None, None]
+        self._turn = 0
+
+    def take(self, n: int, device: torch.device) -> tuple[torch.Tensor, object]:
+        """The next buffer (float32, ``n`` elements) and its numpy view, free to be written."""
+        self._turn = turn = 1 - self._turn
+        event = self._events[turn]
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        held = self._buffers[turn]
+        if held is None or held[0].numel() != n:
+            host = torch.zeros(n, dtype=torch.float32, pin_memory=device.type == "cuda")
+            held = self._buffers[turn] = (host, host.numpy())
+        return held
+
+    def copied(self, device: torch.device) -> None:
+        """Marks the buffer last taken as being copied from (on ``device``'s current stream)."""
+        if device.type == "cuda":
+            event = self._events[self._turn]
+            if event is None:
+                event = self._events[self._turn] = torch.cuda.Event()
+            event.record()  # type: ignore[attr-defined]
+
+
+_CHUNK = 1 << 22  # elements per position-weighted sum: its int64 temporaries stay at 32 MiB
+_MOD = (1 << 24) - 3  # a prime below 2**24: every partial result stays an exact small integer
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def fingerprint_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 24-bit fingerprint (1 to 2**24 - 1) of ``tensors``' bits, as an int64 tensor on their device.
+
+    Computed on the device in a few kernels whatever the number of tensors: each group of one
+    element size is concatenated once, as integers, then summed plainly and weighted by position
+    (in chunks, so the int64 temporaries stay small). Integer sums are exact and independent of
+    the order of summation, so replicas holding the same bits get the same value; a flipped bit or
+    two swapped elements change it. Nothing is read back to the host.
+
+    Example:
+        >>> a = [torch.ones(3), torch.zeros(2)]
+        >>> int(fingerprint_tensor(a)) == int(fingerprint_tensor([t.clone() for t in a]))
+        True
+        >>> int(fingerprint_tensor(a)) == int(fingerprint_tensor([torch.zeros(2), torch.ones(3)]))
+        False
+    """
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.element_size()), []).append(t.detach().reshape(-1))
+    device = tensors[0].device if tensors else torch.device("cpu")
+    # The tensors' order, dtypes and shapes (tensors of different element sizes are summed apart).
+    layout = zlib.crc32(repr([(str(t.dtype), tuple(t.shape)) for t in tensors]).encode()) % _MOD
+    h = torch.full((), layout, dtype=torch.int64, device=device)
+    offset = 0
+    for (where, size), parts in groups.items():
+        flat = torch.cat([p.view(_INTS[size]) for p in parts])
+        n = flat.numel()
+        plain = flat.sum(dtype=torch.int64)
+        weighted = torch.zeros((), dtype=torch.int64, device=where)
+        for start in range(0, n, _CHUNK):
+            chunk = flat[start : start + _CHUNK].to(torch.int64)
+            position = torch.arange(offset + start + 1, offset + start + 1 + chunk.numel(), device=where)
+            weighted += (chunk * position).sum()
+        offset += n
+        for part in (plain, weighted):
+            h = (h * 1_000_003 + part.to(device).remainder(_MOD)).remainder(_MOD)
+    return h.remainder((1 << 24) - 1) + 1
+
+
 def _digest(t: torch.Tensor) -> torch.Tensor:
     """Two integers (an int64 pair on ``t``'s device) that change with any bit of ``t``; exact and
     independent of summation order.
@@ -204,24 +329,39 @@ class ReplicaGuard:
         self._fields = FieldGuard(comm.rank, comm.world_size)  # type: ignore[attr-defined]
         self._values = fields
         self._params = params
-        self._digests: list[tuple[int, int]] = []
-        self._labels: list[str] = []
+        self._fingerprinted = False  # a fingerprint was taken: a parameter mismatch can be named
         self._step: int | None = None
         self._fingerprinted_at: int | None = None  # the step of the last fingerprint
+        # A GPU pass's sum, copied to pinned memory without waiting, and its event: read at the
+        # next pass (check_pending).
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._readback: torch.Tensor | None = None
+        self._read_event: Any = None
         self.fingerprint_due = True
         self.every = every
         self.checks = 0
 
+    def size(self, dtype: torch.dtype) -> int:
+        """Elements the guard takes in a tensor of ``dtype`` (0: it cannot ride on that dtype)."""
+        return self._fields.size(dtype)
+
     def fingerprint(self) -> int:
-        """A 24-bit fingerprint (never 0) of the synchronised parameters, remembering each's digest."""
-        named = self._params()
-        self._labels = [label for label, _ in named]
-        self._digests = digests([t for _, t in named])
-        h = 0xCBF29CE484222325
-        for a, b in self._digests:  # FNV-1a over the digests
-            for x in (a, b):
-                h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-        return 1 + h % (_LIMIT - 1)
+        """A 24-bit fingerprint (never 0) of the synchronised parameters (reads it back: a host sync on a GPU)."""
+        return int(self._fingerprint_tensor())
+
+    def _fingerprint_tensor(self) -> torch.Tensor:
+        self._fingerprinted = True
+        return fingerprint_tensor([t for _, t in self._params()])
+
+    def _due(self, step: int, with_parameters: bool) -> bool:
+        """Whether this contribution carries a fingerprint; if so, it is no longer due."""
+        if not with_parameters or not (self.fingerprint_due or self._periodic_due(step)):
+            return False
+        # Every replica decides alike: the same step (else the step field differs), the same
+        # `every`, the same backward passes since the last fingerprint.
+        self.fingerprint_due = False
+        self._fingerprinted_at = step
+        return True
 
     def encode(
         self, dtype: torch.dtype, device: torch.device | str = "cpu", *, with_parameters: bool = True
@@ -230,15 +370,25 @@ class ReplicaGuard:
         if digits_for(dtype) is None:
             return None
         step, size, ordinal = self._values()
-        fp = 0
-        if with_parameters and (self.fingerprint_due or self._periodic_due(step)):
-            # Every replica decides alike: the same step (else the step field differs), the same
-            # `every`, the same backward passes since the last fingerprint.
-            self.fingerprint_due = False
-            self._fingerprinted_at = step
-            fp = self.fingerprint()
+        fp = self.fingerprint() if self._due(step, with_parameters) else 0
         self._step = step
         return self._fields.encode((step, size, ordinal, fp), dtype, device)
+
+    def write_into(self, out: torch.Tensor) -> None:
+        """Writes this replica's contribution into ``out`` (``size(out.dtype)`` elements of a bucket).
+
+        On a GPU without waiting for it: the fields come from pinned memory and the fingerprint,
+        when due, is computed and placed on the device.
+        """
+        step, size, ordinal = self._values()
+        due = self._due(step, True)
+        self._step = step
+        if due and out.device.type == "cpu":
+            self._fields.write((step, size, ordinal, self.fingerprint()), out)
+            return
+        self._fields.write((step, size, ordinal, 0), out)
+        if due:
+            self._fields.place(FIELDS.index("parameters"), self._fingerprint_tensor().to(out.device), out)
 
     def _periodic_due(self, step: int) -> bool:
         last = self._fingerprinted_at
@@ -249,17 +399,49 @@ class ReplicaGuard:
         self.checks += 1
         self._fields.check(summed, self._comm.name, self._step, self._first_difference)  # type: ignore[attr-defined]
 
+    def verify_later(self, summed: torch.Tensor) -> None:
+        """Checks ``summed`` now on the CPU; on a GPU, copies it to pinned memory without waiting and
+        checks it at :meth:`check_pending` (reading it at once would stall the host until the GPU
+        finished the step, every step)."""
+        if not summed.is_cuda:
+            self.verify(summed)
+            return
+        self.check_pending()
+        host = self._readback
+        if host is None or host.numel() != summed.numel():
+            host = self._readback = torch.empty(summed.numel(), dtype=torch.float32, pin_memory=True)
+            self._read_event = torch.cuda.Event()
+        host.copy_(summed, non_blocking=True)
+        self._read_event.record()
+        self._pending = (host, self._read_event)
+
+    def check_pending(self) -> None:
+        """Checks the sum :meth:`verify_later` left unread, if any.
+
+        Raises:
+            ReplicaDivergenceError: the replicas disagreed in that pass.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            host, done = pending
+            done.synchronize()
+            self.verify(host)
+
     def _first_difference(self, other: int) -> str | None:
-        """The first parameter whose digest differs between replica 0 and ``other`` (a collective)."""
-        if not self._digests:
+        """The first parameter whose digest differs between replica 0 and ``other`` (a collective).
+
+        The parameters are digested now: the replicas that disagreed at the fingerprint still do.
+        """
+        if not self._fingerprinted:
             return None
-        mine = torch.tensor([x for pair in self._digests for x in pair], dtype=torch.int64)
+        named = self._params()
+        mine = torch.tensor([x for pair in digests([t for _, t in named]) for x in pair], dtype=torch.int64)
         sizes = self._comm.all_gather(torch.tensor([mine.numel()]))  # type: ignore[attr-defined]
         if len({int(s) for s in sizes}) != 1:
             return f"(replica 0 has {int(sizes[0]) // 2} parameters, replica {other} {int(sizes[other]) // 2})"
         every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
         a, b = every[0].tolist(), every[other].tolist()
-        for i, label in enumerate(self._labels):
+        for i, (label, _) in enumerate(named):
             if a[2 * i : 2 * i + 2] != b[2 * i : 2 * i + 2]:
                 return label
         return None

@@ -183,10 +183,9 @@ class GradientReducer:
         self._base: dict[int, torch.Tensor] = {}
         self._dirty: set[int] = set()  # params whose .grad holds unsynchronised local gradient
         self._guard_len = 0
-        # On a GPU, the guard's part of a pass's sum, copied to pinned host memory without waiting,
-        # and checked at the next pass (or by check_pending): reading it at once would stall the
-        # host until the GPU finished the step, every step.
-        self._pending_check: tuple[torch.Tensor, Any] | None = None
+        # The guard that wrote into the last pass's bucket: on a GPU it reads its part of the sum
+        # one pass late (check_pending), even if the guard was turned off since.
+        self._checked_by: Any = None
         self.add(params, bucket_bytes, num_packs)
 
     def add(
@@ -226,7 +225,9 @@ class GradientReducer:
             self._where[id(p)] = (index, pos)
             self._hooks.append(p.register_hook(self._make_hook(p, bucket, index, pos)))
 
-    def _make_hook(self, p: torch.nn.Parameter, bucket: _Bucket, index: int, pos: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(
+        self, p: torch.nn.Parameter, bucket: _Bucket, index: int, pos: int
+    ) -> Callable[[torch.Tensor], None]:
         """The one hook of ``p``: runs just before autograd accumulates its gradient into ``.grad``.
 
         It points ``.grad`` at the parameter's place in the bucket (zeroed when the bucket started
@@ -347,11 +348,10 @@ class GradientReducer:
             self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
         # The guard rides in room after bucket 0's gradients: one collective per bucket, as before,
         # rather than a second small one (a wait more per pass on every replica).
-        extra, room = None, 0
-        if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is None:
-            first = bucket.params[0]
-            extra = self.guard.encode(first.dtype, first.device)
-            self._guard_len = room = 0 if extra is None else extra.numel()
+        guard = self.guard if bucket is self._buckets[0] and self._guard_collective is None else None
+        room = guard.size(bucket.params[0].dtype) if guard is not None else 0
+        if bucket is self._buckets[0]:
+            self._guard_len = room
         flat = bucket.buffer(room)
         dirty, views = self._dirty, bucket.views
         unused = bucket.unused_here = []
@@ -382,11 +382,12 @@ class GradientReducer:
             elif not _aliases(p.grad, bucket.views[pos]):
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
         _write_flags(bucket.flags, unused)
-        if extra is not None:
+        if room:
             tail = bucket.tail
             if tail is None or tail.numel() != room:
                 tail = bucket.tail = flat[bucket.head : bucket.head + room]
-            tail.copy_(extra)
+            guard.write_into(tail)  # type: ignore[union-attr]
+            self._checked_by = guard
         end = bucket.head + room
         bucket.handle = self._all_reduce(flat if flat.numel() == end else flat[:end])
 
@@ -401,18 +402,8 @@ class GradientReducer:
         flags = summed[bucket.numel : bucket.head].tolist()
         return {pos for pos in bucket.unused_here if flags[pos] == 0}
 
-    def _verify_guard(self, summed: torch.Tensor) -> None:
-        if not summed.is_cuda:
-            self.guard.verify(summed)
-            return
-        host = torch.empty(summed.shape, dtype=summed.dtype, pin_memory=True)
-        host.copy_(summed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending_check = (host, done)
-
     def check_pending(self) -> None:
-        """Checks the guard of the last pass if it is still unread (GPU replicas; see ``_verify_guard``).
+        """Checks the guard of the last pass if it is still unread (GPU replicas read it one pass late).
 
         A divergence in pass k on a GPU is raised during pass k + 1's backward, on every replica
         alike, or here: the strategy calls this before a checkpoint is written and when it closes.
@@ -420,11 +411,8 @@ class GradientReducer:
         Raises:
             ReplicaDivergenceError: the replicas disagreed in that pass.
         """
-        pending, self._pending_check = self._pending_check, None
-        if pending is not None:
-            host, done = pending
-            done.synchronize()
-            self.guard.verify(host)
+        if self._checked_by is not None:
+            self._checked_by.check_pending()
 
     def _finish_local(self) -> None:
         """End of a backward pass under no_sync(): nothing to send."""
@@ -458,7 +446,7 @@ class GradientReducer:
                     tail = bucket.tail
                     if not (in_own and tail is not None and tail.numel() == self._guard_len):
                         tail = flat[flat.numel() - self._guard_len :]
-                    self._verify_guard(tail)
+                    self._checked_by.verify_later(tail)  # type: ignore[union-attr]
                 views = bucket.views
                 gone = bucket.unused_everywhere = self._unused_everywhere(bucket, flat)
                 for pos, p in enumerate(bucket.params):

@@ -289,7 +289,7 @@ class StrategyExtended:
             self._before_run()
             with (
                 context.enter_replica(strategy, self._comm.rank),
-                books.scope(strategy, default_device=False),
+                books.scope(strategy),
                 global_batch.using(info),
                 loss_scale_watch(self._reducer, self._comm.world_size),
                 _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),

@@ -109,9 +109,9 @@ class VariableSync:
             hooks.install("phalanx.core.strategy.optimizer_check", "optimizer_step_pre", _check_optimizer)
 
     # ---------------------------------------------------------------- the capture
-    def scope(self, owner: object, default_device: bool = True) -> variables.capture:
-        """The capture of ``owner``'s scope (``scope()``, or ``run`` without moving new tensors)."""
-        return variables.capture(self._spec(owner), default_device)
+    def scope(self, owner: object) -> variables.capture:
+        """The capture of ``owner``'s scope (``scope()``, and each ``run``)."""
+        return variables.capture(self._spec(owner))
 
     def _spec(self, owner: object) -> variables.Capture:
         return variables.Capture(

@@ -284,36 +284,26 @@ def not_captured() -> Iterator[None]:
 
 class capture:  # lower case: used like a function, ``with capture(spec):``
     """Calls ``spec.on_parameter`` / ``spec.on_buffer`` for every tensor registered under
-    ``spec.owner``'s scope.
+    ``spec.owner``'s scope, moving it to ``spec.device`` first if it was made elsewhere.
 
-    With ``default_device`` (``scope()``), tensors are created on ``spec.device`` (``torch.device``
-    as a context manager sets the default device for factory functions); in every case, parameters
-    and buffers registered elsewhere are moved there. A class rather than a ``@contextmanager``
-    generator because ``strategy.run`` enters a capture on every step.
+    Tensors are made where the program makes them (the CPU, by default) and moved: a model built
+    in a GPU replica's scope draws its initial values from the CPU generator, as the same program
+    does on a CPU and as ``Model().to("cuda")`` does, so the same seed gives the same weights
+    everywhere. A program that wants a large model made on the device (faster, and no host copy)
+    says so with torch's own idiom, ``with strategy.scope(), torch.device(strategy.extended.device):``
+    (values then come from the device's generator), or builds it on ``meta`` and materialises it
+    (``to_empty``), as FSDP does. A class rather than a ``@contextmanager`` generator because
+    ``strategy.run`` enters a capture on every step.
     """
 
-    __slots__ = ("_spec", "_device", "_token")
+    __slots__ = ("_spec", "_token")
 
-    def __init__(self, spec: Capture, default_device: bool = True) -> None:
+    def __init__(self, spec: Capture) -> None:
         self._spec = spec
-        # The default-device mode intercepts every torch call: on the CPU it would only cost time,
-        # and inside every `run` it cost a GPU step 25-35 % (small CNN on an H100, measured), so
-        # `run` relies on the registration hooks alone to place new parameters and buffers.
-        self._device = torch.device(spec.device) if spec.device.type != "cpu" and default_device else None
 
     def __enter__(self) -> None:
         _install()
         self._token = _ACTIVE.set(self._spec)
-        if self._device is not None:
-            try:
-                self._device.__enter__()
-            except BaseException:
-                _ACTIVE.reset(self._token)
-                raise
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            if self._device is not None:
-                self._device.__exit__(*exc)
-        finally:
-            _ACTIVE.reset(self._token)
+        _ACTIVE.reset(self._token)
