@@ -271,9 +271,8 @@ class GradientReducer:
                         p.grad = None
                 if self.sync:
                     ready.add(pos)
-                    if index == self._next and len(ready) == len(bucket.params):
-                        if self._early_launch:
-                            self._deferred = True
+                    if self._early_launch and index == self._next and len(ready) == len(bucket.params):
+                        self._deferred = True
             return None
 
         return hook
