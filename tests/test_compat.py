@@ -33,6 +33,30 @@ def test_queue_backward_callback_runs_after_every_gradient():
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 3.0))
 
 
+def test_will_accumulate_tells_backward_from_autograd_grad():
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    nodes = {id(p): compat_torch.accumulation_node(p), id(q): compat_torch.accumulation_node(q)}
+    assert compat_torch.accumulation_node(p) is nodes[id(p)]  # the same node while it is held
+    seen = []
+    for t in (p, q):
+        t.register_hook(
+            lambda g, t=t: seen.append(
+                (compat_torch.current_graph_task_id(), compat_torch.will_accumulate(nodes[id(t)]))
+            )
+        )
+    assert compat_torch.current_graph_task_id() == -1  # outside backward
+    loss = (p * q).sum()
+    loss.backward(retain_graph=True)
+    assert [a for _, a in seen] == [True, True] and seen[0][0] == seen[1][0] != -1
+    seen.clear()
+    loss.backward(inputs=[p], retain_graph=True)  # q's gradient is neither computed nor accumulated
+    assert [a for _, a in seen] == [True]
+    seen.clear()
+    torch.autograd.grad(loss, [p, q])  # hooks run, nothing is accumulated
+    assert [a for _, a in seen] == [False, False]
+    assert compat_torch.tracing() is False
+
+
 def test_pytree_walks_nested_structures():
     leaves, spec = compat_torch.pytree.tree_flatten({"a": (1, 2), "b": [3]})
     assert leaves == [1, 2, 3] and compat_torch.pytree.tree_unflatten(leaves, spec) == {"a": (1, 2), "b": [3]}

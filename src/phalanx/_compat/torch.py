@@ -17,12 +17,16 @@ from torch.utils import _pytree as pytree  # noqa: F401 - re-exported: phalanx.n
 
 __all__ = [
     "COMPILE_FRAME_LOGGER",
+    "accumulation_node",
     "compile_falls_back_per_frame",
+    "current_graph_task_id",
     "gloo_options",
     "nccl_options",
     "pytree",
     "queue_backward_callback",
+    "tracing",
     "untraced",
+    "will_accumulate",
     "version_counter",
 ]
 
@@ -50,6 +54,37 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     # A compiled step's backward runs with torch.compile's frame hook set: the callback
     # (collectives, waits) must run as plain Python, never be traced into graphs.
     torch.autograd.Variable._execution_engine.queue_callback(untraced(callback))
+
+
+# The autograd run (graph task) the calling hook runs in; -1 outside backward. The C function
+# itself (torch >= 1.10 to 2.15), not a wrapper: a gradient hook calls it once per parameter.
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+
+def accumulation_node(param: torch.Tensor) -> Any:
+    """``param``'s AccumulateGrad node (torch >= 1.0 to 2.15: the next function of a view's grad_fn).
+
+    Holding it keeps it alive, and so the same node, for the parameter's life (DDP does the same).
+    """
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def will_accumulate(node: Any) -> bool:
+    """Whether the running backward will accumulate into the ``.grad`` of ``node``'s parameter.
+
+    ``torch._C._will_engine_execute_node`` (torch >= 1.13 to 2.15) answers for ``backward()`` and
+    ``backward(inputs=...)``; inside ``torch.autograd.grad`` torch refuses to answer for a leaf
+    (a RuntimeError), and nothing is accumulated there. Call it from a hook, during backward.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def tracing() -> bool:
+    """Whether torch.compile is tracing the calling code (False, cheaply, until ``torch._dynamo`` is loaded)."""
+    return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
 
 
 def untraced(fn: Callable[..., Any]) -> Callable[..., Any]:

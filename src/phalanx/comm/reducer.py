@@ -44,14 +44,19 @@ a small all-reduce of its own just before the first bucket.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from phalanx._compat.torch import queue_backward_callback
+from phalanx._compat.torch import (
+    accumulation_node,
+    current_graph_task_id,
+    queue_backward_callback,
+    tracing,
+    will_accumulate,
+)
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -177,6 +182,8 @@ class GradientReducer:
         self._early_launch = True  # launch buckets during backward (one device); else at its end
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.guard = guard
+        # Multiplies this replica's gradients before they are summed (Keras: its share of the batch).
+        self.scale = 1.0
         self.reductions = 0  # completed backward passes, for strategies that act after one
         self.skipped = 0  # backward passes under no_sync()
         # id(param) -> the .grad it held before this synchronisation's first backward (summed already)
@@ -238,15 +245,15 @@ class GradientReducer:
         per pass: kept lean.
         """
         key, dirty, ready, lock = id(p), self._dirty, bucket.ready, self._lock
-        node = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad, kept alive with the hook
-        modules = sys.modules
+        node = accumulation_node(p)  # kept alive with the hook
+        task_id = current_graph_task_id
 
         def hook(grad: torch.Tensor) -> None:
-            if "torch._dynamo" in modules and torch.compiler.is_compiling():
+            if tracing():
                 # Traced into a compiled backward: run as plain Python instead, never traced.
                 return torch.compiler.disable(hook)(grad)
             with lock:
-                task = torch._C._current_graph_task_id()
+                task = task_id()
                 if task != self._task:
                     self._new_task(task, node)
                 if not self._task_accumulates:
@@ -284,10 +291,7 @@ class GradientReducer:
         refuses to say whether it will run a parameter's accumulation there (the one way to tell).
         """
         self._task = task
-        try:
-            self._task_accumulates = bool(torch._C._will_engine_execute_node(node))
-        except RuntimeError:
-            self._task_accumulates = False
+        self._task_accumulates = will_accumulate(node)
 
     def _start_bucket(self, bucket: _Bucket) -> None:
         """The first gradient of ``bucket`` in this synchronisation: its buffer is zeroed for autograd
@@ -322,6 +326,10 @@ class GradientReducer:
         b, pos = self._where[id(p)]
         views = self._buckets[b].views
         return bool(views) and p.grad is not None and _aliases(p.grad, views[pos])
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is synchronised here."""
+        return id(param) in self._where
 
     def offset_of(self, param: torch.nn.Parameter) -> int:
         """Where ``param``'s gradient starts in its bucket's flat buffer (and in the bucket's sum)."""
@@ -380,6 +388,8 @@ class GradientReducer:
                 place.zero_()
             elif not _aliases(p.grad, bucket.views[pos]):
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
+        if self.scale != 1.0:
+            flat[: bucket.numel].mul_(self.scale)
         _write_flags(bucket.flags, unused)
         if room:
             tail = bucket.tail

@@ -183,26 +183,19 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
 class loss_scale_watch:  # lower case: used like a function by strategy.run
     """Around one replica step: warns once if gradients were summed but no loss was scaled."""
 
-    __slots__ = ("_before", "_record", "_reducer", "_token", "_world_size")
+    __slots__ = ("_before", "_record", "_sync", "_token", "_world_size")
 
-    def __init__(self, reducer: Any, world_size: int) -> None:
-        self._reducer, self._world_size = reducer, world_size  # the strategy's GradientReducer (or None)
+    def __init__(self, sync: Any, world_size: int) -> None:
+        self._sync, self._world_size = sync, world_size  # the strategy's GradientSync
 
     def __enter__(self) -> None:
         self._record = _Record()
         self._token = _RECORD.set(self._record)
-        reducer = self._reducer
-        self._before = reducer.reductions + reducer.skipped if reducer is not None else 0
+        self._before = self._sync.passes
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         _RECORD.reset(self._token)
-        reducer = self._reducer
-        if (
-            exc_type is None
-            and reducer is not None
-            and not self._record.scaled
-            and reducer.reductions + reducer.skipped != self._before
-        ):
+        if exc_type is None and not self._record.scaled and self._sync.passes != self._before:
             n = self._world_size
             _warn_once(
                 "unscaled",

@@ -33,10 +33,11 @@ from phalanx import nest
 from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard
-from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
+from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.core import compiled, context, global_batch, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
+from phalanx.core.gradient_sync import AllReduce, GradientSync
 from phalanx.core.job_stats import JobStats
 from phalanx.core.losses import loss_scale_watch
 from phalanx.core.variable_sync import VariableSync
@@ -133,7 +134,6 @@ class StrategyExtended:
         self._cross_device_ops = cross_device_ops or NcclAllReduce()
         self._bucket_bytes = bucket_bytes
         self._input_sharding = sharding = input_sharding or InputSharding()
-        self._reducer: GradientReducer | None = None
         self._step = 0
         self.stats = JobStats()  # steps, samples and time, for the job report (phalanx.report)
         self._container_strategy_ref: Any = None
@@ -156,6 +156,8 @@ class StrategyExtended:
             self._module_synchronized_elsewhere,
             step,
         )
+        #: How this strategy's gradients are synchronised (see :mod:`phalanx.core.gradient_sync`).
+        self.gradient_sync: GradientSync = self._make_gradient_sync()
 
     # ---------------------------------------------------------------- TF's properties
     @property
@@ -291,7 +293,7 @@ class StrategyExtended:
                 context.enter_replica(strategy, self._comm.rank),
                 books.scope(strategy),
                 global_batch.using(info),
-                loss_scale_watch(self._reducer, self._comm.world_size),
+                loss_scale_watch(self.gradient_sync, self._comm.world_size),
                 _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
             ):
                 # The first step (and the first after new modules) watches for unsynchronised parameters.
@@ -308,21 +310,31 @@ class StrategyExtended:
 
     def _before_run(self) -> None:
         """Settles variables before a step: new ones synchronised, thawed ones joined, buffers re-broadcast."""
+        self.gradient_sync.before_run()
         self.sync_variables()
         thawed = self.variable_sync.take_thawed()
         if thawed:
             self._adopt_thawed(thawed)
         self.variable_sync.rebroadcast_buffers()
+        self.gradient_sync.enter_step()
 
     def _after_run(self) -> None:
-        """Hook for strategies that must settle state after each step (mirrored: nothing to do)."""
+        """Settles what the gradient synchronisation keeps after a step (the central copy's update)."""
+        self.gradient_sync.after_run()
 
     # ---------------------------------------------------------------- how gradients are synchronised
+    def _make_gradient_sync(self) -> GradientSync:
+        """The strategy's choice of :class:`~phalanx.core.gradient_sync.GradientSync`: here, an
+        all-reduce into every replica's ``.grad`` where there are collectives, else nothing."""
+        if not self._collectives:
+            return GradientSync()
+        return AllReduce(self._comm, self._cross_device_ops, self._bucket_bytes, self.consistency.active)
+
     def _sync_new_variables(self) -> None:
         """Makes variables created since the last call identical everywhere and synchronised (collective)."""
         params = self.variable_sync.synchronise_new()
-        if params is not None and self._collectives:
-            self._attach_gradient_sync(params)
+        if params is not None:
+            self.gradient_sync.attach(params)
 
     def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
         """Parameters created frozen that now require gradients join the gradient synchronisation.
@@ -331,25 +343,15 @@ class StrategyExtended:
         due again, checks it); one that does not meets buckets of another size: a typed error.
         """
         self.mark_parameters_changed()
-        if self._collectives:
-            self._attach_gradient_sync(params)
-
-    def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
-        if self._reducer is not None:
-            self._reducer.add(params, self._bucket_bytes, self._cross_device_ops.num_packs)
-            return
-        reduce = lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum")  # noqa: E731
-        self._reducer = GradientReducer(
-            params, reduce, self._bucket_bytes, self._cross_device_ops.num_packs, guard=self._guard
-        )
+        self.gradient_sync.adopt_thawed(params)
 
     def _synchronised(self) -> list[torch.Tensor]:
-        return self._reducer.parameters() if self._reducer is not None else []
+        return self.gradient_sync.parameters()
 
     def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
         """Whether another library keeps ``module``'s parameters consistent (FSDP2 swaps in its
         own gathered parameters during forward): the first step's watch leaves it alone."""
-        return False
+        return self.gradient_sync.synchronised_elsewhere(module)
 
     # ---------------------------------------------------------------- the contract: collectives
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp | str = ReduceOp.SUM) -> list[torch.Tensor]:
@@ -398,7 +400,7 @@ class StrategyExtended:
         """``saved`` in the form ``obj.load_state_dict`` takes under this strategy (a strategy that
         shards ``obj`` cuts each tensor to this replica's shard; a tensor written sharded arrives as
         a :class:`phalanx.checkpoint.distributed.Stored` to read into a shard, or to leave whole)."""
-        return saved
+        return self.gradient_sync.state_to_restore(obj, saved)
 
     # ---------------------------------------------------------------- TF's library-author API
     def value_container(self, value: Any) -> Any:
@@ -462,7 +464,7 @@ class StrategyExtended:
                     strategy.run(forward_backward, args=(batch,))
             strategy.run(lambda: (optimizer.step(), optimizer.zero_grad()))
         """
-        return self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext()
+        return self.gradient_sync.no_sync()
 
     def mark_parameters_changed(self) -> None:
         """Says the synchronised parameters were changed outside training (a restore): the next
@@ -486,9 +488,7 @@ class StrategyExtended:
         Raises:
             ValueError: ``fingerprint_every`` is not a non-negative integer.
         """
-        guard = self.consistency.set(enabled, fingerprint_every)
-        if self._reducer is not None:
-            self._reducer.guard = guard
+        self.gradient_sync.set_guard(self.consistency.set(enabled, fingerprint_every))
 
     def check_consistency(self) -> None:
         """Checks the guard's last unread result now (GPU replicas read it one step late, so that
@@ -497,17 +497,11 @@ class StrategyExtended:
         Raises:
             ReplicaDivergenceError: the replicas disagreed at the last synchronised step.
         """
-        reducer = getattr(self, "_reducer", None)  # a parameter-server strategy has none
-        if reducer is not None:
-            reducer.check_pending()
+        self.gradient_sync.check_pending()
 
     def _close(self) -> None:
         try:
-            if self._reducer is not None:
-                try:
-                    self.check_consistency()
-                finally:
-                    self._reducer.remove()
+            self.gradient_sync.close()
         finally:
             self._comm.close()
 

@@ -30,9 +30,10 @@ What the adaptation is, on that instance only:
 Semantics (tf.keras under tf.distribute):
 
 * Gradients. Keras' loss is the mean over the replica's ``b`` examples (plus regularisation).
-  phalanx sums gradients across replicas, so each replica's gradient is scaled by ``b / B`` (a
-  tensor hook on each trainable parameter): the sum is the gradient of the mean over the global
-  batch ``B`` plus the regularisation once, exactly one-device training on the global batch.
+  phalanx sums gradients across replicas, so each replica's gradient is scaled by ``b / B`` (by
+  the strategy's gradient synchronisation, one multiplication per bucket, or a tensor hook on a
+  parameter it does not sum itself): the sum is the gradient of the mean over the global batch
+  ``B`` plus the regularisation once, exactly one-device training on the global batch.
 * Metrics (and the loss tracker) keep additive state (totals, counts, confusion matrices). Each
   step every replica's contribution is all-reduced and added to the state, so the progress bar,
   ``History`` and ``evaluate`` report the global values, the same on every replica.
@@ -562,10 +563,13 @@ class SyncAdapter(DistributedModel):
         out: dict[str, Any] = {}
 
         def replica_fn() -> None:
+            # The gradient synchronisation scales what it sums, bucket by bucket; a gradient hook
+            # scales the rest (a sharded model's gathered parameters).
             self._grad_scale.value = scale
-            mark_loss_scaled()  # the gradient hook scales for the global batch
+            mark_loss_scaled()
             try:
-                out["result"] = raw([step.local])
+                with self._ext.gradient_sync.scaled(scale):
+                    out["result"] = raw([step.local])
             finally:
                 self._grad_scale.value = 1.0
 
@@ -719,7 +723,7 @@ class SyncAdapter(DistributedModel):
                 # A sharded weight's gradient is computed for its gathered parameter.
                 gathered = sharding.gathered_parameter(v)
                 p = v.value if gathered is None else gathered
-                if p.requires_grad and p not in _SCALED:
+                if p.requires_grad and p not in _SCALED and not self._ext.gradient_sync.scales(p):
                     p.register_hook(self._grad_scale)
                     _SCALED[p] = self._grad_scale
             if not self._decorrelated:

@@ -33,7 +33,7 @@ import torch
 from phalanx._compat import keras as compat_keras
 from phalanx._sidetable import IdentityTable
 from phalanx.errors import ShardingError
-from phalanx.strategies.fully_sharded import SHARDING_ADAPTERS, ShardedVariables, ShardingAdaptation
+from phalanx.strategies.fully_sharded import SHARDING_ADAPTERS, Sharded, ShardingAdaptation
 
 # A sharded variable -> the gathered parameter autograd computes its gradient for (FSDP2 keeps
 # the same tensor object from step to step, freeing and refilling its storage).
@@ -74,7 +74,7 @@ class _ShardedVariable(compat_keras.StoredElsewhere):
 
 def shards_models(strategy: Any) -> bool:
     """Whether ``strategy`` shards the models built in its scope (FullyShardedStrategy, with collectives)."""
-    return isinstance(strategy.extended, ShardedVariables) and strategy.num_replicas_in_sync > 1
+    return isinstance(strategy.extended.gradient_sync, Sharded) and strategy.num_replicas_in_sync > 1
 
 
 def is_sharded(variable: Any) -> bool:

@@ -76,9 +76,11 @@ Example (``train.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -88,6 +90,7 @@ from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
 from phalanx.core.cross_replica import by_dtype
+from phalanx.core.gradient_sync import GradientSync
 from phalanx.core.strategy import Strategy, tf_device_name
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
@@ -156,106 +159,44 @@ class _CopyModeReducer(GradientReducer):
             self._launched = []
 
 
-class CentralStorageExtended(SyncExtended):
-    """Variables in one shared copy; gradients reduced to replica 0, which updates them.
+class Central(GradientSync):
+    """CentralStorage's gradient synchronisation: one shared copy of the trainable variables, the
+    gradients summed for replica 0, which alone updates that copy (see the module docstring).
 
     Args:
-        compute_devices, parameter_device: as :class:`CentralStorageStrategy`'s. Copy mode
-            (computing on per-replica copies of the central variables) follows from them; see
-            the module docstring.
+        comm: the communicator among the replicas.
+        copy_mode: replicas compute on copies of the central variables (GPU replicas).
+        bucket_bytes: the gradient buckets' target size.
+        guard: the consistency guard, or None.
     """
 
-    def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
-        compute = local_devices(compute_devices, job_env(), "compute_devices")
-        if parameter_device is None:
-            only_gpu = len(compute) == 1 and compute[0].type == "cuda"
-            parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)
-        else:
-            parameter = canonicalize(parameter_device)
-        if len({d.type for d in compute}) > 1:
-            raise InvalidDeviceError(
-                [str(d) for d in compute],
-                hint="CentralStorageStrategy's compute devices must all be CPUs or all be GPUs",
-            )
-        if parameter.type != "cpu" and [parameter] != compute:
-            raise InvalidDeviceError(
-                str(parameter),
-                hint="CentralStorageStrategy keeps the variables on the CPU, "
-                "or on the GPU of its only replica; use parameter_device='cpu'",
-            )
-        # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
-        copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
-        env = self._replica_env(compute, "compute_devices")
-        local_rank = env.local_rank if env is not None else 0
-        self._select_device(compute[local_rank])
-        comm = self._build_communicator(
-            env,
-            names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
-            fingerprint=(("central_storage_copy_mode", copy_mode),),
-            # Copy mode reduces on the central CPU variables (shared memory, gloo); NCCL serves the
-            # GPU tensors a user reduces (strategy.reduce of a loss on the replica's GPU).
-            backend=self._backend_for(compute[local_rank]),
-        )
-        self._configure_cpu_threads(comm, compute[local_rank].type)
-        super().__init__(
-            comm, compute[local_rank], tuple(tf_device_name(d) for d in compute), (tf_device_name(parameter),)
-        )
+    def __init__(self, comm: Any, copy_mode: bool, bucket_bytes: int, guard: Any) -> None:
+        self._comm = comm
+        self._copy_mode = copy_mode
+        self._bucket_bytes = bucket_bytes
+        self._guard = guard
+        self.reducer: GradientReducer | None = None
         self._mappings: list[mmap.mmap] = []  # keep the shared memory mapped while parameters use it
         self._reduced_in_run = 0
         self._all_reduce_buckets = False  # gradient buckets go by shared-memory all-reduce, not gloo's reduce
-        self._copy_mode = copy_mode
         # Copy mode: (parameter, central CPU view, compute copy on the replica's device).
         self._copies: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
         self._central_of: dict[int, torch.Tensor] = {}  # id(parameter) -> its central view
-        self._close_at_exit()
-
-    @property
-    def copy_mode(self) -> bool:
-        """Whether replicas compute on copies of the central variables (see the module docstring)."""
-        return self._copy_mode
-
-    @property
-    def updates_on_chief_only(self) -> bool:
-        """Whether the chief alone receives the summed gradients and applies the update (several replicas).
-
-        After ``backward()`` the other replicas' trainable parameters have no gradient: an
-        optimizer there must skip its update. torch's optimizers skip parameters without a
-        gradient by themselves; :mod:`phalanx.keras` makes Keras' optimizers skip it too.
-        """
-        return self._comm.world_size > 1
 
     def central_copy_of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Copy mode: the central (shared CPU) view of ``param``.
-
-        Raises:
-            KeyError: ``param`` is not a central variable of this strategy in copy mode.
-        """
         return self._central_of[id(param)]
 
-    def _sync_new_variables(self) -> None:
+    # ---------------------------------------------------------------- variables
+    def attach(self, params: list[torch.nn.Parameter]) -> None:
         # Only trainable variables are central: non-trainable state (BatchNorm statistics, Keras
         # seed generators) is written by every replica during its forward pass, so it stays
         # per replica (mirrored from replica 0) rather than being raced on in shared memory.
-        params = [p for p in self.variable_sync.new_params if p.requires_grad]
-        super()._sync_new_variables()
-        if params and self._comm.world_size == 1 and self._copy_mode:
-            # One replica computing on a GPU, variables on the CPU: the base class attaches no
-            # gradient synchronisation to a single replica, but copy mode needs the hand-over
-            # of the gradients to the central copy.
-            self._attach_gradient_sync(params)
-        if params and (self._comm.world_size > 1 or self._copy_mode):
+        # Created frozen, a parameter stays per replica until it thaws (adopt_thawed: the same).
+        self._attach_reducer(params)
+        trainable = [p for p in params if p.requires_grad]
+        if trainable:
             with torch.no_grad():
-                self._centralize(params)
-
-    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
-        # Created frozen, they stayed per replica (mirrored); trainable now, they become central,
-        # as _sync_new_variables makes trainable ones (one copy-mode replica included).
-        if self._comm.world_size > 1 or self._copy_mode:
-            with torch.no_grad():
-                self._centralize(params)
-            if self._comm.world_size == 1:
-                self._attach_gradient_sync(params)  # the base class attaches only with peers
-        super()._adopt_thawed(params)
+                self._centralize(trainable)
 
     def _centralize(self, params: list[torch.nn.Parameter]) -> None:
         """Moves ``params``' data into one shared mapping per dtype (collective).
@@ -302,9 +243,9 @@ class CentralStorageExtended(SyncExtended):
                 p.data = view
             self._mappings.append(mapping)
 
-    def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
+    def _attach_reducer(self, params: list[torch.nn.Parameter]) -> None:
         comm = self._comm
-        if self._reducer is None:
+        if self.reducer is None:
             # Decided once, with the first bucket (the one the guard rides on): see the module docstring.
             self._all_reduce_buckets = (
                 comm.world_size > 1
@@ -330,16 +271,16 @@ class CentralStorageExtended(SyncExtended):
             "guard": self._guard,
             "guard_collective": None if self._all_reduce_buckets else self._exchange_guard,
         }
-        if self._reducer is not None:
-            self._reducer.add(params, self._bucket_bytes)
+        if self.reducer is not None:
+            self.reducer.add(params, self._bucket_bytes)
         elif self._copy_mode:
-            self._reducer = _CopyModeReducer(
+            self.reducer = _CopyModeReducer(
                 params, reduce_to_chief, self._bucket_bytes, self._adopt_reduced if comm.rank == 0 else None, **guarding
             )
         else:
             # A bucket buffer per pass, not kept: a persistent one would hold a gradient-sized buffer
             # on every replica, against this strategy's point of one copy of the model's state.
-            self._reducer = GradientReducer(
+            self.reducer = GradientReducer(
                 params, reduce_to_chief, self._bucket_bytes, keep_grads=comm.rank == 0, persistent=False, **guarding
             )
 
@@ -372,35 +313,160 @@ class CentralStorageExtended(SyncExtended):
         """
         for params, flat in buckets:
             for p in params:
-                offset, n = self._reducer.offset_of(p), p.numel()
+                offset, n = self.reducer.offset_of(p), p.numel()  # type: ignore[union-attr]
                 grad = flat[offset : offset + n].view(p.shape)
                 central = self._central_of.get(id(p))
                 if central is not None:
                     _point(p, central)
                 p.grad = grad if grad.device == p.device else grad.to(p.device)
 
-    def _before_run(self) -> None:
+    # ---------------------------------------------------------------- the step
+    def before_run(self) -> None:
         if self._comm.world_size > 1:
             # Replica 0 may still be applying an update made outside `run` to the shared copy.
             self._barrier()
-        self._reduced_in_run = self._reducer.reductions if self._reducer is not None else 0
-        super()._before_run()
+        self._reduced_in_run = self.reducer.reductions if self.reducer is not None else 0
+
+    def enter_step(self) -> None:
         if self._copies:
             with torch.no_grad():
                 for p, central, compute in self._copies:
                     compute.copy_(central)
                     _point(p, compute)
 
-    def _after_run(self) -> None:
+    def after_run(self) -> None:
         # When the step's update happened inside `run` (the usual train_step), wait for replica 0
         # to finish it, so every replica reads the updated variables once `run` returns.
         # Every replica ran the same backward passes, so all take this branch together.
-        if self._reducer is not None and self._reducer.reductions != self._reduced_in_run:
+        if self.reducer is not None and self.reducer.reductions != self._reduced_in_run:
             self._barrier()
         # Copy mode: outside `run` the parameters are the central copy again, so that reading
         # them gives the latest values and writing them (a restore) changes the one copy.
         for p, central, _ in self._copies:
             _point(p, central)
+
+    # ---------------------------------------------------------------- the rest of the contract
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def scaled(self, factor: float) -> Iterator[None]:
+        reducer = self.reducer
+        if reducer is None or factor == 1.0:
+            yield
+            return
+        previous, reducer.scale = reducer.scale, factor
+        try:
+            yield
+        finally:
+            reducer.scale = previous
+
+    def scales(self, param: torch.Tensor) -> bool:
+        return self.reducer is not None and self.reducer.holds(param)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.reducer.parameters() if self.reducer is not None else []  # type: ignore[return-value]
+
+    @property
+    def passes(self) -> int:
+        reducer = self.reducer
+        return reducer.reductions + reducer.skipped if reducer is not None else 0
+
+    def set_guard(self, guard: Any) -> None:
+        self._guard = guard
+        if self.reducer is not None:
+            self.reducer.guard = guard
+
+    def check_pending(self) -> None:
+        if self.reducer is not None:
+            self.reducer.check_pending()
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            try:
+                self.reducer.check_pending()
+            finally:
+                self.reducer.remove()
+
+
+class CentralStorageExtended(SyncExtended):
+    """Variables in one shared copy; gradients reduced to replica 0, which updates them.
+
+    Args:
+        compute_devices, parameter_device: as :class:`CentralStorageStrategy`'s. Copy mode
+            (computing on per-replica copies of the central variables) follows from them; see
+            the module docstring.
+    """
+
+    def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
+        compute = local_devices(compute_devices, job_env(), "compute_devices")
+        if parameter_device is None:
+            only_gpu = len(compute) == 1 and compute[0].type == "cuda"
+            parameter = compute[0] if only_gpu else LogicalDevice("cpu", 0)
+        else:
+            parameter = canonicalize(parameter_device)
+        if len({d.type for d in compute}) > 1:
+            raise InvalidDeviceError(
+                [str(d) for d in compute],
+                hint="CentralStorageStrategy's compute devices must all be CPUs or all be GPUs",
+            )
+        if parameter.type != "cpu" and [parameter] != compute:
+            raise InvalidDeviceError(
+                str(parameter),
+                hint="CentralStorageStrategy keeps the variables on the CPU, "
+                "or on the GPU of its only replica; use parameter_device='cpu'",
+            )
+        # Copy mode whenever a replica cannot compute on the central (CPU) memory itself.
+        self._copy_mode = copy_mode = parameter.type == "cpu" and (compute[0].type != "cpu" or _forced_copy_mode())
+        env = self._replica_env(compute, "compute_devices")
+        local_rank = env.local_rank if env is not None else 0
+        self._select_device(compute[local_rank])
+        comm = self._build_communicator(
+            env,
+            names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
+            fingerprint=(("central_storage_copy_mode", copy_mode),),
+            # Copy mode reduces on the central CPU variables (shared memory, gloo); NCCL serves the
+            # GPU tensors a user reduces (strategy.reduce of a loss on the replica's GPU).
+            backend=self._backend_for(compute[local_rank]),
+        )
+        self._configure_cpu_threads(comm, compute[local_rank].type)
+        super().__init__(
+            comm, compute[local_rank], tuple(tf_device_name(d) for d in compute), (tf_device_name(parameter),)
+        )
+        self._close_at_exit()
+
+    def _make_gradient_sync(self) -> GradientSync:
+        # One replica computing where its variables are needs nothing; one in copy mode (a GPU
+        # replica, variables on the CPU) still hands its gradients to the central copy.
+        if self._comm.world_size == 1 and not self._copy_mode:
+            return GradientSync()
+        return Central(self._comm, self._copy_mode, self._bucket_bytes, self.consistency.active)
+
+    @property
+    def copy_mode(self) -> bool:
+        """Whether replicas compute on copies of the central variables (see the module docstring)."""
+        return self._copy_mode
+
+    @property
+    def updates_on_chief_only(self) -> bool:
+        """Whether the chief alone receives the summed gradients and applies the update (several replicas).
+
+        After ``backward()`` the other replicas' trainable parameters have no gradient: an
+        optimizer there must skip its update. torch's optimizers skip parameters without a
+        gradient by themselves; :mod:`phalanx.keras` makes Keras' optimizers skip it too.
+        """
+        return self._comm.world_size > 1
+
+    def central_copy_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Copy mode: the central (shared CPU) view of ``param``.
+
+        Raises:
+            KeyError: ``param`` is not a central variable of this strategy in copy mode.
+        """
+        sync = self.gradient_sync
+        if not isinstance(sync, Central):
+            raise KeyError(param)
+        return sync.central_copy_of(param)
 
 
 class CentralStorageStrategy(Strategy):

@@ -53,6 +53,7 @@ from phalanx._compat.torch import untraced
 from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
 from phalanx.core import context, variables
+from phalanx.core.gradient_sync import AllReduce, GradientSync
 from phalanx.core.strategy import Strategy, StrategyExtended
 from phalanx.errors import ClusterSpecError, ShardingError
 from phalanx.strategies.mirrored import MirroredExtended
@@ -161,26 +162,50 @@ def _check_min_params(min_params_to_shard: Any) -> int:
     return min_params_to_shard
 
 
-class ShardedVariables(StrategyExtended):
-    """What sharding changes in a synchronous strategy's machinery, on one host or many: the
-    variables of modules built in scope are sharded instead of all-reduced (see the module's
-    docstring). Mixed in before :class:`MirroredExtended` or :class:`MultiWorkerMirroredExtended`,
-    which say who the replicas are; :meth:`_init_sharding` runs after their ``__init__``."""
+class Sharded(GradientSync):
+    """FullyShardedStrategy's gradient synchronisation: the variables of modules built in scope are
+    sharded with FSDP2 and their gradients reduce-scattered to their owners (see the module's
+    docstring); variables on no module, and those an adapter keeps whole, are all-reduced as under
+    Mirrored (an inner :class:`~phalanx.core.gradient_sync.AllReduce`).
 
-    def _init_sharding(self, min_params_to_shard: int, reshard_after_forward: bool) -> None:
+    Args:
+        comm: the communicator among the replicas (its store and addresses make FSDP2's group).
+        device: this replica's torch device.
+        variable_sync: the extended's books: told of every module seen in scope, and of the
+            sharded parameters FSDP2 makes.
+        guard: returns the consistency guard that runs (or None): checked at the first forward
+            of a sharded model in each step.
+        whole: the all-reduce of the variables that stay whole.
+        min_params_to_shard, reshard_after_forward: as :class:`FullyShardedStrategy`'s.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        device: torch.device,
+        variable_sync: Any,
+        guard: Callable[[], Any],
+        whole: AllReduce,
+        min_params_to_shard: int,
+        reshard_after_forward: bool,
+    ) -> None:
+        self._comm = comm
+        self._device = device
+        self._books = variable_sync
+        self._guard_of = guard
+        self._whole = whole
         self._fsdp = _fsdp()
         self._min_params_to_shard = min_params_to_shard
         self._reshard_after_forward = bool(reshard_after_forward)
-        self._pending: list[torch.nn.Parameter] = []  # synchronised, not yet sharded
+        self._guard_checked = False
         # Every module seen registering a variable or a sub-module in scope (weak): the roots to
         # shard are those no other one holds.
         self._seen: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # sharded root modules
         self._mesh: Any = None
         self._owns_default_group = False
-        self.variable_sync.on_container = self.variable_sync.on_module = self._remember_module
-        if self._collectives:
-            hooks.install("phalanx.fully_sharded.optimizer", "optimizer_step_pre", use_sharded_parameters)
+        variable_sync.on_container = variable_sync.on_module = self._remember_module
+        hooks.install("phalanx.fully_sharded.optimizer", "optimizer_step_pre", use_sharded_parameters)
 
     # ---------------------------------------------------------------- what FSDP2 runs on
     def _device_mesh(self) -> Any:
@@ -206,7 +231,7 @@ class ShardedVariables(StrategyExtended):
                 )
         else:
             spec = comm.spec  # type: ignore[attr-defined] # a ProcessGroupCommunicator: _collectives is true
-            device = self._torch_device.type
+            device = self._device.type
             process_group.init_default_group(
                 "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
                 dist.PrefixStore("fsdp/", comm.store),
@@ -218,34 +243,26 @@ class ShardedVariables(StrategyExtended):
             self._owns_default_group = True
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._mesh = init_device_mesh(self._torch_device.type, (comm.world_size,))
+        self._mesh = init_device_mesh(self._device.type, (comm.world_size,))
         return self._mesh
 
     # ---------------------------------------------------------------- variables
     def _remember_module(self, module: torch.nn.Module) -> None:
         self._seen[id(module)] = module
 
-    def _attach_gradient_sync(self, params: list[torch.nn.Parameter]) -> None:
-        # FSDP2's reduce-scatter sums the gradients: no bucket all-reduce. Sharded at the end of
-        # _sync_new_variables, once every new variable is identical everywhere.
-        self._pending += params
-
-    def _adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
-        self.mark_parameters_changed()  # FSDP2 reduces whatever has a gradient; nothing to attach
-
-    def _sync_new_variables(self) -> None:
-        if self._collectives and self.variable_sync.new_params and context.get_replica_context() is not None:
-            p = self.variable_sync.new_params[0]
+    def attach(self, params: list[torch.nn.Parameter]) -> None:
+        # Identical on every replica by now (broadcast from the chief): shard their modules.
+        if context.get_replica_context() is not None:
             raise ShardingError(
-                variables.label_of(p),
+                variables.label_of(params[0]),
                 "a parameter was created inside strategy.run, where FullyShardedStrategy cannot shard it",
                 hint="build (or call once) the model in strategy.scope() before the first step",
             )
-        super()._sync_new_variables()
-        self.variable_sync.frozen = []  # frozen or not, every parameter is sharded; FSDP2 reduces what has a gradient
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self._shard(pending)
+        self._shard(params)
+
+    def adopt_thawed(self, params: list[torch.nn.Parameter]) -> None:
+        # FSDP2 reduces whatever has a gradient; a whole variable joins its all-reduce.
+        self._whole.attach(params)
 
     def _shard(self, params: list[torch.nn.Parameter]) -> None:
         """Shards the modules that hold ``params`` (identical on every replica by now)."""
@@ -262,10 +279,10 @@ class ShardedVariables(StrategyExtended):
         if loose:
             # On no module (a phalanx.Variable, TF's tf.Variable): FSDP2 shards modules, so these
             # stay whole on every replica with their gradients all-reduced, as under Mirrored.
-            super()._attach_gradient_sync(loose)
+            self._whole.attach(loose)
         ignored = [p for a in adaptations.values() if a is not None for p in a.ignored if p.is_floating_point()]
         if ignored:
-            super()._attach_gradient_sync(ignored)  # whole on every replica, as under Mirrored
+            self._whole.attach(ignored)  # whole on every replica, as under Mirrored
         mesh = self._device_mesh()
         shard = self._fsdp.fully_shard
         with variables.not_captured():  # FSDP2's own registrations are not new variables
@@ -306,23 +323,20 @@ class ShardedVariables(StrategyExtended):
                         # gathered tensors the same way). The old parameter is dead from here.
                         with torch.no_grad():
                             old.data = old.data.new_empty(0)
-                    self.variable_sync.register(new)
+                    self._books.register(new)
                 self._roots.add(root)
                 root.register_forward_pre_hook(untraced(_weak_hook(self._check_in_step)), prepend=True)
                 if adaptation is not None:
                     adaptation.after(root)
 
-    def _module_synchronized_elsewhere(self, module: torch.nn.Module) -> bool:
+    def synchronised_elsewhere(self, module: torch.nn.Module) -> bool:
         # During forward FSDP2 swaps each sharded parameter for a gathered one of its own, which
         # no scope saw: the first step's watch must not take it for an unsynchronised parameter.
         return any(m is module for root in list(self._roots) for m in root.modules())
 
     # ---------------------------------------------------------------- the step
-    def _before_run(self) -> None:
-        super()._before_run()
+    def before_run(self) -> None:
         self._guard_checked = False
-
-    _guard_checked = False
 
     def _check_in_step(self, module: torch.nn.Module, args: Any) -> None:
         """The consistency guard, at the first forward of a sharded model in each ``run``.
@@ -333,20 +347,21 @@ class ShardedVariables(StrategyExtended):
         gather of a step makes that a typed error. Here rather than at the start of ``run``: the
         step's batch is known only inside it.
         """
-        if self._guard is None or self._guard_checked or context.get_replica_context() is None:
+        guard = self._guard_of()
+        if guard is None or self._guard_checked or context.get_replica_context() is None:
             return
         self._guard_checked = True
-        contribution = self._guard.encode(torch.float64, with_parameters=False)
+        contribution = guard.encode(torch.float64, with_parameters=False)
         if contribution is not None:
             # A copy: encode reuses its buffer, and the all-reduce sums in place.
-            self._guard.verify(self._comm.all_reduce(contribution.clone(), "sum").wait())
+            guard.verify(self._comm.all_reduce(contribution.clone(), "sum").wait())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate whole gradients locally (FSDP2's
         ``set_requires_gradient_sync(False)``, and the all-reduce of variables on no module); the
         first backward after the block reduces the sum."""
-        with super().no_sync(), self._gradient_sync(False):
+        with self._whole.no_sync(), self._gradient_sync(False):
             yield
 
     @contextlib.contextmanager
@@ -410,9 +425,28 @@ class ShardedVariables(StrategyExtended):
         distributed.load_into(reads)  # one read of the checkpoint's files for the whole object
         return state
 
-    def _close(self) -> None:
+    def scaled(self, factor: float) -> contextlib.AbstractContextManager[None]:
+        return self._whole.scaled(factor)  # a sharded parameter's gradient is scaled by its owner (Keras)
+
+    def scales(self, param: torch.Tensor) -> bool:
+        return self._whole.scales(param)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._whole.parameters()  # sharded ones differ by design: nothing to fingerprint
+
+    @property
+    def passes(self) -> int:
+        return self._whole.passes
+
+    def set_guard(self, guard: Any) -> None:
+        self._whole.set_guard(guard)
+
+    def check_pending(self) -> None:
+        self._whole.check_pending()
+
+    def close(self) -> None:
         try:
-            super()._close()
+            self._whole.close()
         finally:
             if self._owns_default_group and dist.is_initialized():
                 self._owns_default_group = False
@@ -482,7 +516,23 @@ def _weak_hook(method: Any) -> Any:
     return hook
 
 
-class FullyShardedExtended(ShardedVariables, MirroredExtended):
+class _ShardedChoice(StrategyExtended):
+    """Makes a synchronous extended's gradient synchronisation :class:`Sharded` (set
+    ``_sharding`` before the extended's ``__init__``, which asks for it)."""
+
+    _sharding: tuple[int, bool]
+
+    def _make_gradient_sync(self) -> GradientSync:
+        whole = super()._make_gradient_sync()
+        if not isinstance(whole, AllReduce):
+            return whole  # one replica without collectives: nothing to shard across
+        min_params, reshard = self._sharding
+        return Sharded(
+            self._comm, self.device, self.variable_sync, lambda: self.consistency.active, whole, min_params, reshard
+        )
+
+
+class FullyShardedExtended(_ShardedChoice, MirroredExtended):
     """The machinery of :class:`FullyShardedStrategy` on one host: one replica per local device.
 
     Args:
@@ -496,13 +546,12 @@ class FullyShardedExtended(ShardedVariables, MirroredExtended):
         min_params_to_shard: int = DEFAULT_MIN_PARAMS_TO_SHARD,
         reshard_after_forward: bool = True,
     ) -> None:
-        min_params_to_shard = _check_min_params(min_params_to_shard)
+        self._sharding = (_check_min_params(min_params_to_shard), bool(reshard_after_forward))
         _fsdp()  # before any replica starts
         MirroredExtended.__init__(self, devices)
-        self._init_sharding(min_params_to_shard, reshard_after_forward)
 
 
-class MultiWorkerFullyShardedExtended(ShardedVariables, MultiWorkerMirroredExtended):
+class MultiWorkerFullyShardedExtended(_ShardedChoice, MultiWorkerMirroredExtended):
     """The machinery of :class:`FullyShardedStrategy` over a cluster (TF_CONFIG, torchrun, Slurm,
     ``phalanx run --nnodes``): every device of every worker, as MultiWorkerMirrored's.
 
@@ -519,10 +568,9 @@ class MultiWorkerFullyShardedExtended(ShardedVariables, MultiWorkerMirroredExten
         min_params_to_shard: int = DEFAULT_MIN_PARAMS_TO_SHARD,
         reshard_after_forward: bool = True,
     ) -> None:
-        min_params_to_shard = _check_min_params(min_params_to_shard)
+        self._sharding = (_check_min_params(min_params_to_shard), bool(reshard_after_forward))
         _fsdp()
         MultiWorkerMirroredExtended.__init__(self, cluster_resolver, communication_options)
-        self._init_sharding(min_params_to_shard, reshard_after_forward)
 
 
 class FullyShardedStrategy(Strategy):
