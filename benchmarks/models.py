@@ -165,6 +165,8 @@ def _image_batches(batch: int, count: int, seed: int = 0) -> list[tuple[torch.Te
 
 def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy per example: over classes, or averaged over a sequence's tokens."""
+    if out.dim() == 2:  # classification: the ops the benchmark has always timed
+        return torch.nn.functional.cross_entropy(out.float(), y, reduction="none")
     per_item = torch.nn.functional.cross_entropy(out.float().flatten(0, -2), y.flatten(), reduction="none")
     return per_item.view(y.shape[0], -1).mean(1)
 

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from benchmarks.models import batches, make_model
+from benchmarks.models import make_model, workload
 
-GLOBAL_BATCH = 256
+GLOBAL_BATCH = 256  # the MLPs' and the small CNN's; a workload says its own (workload(name).global_batch)
 
 
 def _gradient_numel(model_name: str) -> int:
@@ -185,22 +185,25 @@ def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu")
         step = lambda x, y: strategy.extended.all_reduce([grads])  # noqa: E731
         steps, elapsed = _timed(step, [(None, None)] * 20, seconds, sync, any_done)
         return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
+    w = workload(model_name)
     torch.manual_seed(0)
     with strategy.scope():
-        model = make_model(model_name).to(here)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model = w.make().to(here)
+        opt = w.make_optimizer(model.parameters())
 
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=kind.endswith("_bf16"))
+    autocast = (
+        torch.autocast(device, dtype=torch.bfloat16) if kind.endswith("_bf16") else w.autocast(here.type)
+    )
 
     def train_step(x, y):
         with autocast:
-            per_example = torch.nn.functional.cross_entropy(model(x).float(), y, reduction="none")
-        loss = px.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            out = model(x)
+        loss = px.nn.compute_average_loss(w.per_example_loss(out, y), global_batch_size=w.global_batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    data = list(strategy.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20)))
+    data = list(strategy.experimental_distribute_dataset(w.batches(w.global_batch, 20)))
 
     def step(x, y):
         strategy.run(train_step, args=(x, y))
@@ -210,7 +213,7 @@ def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu")
 
     steps, elapsed = _timed(step, [(b[0], b[1]) for b in data], seconds, sync, any_done)
     DIAG.write(kind, strategy.extended.process_index)
-    return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed}
+    return {"rank": strategy.extended.process_index, "steps": steps, "seconds": elapsed, "global_batch": w.global_batch}
 
 
 def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -> dict:
@@ -251,15 +254,18 @@ def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -
         steps, elapsed = _timed(lambda x, y: dist.all_reduce(grads), [(None, None)] * 20, seconds, sync, any_done)
         dist.destroy_process_group()
         return {"rank": rank, "steps": steps, "seconds": elapsed}
+    w = workload(model_name)
     torch.manual_seed(0)
-    model = make_model(model_name).to(here)
+    model = w.make().to(here)
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[here.index] if device == "cuda" else None)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    local_batch = GLOBAL_BATCH // world
+    opt = w.make_optimizer(model.parameters())
+    local_batch = w.global_batch // world
 
     def step(x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with w.autocast(here.type):
+            out = model(x)
+        loss = w.per_example_loss(out, y).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -269,13 +275,13 @@ def run_torch(kind: str, model_name: str, seconds: float, device: str = "cpu") -
             x[rank * local_batch : (rank + 1) * local_batch].to(here),
             y[rank * local_batch : (rank + 1) * local_batch].to(here),
         )
-        for x, y in batches(GLOBAL_BATCH, 20)
+        for x, y in w.batches(w.global_batch, 20)
     ]
     steps, elapsed = _timed(step, data, seconds, sync, any_done)
     DIAG.write(kind, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {"rank": rank, "steps": steps, "seconds": elapsed}
+    return {"rank": rank, "steps": steps, "seconds": elapsed, "global_batch": w.global_batch}
 
 
 def run_overhead_pair(model_name: str, seconds: float, device: str = "cpu") -> dict:
@@ -296,17 +302,20 @@ def run_overhead_pair(model_name: str, seconds: float, device: str = "cpu") -> d
     if not cuda:
         torch.set_num_threads(1)
     here = torch.device("cuda:0" if cuda else "cpu")
+    w = workload(model_name)
     strategy = px.OneDeviceStrategy(str(here))
     torch.manual_seed(0)
     with strategy.scope():
-        px_model = make_model(model_name)
+        px_model = w.make()
     torch.manual_seed(0)
-    raw_model = make_model(model_name).to(here)
-    px_opt = torch.optim.Adam(px_model.parameters(), lr=1e-3)
-    raw_opt = torch.optim.Adam(raw_model.parameters(), lr=1e-3)
+    raw_model = w.make().to(here)
+    px_opt = w.make_optimizer(px_model.parameters())
+    raw_opt = w.make_optimizer(raw_model.parameters())
 
     def train_step(model, opt, x, y):  # the same user code on both sides: only the strategy differs
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with w.autocast(here.type):
+            out = model(x)
+        loss = w.per_example_loss(out, y).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -317,16 +326,16 @@ def run_overhead_pair(model_name: str, seconds: float, device: str = "cpu") -> d
     def raw_step(x, y):
         train_step(raw_model, raw_opt, x, y)
 
-    raw_data = [(x.to(here), y.to(here)) for x, y in batches(GLOBAL_BATCH, 20)]
-    px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20))]
+    raw_data = [(x.to(here), y.to(here)) for x, y in w.batches(w.global_batch, 20)]
+    px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(w.batches(w.global_batch, 20))]
     runs = {"px_one_device": (px_step, px_data), "raw": (raw_step, raw_data)}
     if cuda:
         mirrored = px.MirroredStrategy(["cuda:0"])
         torch.manual_seed(0)
         with mirrored.scope():
-            m_model = make_model(model_name)
-        m_opt = torch.optim.Adam(m_model.parameters(), lr=1e-3)
-        m_data = [(b[0], b[1]) for b in mirrored.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20))]
+            m_model = w.make()
+        m_opt = w.make_optimizer(m_model.parameters())
+        m_data = [(b[0], b[1]) for b in mirrored.experimental_distribute_dataset(w.batches(w.global_batch, 20))]
         runs["px_mirrored"] = (lambda x, y: mirrored.run(train_step, args=(m_model, m_opt, x, y)), m_data)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for step, data in runs.values():  # warm-up
@@ -344,7 +353,7 @@ def run_overhead_pair(model_name: str, seconds: float, device: str = "cpu") -> d
             sync()
             spent[name] += time.perf_counter() - start
             steps[name] += len(data)
-    return {"rank": 0, **{name: steps[name] * GLOBAL_BATCH / spent[name] for name in runs}}
+    return {"rank": 0, **{name: steps[name] * w.global_batch / spent[name] for name in runs}}
 
 
 def main() -> None:
@@ -360,7 +369,7 @@ def main() -> None:
     else:
         run = run_phalanx if args.config.startswith("px_") else run_torch
         result = run(args.config, args.model, args.seconds, args.device)
-        result["samples_per_s"] = result["steps"] * GLOBAL_BATCH / result["seconds"]
+        result["samples_per_s"] = result["steps"] * result.pop("global_batch", GLOBAL_BATCH) / result["seconds"]
     if result["rank"] == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

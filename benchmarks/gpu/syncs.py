@@ -1,6 +1,6 @@
 """Where a phalanx step on one GPU makes the host wait for the GPU, and where its host time goes.
 
-Usage: ``python -m benchmarks.gpu.syncs OUT_DIR [--model large_mlp]`` on a CUDA machine.
+Usage: ``python -m benchmarks.gpu.syncs OUT_DIR [--model transformer_lm]`` on a CUDA machine.
 
 On a GPU the host must run ahead: a step that reads a GPU value (``.item()``, ``.tolist()``, a
 copy to pageable memory) waits for every kernel queued before it. torch's sync debug mode warns
@@ -27,9 +27,7 @@ import warnings
 import torch
 
 import phalanx as px
-from benchmarks.models import batches, make_model
-
-GLOBAL_BATCH = 256
+from benchmarks.models import workload
 # Without CUDA the same code runs on the CPU (to check the script; there is nothing to synchronise).
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda:0" if CUDA else "cpu"
@@ -42,27 +40,30 @@ def _sync() -> None:
 
 def _configs(model_name: str) -> dict:
     here = torch.device(DEVICE)
-    data = [(x.to(here), y.to(here)) for x, y in batches(GLOBAL_BATCH, 20)]
+    w = workload(model_name)
+    data = [(x.to(here), y.to(here)) for x, y in w.batches(w.global_batch, 20)]
     runs = {}
 
     def make(strategy):
         torch.manual_seed(0)
         if strategy is None:
-            model = make_model(model_name).to(here)
+            model = w.make().to(here)
         else:
             with strategy.scope():
-                model = make_model(model_name)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                model = w.make()
+        opt = w.make_optimizer(model.parameters())
 
         def train_step(x, y):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            with w.autocast(here.type):
+                out = model(x)
+            loss = w.per_example_loss(out, y).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
 
         if strategy is None:
             return train_step, data
-        px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(batches(GLOBAL_BATCH, 20))]
+        px_data = [(b[0], b[1]) for b in strategy.experimental_distribute_dataset(w.batches(w.global_batch, 20))]
         return (lambda x, y: strategy.run(train_step, args=(x, y))), px_data
 
     runs["raw"] = make(None)
@@ -104,7 +105,7 @@ def _syncs(step, data) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--model", default="large_mlp")
+    parser.add_argument("--model", default="transformer_lm")
     parser.add_argument("--passes", type=int, default=6)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -348,11 +348,14 @@ def create_file_writer(
 
     Example:
         >>> import tempfile, os
+        >>> import phalanx as px
         >>> from phalanx import summary
         >>> logdir = tempfile.mkdtemp()
-        >>> writer = summary.create_file_writer(logdir, trackers=("csv",), config={"lr": 0.1})
-        >>> with writer.as_default(step=1):
-        ...     summary.scalar("loss", 0.25)
+        >>> strategy = px.OneDeviceStrategy("cpu")  # one process: the chief, which writes
+        >>> with strategy.scope():
+        ...     writer = summary.create_file_writer(logdir, trackers=("csv",), config={"lr": 0.1})
+        ...     with writer.as_default(step=1):
+        ...         summary.scalar("loss", 0.25)
         True
         >>> writer.close()
         >>> print(open(os.path.join(logdir, "metrics.csv")).read().strip())

@@ -303,18 +303,20 @@ class StrategyExtended:
         return result
 
     def sync_variables(self) -> None:
-        """Captures and synchronises the variables created since the last call (a collective, at
-        scope exit and before each step)."""
+        """Captures and synchronises the variables created since the last call, and joins to the
+        gradient synchronisation the parameters that were frozen and now train (a collective, at
+        scope exit and before each step; an integration may call it at a point every replica
+        reaches, as Keras does before its first steps)."""
         self.variable_sync.capture_new_modules()
         self._sync_new_variables()
+        thawed = self.variable_sync.take_thawed()
+        if thawed:
+            self._adopt_thawed(thawed)
 
     def _before_run(self) -> None:
         """Settles variables before a step: new ones synchronised, thawed ones joined, buffers re-broadcast."""
         self.gradient_sync.before_run()
         self.sync_variables()
-        thawed = self.variable_sync.take_thawed()
-        if thawed:
-            self._adopt_thawed(thawed)
         self.variable_sync.rebroadcast_buffers()
         self.gradient_sync.enter_step()
 

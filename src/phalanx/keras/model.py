@@ -719,6 +719,9 @@ class SyncAdapter(DistributedModel):
         for p in new:
             self._synced[id(p)] = p
         if self._num_replicas > 1:
+            # Weights thawed since the last look (fine-tuning after compile) join the strategy's
+            # gradient synchronisation now, so that it is known which of them it scales itself.
+            self._ext.sync_variables()
             for v in model.trainable_weights:
                 # A sharded weight's gradient is computed for its gathered parameter.
                 gathered = sharding.gathered_parameter(v)

@@ -194,7 +194,8 @@ class Central(GradientSync):
         # Created frozen, a parameter stays per replica until it thaws (adopt_thawed: the same).
         self._attach_reducer(params)
         trainable = [p for p in params if p.requires_grad]
-        if trainable:
+        # Alone, and computing where the variables are, a replica's own copy is the central one.
+        if trainable and (self._comm.world_size > 1 or self._copy_mode):
             with torch.no_grad():
                 self._centralize(trainable)
 
@@ -436,9 +437,11 @@ class CentralStorageExtended(SyncExtended):
         self._close_at_exit()
 
     def _make_gradient_sync(self) -> GradientSync:
-        # One replica computing where its variables are needs nothing; one in copy mode (a GPU
-        # replica, variables on the CPU) still hands its gradients to the central copy.
-        if self._comm.world_size == 1 and not self._copy_mode:
+        # One replica computing where its variables are needs nothing (unless its process group is
+        # built anyway, PHALANX_SINGLE_REPLICA_COLLECTIVES: the path a job of several runs); one
+        # in copy mode (a GPU replica, variables on the CPU) still hands its gradients to the
+        # central copy.
+        if not self._collectives and not self._copy_mode:
             return GradientSync()
         return Central(self._comm, self._copy_mode, self._bucket_bytes, self.consistency.active)
 
