@@ -191,9 +191,7 @@ def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu")
         model = w.make().to(here)
         opt = w.make_optimizer(model.parameters())
 
-    autocast = (
-        torch.autocast(device, dtype=torch.bfloat16) if kind.endswith("_bf16") else w.autocast(here.type)
-    )
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if kind.endswith("_bf16") else w.autocast(here.type)
 
     def train_step(x, y):
         with autocast:

@@ -28,6 +28,7 @@ import torch
 
 import phalanx as px
 from benchmarks.models import workload
+
 # Without CUDA the same code runs on the CPU (to check the script; there is nothing to synchronise).
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda:0" if CUDA else "cpu"
