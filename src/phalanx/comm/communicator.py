@@ -223,6 +223,11 @@ class LocalCommunicator:
 _JOB_STORES: dict[tuple[str, int, bool], Any] = {}  # (master address, port, serves it) -> store
 
 
+def in_multi_process_job() -> bool:
+    """Whether this process has joined a job of several processes (a communicator's rendezvous)."""
+    return bool(_JOB_STORES)
+
+
 class ProcessGroupCommunicator:
     """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
 
