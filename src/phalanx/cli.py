@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
-        "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)",
+        "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, of each script, user and host "
+        "are kept)",
     )
     run.add_argument(
         "--tee",
