@@ -10,6 +10,7 @@ README shows it: MirroredStrategy with 2 CPU replicas, printing a falling loss.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -168,3 +169,13 @@ def test_the_readme_test_count_is_true():
     )
     count = int(re.search(r"(\d+) tests? collected", collected.stdout).group(1))
     assert abs(stated - count) <= 0.05 * count, f"the README says about {stated} tests; pytest collects {count}"
+
+
+def test_the_first_program_section_gives_the_measured_start_up_times():
+    """The README's start-up figures are benchmarks/results/startup.json's (python -m benchmarks.startup)."""
+    results = json.loads((README.parent / "benchmarks" / "results" / "startup.json").read_text())["results"]
+    section = _section("Your first distributed program")
+    for flavour in ("torch", "keras"):
+        for launcher in ("self_launch", "phalanx_fork"):
+            figure = f"{results[flavour][launcher]['wall_s']:.1f} s"
+            assert figure in section, f"{flavour}/{launcher}: {figure} not in the README's first program section"
