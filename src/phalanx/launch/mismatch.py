@@ -55,7 +55,7 @@ def launched_processes(environ: Mapping[str, str] | None = None) -> Launched:
         replica = None
     if replica is not None:
         return Launched(replica.world_size, "phalanx run", replica.rank)
-    if _count(env.get("WORLD_SIZE")):
+    if "RANK" in env and _count(env.get("WORLD_SIZE")):  # torchrun's pair (a lone WORLD_SIZE may be anyone's)
         return Launched(_count(env.get("WORLD_SIZE")), "torchrun", _count(env.get("RANK")))
     if "SLURM_PROCID" in env and _count(env.get("SLURM_NTASKS")):
         return Launched(_count(env.get("SLURM_NTASKS")), "Slurm", _count(env.get("SLURM_PROCID")))
