@@ -151,7 +151,7 @@ def test_the_demo_table_and_the_test_suite_say_on_what_machine_and_how_far_they_
     assert "2-core" in quickstart[:table], "the table's machine"
     # Other runs' figures as ranges, and what does not vary.
     assert re.search(r"\d\.\d+-\d\.\d+ s and \d\.\d+-\d\.\d+ s", after), after[:800]
-    assert "accuracies do not depend on the machine" in after
+    assert "accuracies do not depend on the load" in after
     suite = quickstart[quickstart.index("The test suite") :]
     assert re.search(r"2-core .{0,40}took \d+ to \d+ minutes", suite, re.S), suite[:600]
     assert re.search(r"\d+ minutes \(\d+ CPU-minutes\) when other work", suite), suite[:600]
