@@ -112,7 +112,18 @@ def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
 
 # The layers of docs/ARCHITECTURE.md, bottom up: a module imports its own layer or lower ones.
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("errors", "nest", "values", "devices", "config", "_sidetable", "_compat", "_lazy", "_signal_routing"),
+    0: (
+        "errors",
+        "nest",
+        "values",
+        "devices",
+        "config",
+        "_sidetable",
+        "_compat",
+        "_lazy",
+        "_signal_routing",
+        "_tracebacks",
+    ),
     1: ("cluster", "launch", "comm", "hooks", "interactive"),
     2: ("core", "input"),
     3: ("checkpoint", "summary", "trackers", "report", "profiler", "progress_bar"),

@@ -94,6 +94,17 @@ def test_a_parameter_truly_created_outside_scope_is_still_refused(results):
         assert "outside strategy.scope()" in part["text"], part["text"]
 
 
+def test_a_seeded_model_built_outside_scope_is_refused_for_what_is_true_of_it(results):
+    """Its replicas start equal (a seed): the error must not say they start different, but that its
+    gradients are never summed, so the replicas' copies part from the first step."""
+    for got in results:
+        part = got["outside_scope_seeded"]
+        assert part.get("error") == "UnsynchronizedParameterError", part
+        text = part["text"]
+        assert "initialised it differently" not in text and "start different on every replica" not in text, text
+        assert "gradients are never summed" in text and "seed" in text, text
+
+
 def test_a_replica_training_with_another_learning_rate_is_stopped_within_n_steps(job, results):
     res, out = job
     assert res.returncode != 0, "the drifting job must fail"

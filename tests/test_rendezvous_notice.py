@@ -75,3 +75,45 @@ def test_a_chief_names_the_parameter_server_it_still_waits_for(tmp_path, script)
     assert result.returncode != 0, out
     assert NOTICE.findall(out) == [(f"ps:0 at {ps}", NOTICE.search(out).group(2))], out
     assert out.index("phalanx: waiting for") < out.index("RendezvousTimeoutError: Timed out after 6.0s"), out
+
+
+# A self-launched job whose every process takes `slow` seconds to start (a fresh interpreter importing
+# torch and Keras on a busy machine), and replica 1 `late` seconds more.
+SLOW_START = """
+import os, time
+time.sleep({slow} + ({late} if os.environ.get("PHALANX_RANK") == "1" else 0))
+import torch, phalanx as px
+strategy = px.MirroredStrategy(["cpu:0", "cpu:1"])
+total = strategy.reduce("SUM", strategy.run(lambda: torch.ones(1)), axis=None)
+print("total", float(total), flush=True)
+"""
+ANY_NOTICE = re.compile(r"phalanx: (?:waiting for|\S+ \(rank \d+\) is still starting).*")
+
+
+def test_no_notice_when_a_self_launched_replica_starts_as_slowly_as_replica_0(tmp_path, script):
+    """Replica 1 starts only once replica 0 has reached its strategy, and takes as long as replica 0
+    did to get there: a healthy job, which printed "giving up in 115 s" when that took over 5 s."""
+    result = run_job(
+        [sys.executable, str(script(SLOW_START.format(slow=3.0, late=0)))],
+        timeout=120,
+        cwd=tmp_path,
+        env={"PHALANX_RENDEZVOUS_NOTICE": "1"},  # 1 s: replica 1 takes 3 s more than that to arrive
+    )
+    assert result.returncode == 0 and "total 2.0" in result.output, result.logs()
+    assert not ANY_NOTICE.search(result.output), result.output
+
+
+def test_a_self_launched_replica_that_is_really_late_is_named_once_and_the_job_still_succeeds(tmp_path, script):
+    """Late against how long replica 0 took to start: named, once, with how long it has been starting."""
+    result = run_job(
+        [sys.executable, str(script(SLOW_START.format(slow=0.5, late=8.0)))],
+        timeout=120,
+        cwd=tmp_path,
+        env={"PHALANX_RENDEZVOUS_NOTICE": "1"},
+    )
+    assert result.returncode == 0 and "total 2.0" in result.output, result.logs()
+    notices = ANY_NOTICE.findall(result.output)
+    assert len(notices) == 1, result.output
+    line = ANY_NOTICE.search(result.output).group(0)
+    assert line.startswith("phalanx: replica:1 (rank 1) is still starting: not here after"), line
+    assert "giving up" not in line, line

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from phalanx.errors import ClusterSpecError
-from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause
+from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause, run_owner
 
 from conftest import _session_processes, fork_server_pids, run_job
 
@@ -64,18 +64,71 @@ def test_root_cause_is_the_first_failure_that_is_not_a_consequence():
 
 
 def test_old_run_directories_are_pruned(tmp_path, monkeypatch):
+    """The last PHALANX_KEEP_RUNS runs are kept per owner: this user, on this host, of this program."""
+    mine = run_owner([sys.executable, str(tmp_path / "train.py")])
+    user, rest = mine.split("@", 1)
+    host, program = rest.split(" ", 1)
+    others = {
+        "another program": run_owner([sys.executable, str(tmp_path / "evaluate.py")]),
+        "another user": f"someone-else@{host} {program}",
+        "another host": f"{user}@elsewhere {program}",  # a log root on a shared file system
+    }
     old = [f"20250101-0000{i:02d}-abcdef" for i in range(12)]
     for name in old:
         (tmp_path / name).mkdir()
+        (tmp_path / name / ".owner").write_text(mine)
     (tmp_path / old[0] / ".supervisor").write_text(str(os.getpid()))  # a live run: kept
+    theirs = []
+    for i, owner in enumerate(others.values()):
+        name = f"20240101-0000{i:02d}-abcdef"  # older than all of mine: still never theirs to prune
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".owner").write_text(owner)
+        theirs.append(name)
+    (tmp_path / "20230101-000000-abcdef").mkdir()  # a run of a phalanx that wrote no owner: kept
     (tmp_path / "mine").mkdir()  # not a run directory: never touched
     monkeypatch.setenv("PHALANX_KEEP_RUNS", "3")
-    run = RunDirectory(str(tmp_path)).create()
+    run = RunDirectory(str(tmp_path), program=[sys.executable, str(tmp_path / "train.py")]).create()
+    assert (Path(run.path) / ".owner").read_text() == mine
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([old[0], old[10], old[11], run.run_id, "mine"]), left
+    expected = [old[0], old[10], old[11], run.run_id, "mine", "20230101-000000-abcdef", *theirs]
+    assert left == sorted(expected), left
     monkeypatch.setenv("PHALANX_KEEP_RUNS", "zero")
     with pytest.raises(ClusterSpecError, match="PHALANX_KEEP_RUNS"):
         RunDirectory(str(tmp_path)).create()
+
+
+def test_run_owner_names_the_user_the_host_and_the_program(tmp_path):
+    import socket
+
+    script = tmp_path / "train.py"
+    owner = run_owner([sys.executable, str(script), "--epochs", "3"])
+    assert owner.endswith(f"@{socket.gethostname()} {script}") and " " not in owner.split("@")[0], owner
+    # The same program however it is named: phalanx run's command has no interpreter, and a relative path.
+    assert run_owner(["train.py"]) == run_owner([sys.executable, os.path.abspath("train.py")])
+    assert run_owner([sys.executable, "-m", "pkg.train", "--x"]).endswith(" -m pkg.train")
+    assert run_owner([sys.executable, "-m", "pkg.train"]) != run_owner([sys.executable, "-m", "pkg.other"])
+
+
+QUICK = "print('quick job', flush=True)\n"
+
+
+def test_quick_jobs_of_other_programs_never_delete_a_runs_logs(tmp_path, script):
+    """A long job's replica logs outlive any number of other programs' runs; only its own program's
+    later runs count against PHALANX_KEEP_RUNS."""
+    logs = tmp_path / "logs"
+    launch = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2"]
+    env = {"PHALANX_KEEP_RUNS": "1"}
+    long_job = script(QUICK, "long_job.py")
+    first = run_job([*launch, str(long_job)], timeout=60, cwd=tmp_path, log_dir=logs, env=env)
+    assert first.returncode == 0, first.logs()
+    (kept,) = [p for p in logs.iterdir() if p.is_dir()]
+    for i in range(3):
+        other = run_job([*launch, str(script(QUICK, f"try_{i}.py"))], timeout=60, cwd=tmp_path, log_dir=logs, env=env)
+        assert other.returncode == 0, other.logs()
+    assert kept.is_dir() and (kept / "replica_1.log").read_text().count("quick job") == 1
+    again = run_job([*launch, str(long_job)], timeout=60, cwd=tmp_path, log_dir=logs, env=env)
+    assert again.returncode == 0 and not kept.exists(), again.logs()  # its own program's next run
+    assert len([p for p in logs.iterdir() if p.is_dir()]) == 4  # one per program
 
 
 # ----------------------------------------------------------------------------- output model

@@ -62,6 +62,12 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.debug:  # the replicas' configuration errors show phalanx's frames too
+        os.environ["PHALANX_DEBUG"] = "1"
+    problem = _configuration_problem(ps=args.ps > 0)
+    if problem is not None:  # before any replica starts (and imports torch) only to find it
+        print(f"phalanx run: {problem}", file=sys.stderr)
+        return 2
     warning = _oversubscription_warning(args.nproc)
     if warning:
         print(warning, file=sys.stderr)
@@ -100,6 +106,28 @@ def _run(args: argparse.Namespace) -> int:
         preload=preload,
     )
     return run_job(spec)
+
+
+def _configuration_problem(*, ps: bool) -> str | None:
+    """What is wrong with the job's configuration in this environment, found before it starts: a
+    malformed ``PHALANX_*`` setting, or a TF_CONFIG that every replica would refuse (a parameter-server
+    cluster's tasks get theirs from the launcher). None when nothing is."""
+    from phalanx.config import Settings
+    from phalanx.errors import ClusterSpecError
+
+    try:
+        Settings.from_environ()
+    except ClusterSpecError as e:
+        return str(e)
+    if ps or not os.environ.get("TF_CONFIG", "").strip():
+        return None
+    from phalanx.cluster.tfconfig import TFConfigClusterResolver
+
+    try:
+        TFConfigClusterResolver()
+    except ClusterSpecError as e:
+        return f"TF_CONFIG: {e}"
+    return None
 
 
 def _visible_gpus() -> int:
@@ -294,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="log root: each run writes DIR/<run-id>/replica_<k>.log (default: $PHALANX_LOG_ROOT "
-        "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, are kept)",
+        "or <tmp>/phalanx-logs; the last $PHALANX_KEEP_RUNS runs, default 10, of each script, user and host "
+        "are kept)",
     )
     run.add_argument(
         "--tee",
@@ -314,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULES",
         help="with the fork start: modules (comma-separated) to import once besides torch and those the "
         "script imports itself, e.g. --preload keras for a script that imports Keras through a module of its own",
+    )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="show phalanx's own frames in a configuration error's traceback (sets PHALANX_DEBUG=1 for the job)",
     )
     run.add_argument(
         "-m", dest="module", default=None, metavar="MODULE", help="run a module (as python -m does) instead of a script"

@@ -97,6 +97,9 @@ class Settings:
         fingerprint_every: PHALANX_FINGERPRINT_EVERY, steps between two fingerprints of the
             synchronised parameters by the consistency guard (0: only at the first step and after
             a restore), so a replica that trains differently is named within that many steps.
+        debug: PHALANX_DEBUG=1 shows phalanx's own frames in the traceback of an uncaught
+            configuration error (a TF_CONFIG typo, a malformed setting), which otherwise shows the
+            program's frames and the error's line (``phalanx run --debug`` sets it for its job).
         start_method: PHALANX_START_METHOD, how ``phalanx run`` starts its replicas: ``fork``
             (from a server that imported torch once; the default on Linux) or ``spawn`` (each a
             fresh interpreter); see :mod:`phalanx.launch.forkserver`.
@@ -134,6 +137,7 @@ class Settings:
     start_method: str | None = field(default=None, metadata={"env": "PHALANX_START_METHOD"})
     fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
     job_report: str | None = field(default=None, metadata={"env": "PHALANX_JOB_REPORT"})
+    debug: bool = field(default=False, metadata={"env": "PHALANX_DEBUG"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -159,6 +163,8 @@ class Settings:
                 values[f.name] = _flag(name, raw, "1 builds the process group of a one-replica job (tests, benchmarks)")
             elif f.name == "shm":
                 values[f.name] = raw != "0"
+            elif f.name == "debug":
+                values[f.name] = _flag(name, raw, "1 shows phalanx's own frames in a configuration error's traceback")
             elif f.name == "shm_packing":
                 values[f.name] = _flag(name, raw, "0 keeps a host's replicas on their own cores when it is crowded")
             elif f.type == "int":

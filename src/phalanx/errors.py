@@ -18,6 +18,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from phalanx import _tracebacks
+
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` of a ``warnings.warn`` that names the user's line: the first frame, from
@@ -40,8 +42,21 @@ class PhalanxError(Exception):
         super().__init__(f"{message} HINT: {hint}" if hint else message)
 
 
+class ConfigurationError(PhalanxError):
+    """Base of the errors in what the program was started with: a cluster description (TF_CONFIG,
+    torchrun's or Slurm's variables), a ``PHALANX_*`` setting, a device name.
+
+    Uncaught, one reads as the program's own frames and its line, without phalanx's frames
+    (``PHALANX_DEBUG=1`` shows them; :mod:`phalanx._tracebacks`).
+    """
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        _tracebacks.install(ConfigurationError)
+        super().__init__(message, hint=hint)
+
+
 # --------------------------------------------------------------------------- input errors
-class InvalidDeviceError(PhalanxError, ValueError):
+class InvalidDeviceError(ConfigurationError, ValueError):
     """A device string that phalanx cannot parse or that this host does not have."""
 
     def __init__(self, device: Any, *, hint: str | None = None) -> None:
@@ -55,7 +70,7 @@ class DeviceNotFoundError(InvalidDeviceError):
     def __init__(self, device: Any, *, available: int, hint: str | None = None) -> None:
         self.available = available
         what = f"{available} visible GPU(s)" if available else "no visible GPU"
-        PhalanxError.__init__(self, f"Device {device!r} is not present: this host has {what}.", hint=hint)
+        ConfigurationError.__init__(self, f"Device {device!r} is not present: this host has {what}.", hint=hint)
         self.device = device
 
 
@@ -70,7 +85,7 @@ class DuplicateDeviceError(InvalidDeviceError):
     def __init__(self, device: Any, devices: list[Any], *, first: Any = None, what: str = "devices") -> None:
         self.devices = devices
         same = f" (the same as {first!r})" if first is not None and first != device else ""
-        PhalanxError.__init__(
+        ConfigurationError.__init__(
             self,
             f"Duplicate device {device!r}{same} in {what} {devices!r}.",
             hint=f"each device may appear once in {what}",
@@ -185,7 +200,7 @@ class NotCallableError(PhalanxError, TypeError):
 
 
 # --------------------------------------------------------------------------- cluster errors
-class ClusterSpecError(PhalanxError, ValueError):
+class ClusterSpecError(ConfigurationError, ValueError):
     """A malformed cluster description (TF_CONFIG, torchrun or Slurm environment).
 
     Attributes:
@@ -431,8 +446,9 @@ _DIVERGENCE_HINTS = {
     "whole steps on every replica alike, or not at all",
     "parameters": "the replicas' parameters differ: create the model and optimizer inside strategy.scope(), and "
     "restore checkpoints on every replica",
-    "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; parameters "
-    "created outside it start different on every replica and are never synchronised. A parameter that belongs to no "
+    "unsynchronised parameters": "create the model (and its optimizer) inside `with strategy.scope():`; only "
+    "parameters created in it are synchronised (their initial values broadcast from replica 0, their gradients "
+    "summed). A seed can make the initial values equal everywhere, never the gradients. A parameter that belongs to no "
     "module is not seen by the scope either: make it a phalanx.Variable (TF's tf.Variable) or an attribute of a "
     "module, or pass it to strategy.extended.adopt_variables(...) on every replica",
 }
@@ -446,7 +462,10 @@ class UnsynchronizedParameterError(ReplicaDivergenceError):
         self.step, self.parameter = step, parameter
         if updated_by is None:
             what = "is used in strategy.run"
-            why = "was created outside strategy.scope(): every replica initialised it differently"
+            why = (
+                "was created outside strategy.scope(), so it is not synchronised (whether or not a seed made its "
+                "initial values equal on every replica)"
+            )
         else:  # found by the optimizer check: no module holds it, so where it was created is unknown
             what = f"is updated by {updated_by} in strategy.run"
             why = "no scope captured it (created outside strategy.scope(), or in it but in no module)"

@@ -116,6 +116,22 @@ def _():
     return {"raised": False}
 
 
+@check("outside_scope_seeded")
+def _():
+    # The README's program with its model moved out of scope: a seed makes it start equal everywhere.
+    # A strategy of its own (on the same replicas): its first step is the one the watch checks.
+    seeded = px.MirroredStrategy(["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    outside = nn.Linear(8, 8)
+    try:
+        seeded.run(lambda x: outside(x).sum().backward(), args=(X[:1],))
+    except UnsynchronizedParameterError as e:
+        return {"error": type(e).__name__, "text": str(e), "parameter": e.parameter}
+    finally:
+        seeded.close()
+    return {"raised": False}
+
+
 @check("deepcopy_sequential")
 def _():
     def build():

@@ -225,6 +225,11 @@ class LocalCommunicator:
 _JOB_STORES: dict[tuple[str, int, bool], Any] = {}  # (master address, port, serves it) -> store
 
 
+def in_multi_process_job() -> bool:
+    """Whether this process has joined a job of several processes (a communicator's rendezvous)."""
+    return bool(_JOB_STORES)
+
+
 class ProcessGroupCommunicator:
     """Collectives among the processes of a job over torch.distributed (gloo, or NCCL on GPUs).
 
@@ -249,7 +254,10 @@ class ProcessGroupCommunicator:
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me, spec.address(spec.rank))  # its port for errors
-        notice = rendezvous.WaitNotice(spec.rendezvous_notice)  # once for the store and the peers
+        # Once for the store and the peers. Peers no cluster spec lists were started by this job's
+        # launcher, with this process or by it: they are late only against how long it took to start.
+        started_in = None if spec.addresses else rendezvous.process_age()
+        notice = rendezvous.WaitNotice(spec.rendezvous_notice, started_in=started_in)
         # One store (one listening port) per job and process, shared by the program's strategies;
         # each strategy's keys live under its own prefix (a program may create several).
         key = (spec.master_addr, spec.master_port, spec.rank == 0)

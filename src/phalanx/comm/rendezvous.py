@@ -20,7 +20,12 @@ the cause: does not resolve, not an address of this host, port taken by another 
 
 A task still waiting some seconds into the rendezvous (``PHALANX_RENDEZVOUS_NOTICE``, 5 s) says
 once, on stderr, whom it waits for and how long it will: a peer that never comes would otherwise
-mean minutes of silence before the timeout's error (:class:`WaitNotice`).
+mean minutes of silence before the timeout's error (:class:`WaitNotice`). Peers that a launcher
+started with this process (``python train.py``'s own replicas, ``phalanx run``, torchrun: no
+cluster spec lists their addresses) run the same program and take about as long to arrive as this
+one took to get here (importing torch and Keras took up to 10 s on a busy 2-core machine, and a
+self-launched replica starts only when replica 0 has arrived): they are named only once they are
+late against that, as still starting.
 """
 
 from __future__ import annotations
@@ -52,11 +57,36 @@ def host_id() -> str:
     return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
 
 
+# A launcher's peer is late once it has taken twice as long as this process took to start, but
+# never waited for silently longer than this.
+LATE_FACTOR = 2.0
+LATE_CAP_S = 60.0
+
+
+def process_age() -> float:
+    """Seconds since this process started (since its fork, for a forked one); 0.0 where /proc
+    cannot say. What a fresh replica of the same program will take, about, to get this far."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class WaitNotice:
     """Says once, on stderr, which tasks a rendezvous is still waiting for, ``after`` seconds in.
 
     One notice serves every phase of a process's rendezvous (the store, then the peers), so the
     line comes once however many phases wait. ``after=None`` keeps it quiet.
+
+    ``started_in``: how long this process took to reach the rendezvous, when the peers are its
+    launcher's (they run the same program, started with it or by it). The notice then waits until
+    they are late against that (:data:`LATE_FACTOR` times it, at most :data:`LATE_CAP_S`, at least
+    ``after``) and says they are still starting: a healthy job whose replicas import slowly prints
+    nothing, and none is told it will be given up on.
 
     Example:
         >>> quiet, due = WaitNotice(after=None), WaitNotice(after=0.0)
@@ -64,10 +94,16 @@ class WaitNotice:
         ...     notice.poll(lambda: ["worker:1 (rank 1) at 10.0.0.2:2222"], deadline=time.monotonic() + 60)
         >>> quiet.given, due.given, due.due_in()
         (False, True, None)
+        >>> slow_start = WaitNotice(after=5.0, started_in=9.0)  # this process took 9 s to get here
+        >>> 17.0 < slow_start.due_in() <= 18.0  # its peers are late after 18 s, not 5
+        True
     """
 
-    def __init__(self, after: float | None) -> None:
+    def __init__(self, after: float | None, *, started_in: float | None = None) -> None:
         self.after = after
+        self.started_in = started_in
+        if after is not None and started_in is not None:
+            self.after = max(after, min(LATE_FACTOR * started_in, LATE_CAP_S))
         self.start = time.monotonic()
         self.given = False
 
@@ -91,11 +127,16 @@ class WaitNotice:
             named += f" and {len(names) - RendezvousTimeoutError.NAMED} more ({len(names)} tasks)"
         left = max(0.0, deadline - time.monotonic())
         # No error's name in it: the job may well succeed, and log watchers flag "Error" lines.
-        print(
-            f"phalanx: waiting for {named}; giving up in {left:.0f} s (PHALANX_RENDEZVOUS_TIMEOUT)",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.started_in is not None:
+            waited = time.monotonic() - self.start
+            line = (
+                f"phalanx: {named} {'is' if len(names) == 1 else 'are'} still starting: not here after "
+                f"{waited:.0f} s, where this process took {self.started_in:.1f} s to start; waiting up to "
+                f"{left:.0f} s more (PHALANX_RENDEZVOUS_TIMEOUT)"
+            )
+        else:
+            line = f"phalanx: waiting for {named}; giving up in {left:.0f} s (PHALANX_RENDEZVOUS_TIMEOUT)"
+        print(line, file=sys.stderr, flush=True)
 
 
 def _address_error(task: str, host: str, port: int | None, err: OSError) -> ClusterSpecError:

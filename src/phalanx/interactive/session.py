@@ -22,7 +22,10 @@ only. If a strategy step has run in the cell, replica 0 chooses a stop step just
 replica's current one (shared counters, :mod:`phalanx.interactive.control`), and every replica
 raises ``KeyboardInterrupt`` when it starts that step, so they all stop after the same number of
 complete steps and stay in step. Otherwise (or at a second interrupt, or if no step starts within
-:data:`ESCALATE_S`) every replica is interrupted at once.
+:data:`ESCALATE_S`) every replica is interrupted at once. A replica's report that it stopped as
+asked is not a failure of the cell: replica 0 is stopping too, and the others get
+:data:`MAX_AGREED_STOP_S` to end the cell (a loaded host can take seconds to unwind a Keras ``fit``)
+before they are interrupted anywhere.
 
 Ending. ``strategy.close()`` of the last strategy, the kernel's shutdown or restart, and the end
 of the REPL stop the replicas (``exit``, then SIGKILL after :data:`EXIT_GRACE_S`); a replica also
@@ -163,9 +166,11 @@ class Session:
         self._prev_sigint: Any = None
         self._stop_requested = False
         self._stopped = False
+        self._interrupted = False  # the user interrupted the cell in progress (replica 0's SIGINT)
         # (cell, rank): a replica failed the cell that replica 0 was still running after
         # FAILURE_GRACE_S; replica 0 is interrupted with that replica's error (see _peer_failed).
         self._peer_failure: tuple[int, int] | None = None
+        self._peer_raised = False  # that error was raised into the cell's own code (not its end)
         self._watcher: threading.Thread | None = None
         self._exit_code = 0
         # Starts (spawn), adopts (fork), watches and stops the replicas: the one Supervisor of
@@ -373,8 +378,10 @@ class Session:
             # a cell already ending (IPython's or this module's frames) fails with the replica's
             # report in after_cell anyway.
             if self.running and not _in_cell_machinery(frame):
+                self._peer_raised = True
                 raise peer_error
             return
+        self._interrupted = True
         if (
             self._stop_requested
             or not self.running
@@ -409,7 +416,20 @@ class Session:
             if not self.running or self.cell != cell or self.closed or self._peer_failure is not None:
                 return
             self._peer_failure = (cell, rank)
-        os.kill(os.getpid(), signal.SIGINT)  # _on_sigint raises the replica's error in the main thread
+            # Sent under the lock that after_cell takes to end the cell, so never after it ended:
+            # _on_sigint raises the replica's error in the main thread, or lets a cell that is
+            # already ending end.
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def _stopped_as_asked(self, report: dict) -> bool:
+        """Whether a replica's failed report is only the interrupt this session asked of it.
+
+        After the user's interrupt, every replica stops at the agreed step (``InterruptedAtStep``)
+        or, escalated, at once (``KeyboardInterrupt``), replica 0 included: no replica waits in a
+        collective for it, and replica 0 must not be stopped again with its report (an
+        interrupted replica 0 ends the cell out of step and the session with it).
+        """
+        return self._interrupted and report.get("type") in ("InterruptedAtStep", "KeyboardInterrupt")
 
     def _peer_error(self) -> ReplicaCellError | None:
         """The error replica 0 is interrupted with after another replica failed this cell."""
@@ -470,7 +490,7 @@ class Session:
             return
         self.cell += 1
         self.steps = 0
-        self._stop_requested = self._stopped = False
+        self._stop_requested = self._stopped = self._interrupted = self._peer_raised = False
         self.control.reset()
         with self._cond:
             self._done.clear()
@@ -488,11 +508,15 @@ class Session:
         """Waits for every replica to finish the cell; returns the error the cell should fail with."""
         if not self.running:
             return None
-        self.running = False
+        with self._cond:  # _peer_failed interrupts replica 0 only while this is True
+            self.running = False
         if self._prev_sigint is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._prev_sigint)
             self._prev_sigint = None
         trouble_since = time.monotonic() if error is not None else None
+        # Replica 0 stopped at the agreed step: the others stop there too, with no collective left
+        # to wait in; on a loaded host unwinding a Keras fit and reporting can take seconds.
+        grace = MAX_AGREED_STOP_S if isinstance(error, hooks.InterruptedAtStep) else FAILURE_GRACE_S
         interrupted = killed = False
         while True:
             with self._cond:
@@ -508,20 +532,23 @@ class Session:
                     trouble_since = time.monotonic()
                 try:
                     self._cond.wait(0.05)
-                except KeyboardInterrupt:
-                    trouble_since = time.monotonic() - FAILURE_GRACE_S
-            if trouble_since is not None and time.monotonic() - trouble_since > FAILURE_GRACE_S and not interrupted:
+                except KeyboardInterrupt:  # the user interrupts the wait: no more grace
+                    trouble_since = time.monotonic() - grace
+            if trouble_since is not None and time.monotonic() - trouble_since > grace and not interrupted:
                 interrupted = True
                 self._signal_replicas(signal.SIGINT)
-            if trouble_since is not None and time.monotonic() - trouble_since > 2 * FAILURE_GRACE_S:
+            if trouble_since is not None and time.monotonic() - trouble_since > grace + FAILURE_GRACE_S:
                 killed = True
                 break
         result = self._cell_failure(error)
         dead = [r for r in self.replicas.values() if r.exit is not None]
-        if self._peer_error() is not None:
+        # Only an error raised into the cell's own code stopped replica 0 mid-cell; one that came
+        # as the cell was ending stopped nothing.
+        peer_stopped = self._peer_raised and self._peer_error() is not None
+        self._peer_failure, self._peer_raised = None, False
+        if peer_stopped:
             # Replica 0 was stopped somewhere in the cell (in a collective, maybe half done) after
             # the others had left it: they are out of step, and a next collective could mix steps.
-            self._peer_failure = None
             self._break(f"replica 0 was stopped in cell {self.cell} after another replica failed it")
         elif dead and not killed:
             self._break(f"replica {dead[0].rank} {dead[0].exit}")
@@ -615,7 +642,7 @@ class Session:
                     with self._cond:
                         if int(message["id"]) == self.cell:
                             self._done[replica.rank] = message
-                            if not message.get("ok", True) and self.running:
+                            if not message.get("ok", True) and self.running and not self._stopped_as_asked(message):
                                 threading.Thread(
                                     target=self._peer_failed, args=(self.cell, replica.rank), daemon=True
                                 ).start()

@@ -10,6 +10,13 @@ Called once per process when a strategy builds its communicator (:func:`install`
   death. ``PR_SET_PDEATHSIG`` already does that for children of phalanx's supervisor; the watch
   also covers replicas that torchrun (torch elastic) started, and children whose starting thread
   is not the one that dies.
+* **A quick teardown.** In a process of a launched job, once the program and the exit handlers
+  registered after its first strategy have run, one collection runs (so the finalisers of what is
+  garbage then run as usual) and what is left is frozen (:func:`gc.freeze`): the interpreter's
+  final collections over torch's and Keras' heaps took 1.2 CPU-seconds per process with Keras
+  (0.6 with torch alone) and 0.15 s after this, and replica 0 waits for the others' before its
+  own. Objects still alive at exit are freed by reference counting as before; only those in
+  reference cycles are left to the OS, whose ``__del__`` Python never promised to run at exit.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -39,7 +47,30 @@ def install() -> None:
     install_error_recorder()
     _install_stack_dump()
     _watch_parent()
+    _quick_teardown_at_exit()  # registered before the mark below, so it runs after it (LIFO)
     _mark_done_at_exit()
+
+
+def _in_launched_job() -> bool:
+    """Whether this process is a replica of a launched job (phalanx's, torchrun's) or replica 0 of a
+    script that started its own (a notebook's kernel, whose end is the user's, is neither)."""
+    if "PHALANX_PARENT_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    from phalanx.launch.self_launch import current_job
+
+    return current_job() is not None
+
+
+def _quick_teardown_at_exit() -> None:
+    """See the module docstring: one collection, then the survivors frozen, before the teardown."""
+    if not _in_launched_job():
+        return
+
+    def quick() -> None:
+        gc.collect()
+        gc.freeze()
+
+    atexit.register(quick)
 
 
 def _mark_done_at_exit() -> None:

@@ -71,7 +71,7 @@ class JobSpec:
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
     start_method = spec.start_method or settings.start_method()
-    run = RunDirectory(spec.log_dir or None).create()
+    run = RunDirectory(spec.log_dir or None, program=spec.command).create()
     sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload)
     here = (
         "every replica writes here, prefixed; "

@@ -130,7 +130,7 @@ class ReplicaLauncher:
         fill_closed()
         self.world_size = world_size
         self.command = _script_command()
-        self.run = RunDirectory().create()
+        self.run = RunDirectory(program=self.command).create()
         self.run_id, self.log_dir = self.run.run_id, self.run.path
         self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
         # The fork start pays one import of torch (and Keras) for all the replicas it starts: worth

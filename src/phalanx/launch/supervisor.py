@@ -43,11 +43,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import getpass
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -86,6 +88,7 @@ __all__ = [
 
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 _MARKER = ".supervisor"  # in a run directory: the pid of the supervisor that writes there
+_OWNER = ".owner"  # in a run directory: whose it is (run_owner); only its owner's runs prune it
 # Errors a task raises when it only saw a peer disappear: a consequence, never a root cause. (The
 # PS client's errors are named here as text: the supervisor imports neither torch nor phalanx.ps.)
 _CONSEQUENCES = (
@@ -119,15 +122,52 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def prune_runs(root: str, keep: int, *, current: str | None = None) -> list[str]:
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's)
+        return f"uid{os.getuid()}"
+
+
+def run_owner(command: Sequence[str]) -> str:
+    """Whose runs a run directory counts among: ``user@host program``.
+
+    The program is a script's absolute path (``phalanx run``'s command has no interpreter, and may
+    name it relatively; self-launch's starts with ``sys.executable``), ``-m module``, or the first
+    words of another command (an R host's). The host tells apart machines that share a log root
+    on a network file system.
+
+    Example:
+        >>> run_owner(["python3", "-m", "trainer.main", "--epochs", "3"]).endswith(" -m trainer.main")
+        True
+    """
+    args = [str(a) for a in command]
+    if len(args) > 1 and (args[0] == sys.executable or os.path.basename(args[0]).startswith("python")):
+        args = args[1:]
+    if not args:
+        program = "?"
+    elif args[0] in ("-m", "-c") and len(args) > 1:
+        program = f"{args[0]} {args[1]}" if args[0] == "-m" else "-c"
+    elif args[0].startswith("-"):
+        program = " ".join(args[:3])
+    else:
+        program = os.path.abspath(args[0])
+    return f"{_user()}@{socket.gethostname()} {program}"
+
+
+def prune_runs(root: str, keep: int, *, current: str | None = None, owner: str | None = None) -> list[str]:
     """Deletes the oldest run directories under ``root`` so that ``keep`` remain; returns them.
 
-    Only directories named like a run id are touched, never one whose supervisor still runs.
+    Only directories named like a run id are touched, never one whose supervisor still runs. With
+    ``owner`` (:func:`run_owner`), only that owner's runs count and are deleted: another program's,
+    another user's or host's, and a run that names no owner are never touched.
     """
     try:
         names = sorted(n for n in os.listdir(root) if _RUN_ID.match(n) and os.path.isdir(os.path.join(root, n)))
     except OSError:
         return []
+    if owner is not None:
+        names = [n for n in names if n == current or _owner_of(os.path.join(root, n)) == owner]
     removed = []
     for name in names[: max(0, len(names) - keep)]:
         path = os.path.join(root, name)
@@ -144,26 +184,40 @@ def prune_runs(root: str, keep: int, *, current: str | None = None) -> list[str]
     return removed
 
 
+def _owner_of(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, _OWNER)) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 class RunDirectory:
     """``LOGDIR/<run-id>/``: one run's logs (``<task>.log``) and error files (``<task>.error.json``).
 
     Args:
         root: the log root; default :func:`phalanx.launch.settings.log_root`.
         run_id: default a fresh :func:`new_run_id`.
+        program: the command the run runs, whose owner (:func:`run_owner`) the run is written as;
+            the runs kept are counted per owner.
     """
 
-    def __init__(self, root: str | None = None, run_id: str | None = None) -> None:
+    def __init__(self, root: str | None = None, run_id: str | None = None, *, program: Sequence[str] = ()) -> None:
         self.root = os.path.abspath(root or settings.log_root())
         self.run_id = run_id or new_run_id()
         self.path = os.path.join(self.root, self.run_id)
+        self.owner = run_owner(program)
 
     def create(self) -> RunDirectory:
-        """Creates the directory and prunes the oldest ones (``PHALANX_KEEP_RUNS``)."""
+        """Creates the directory and prunes its owner's oldest ones (``PHALANX_KEEP_RUNS`` are kept
+        per user, host and program: another job's never count, and are never deleted)."""
         keep = settings.keep_runs()
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, _MARKER), "w") as f:
             f.write(str(os.getpid()))
-        prune_runs(self.root, keep, current=self.run_id)
+        with open(os.path.join(self.path, _OWNER), "w") as f:
+            f.write(self.owner)
+        prune_runs(self.root, keep, current=self.run_id, owner=self.owner)
         return self
 
     def log_path(self, stem: str) -> str:

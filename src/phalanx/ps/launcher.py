@@ -71,7 +71,7 @@ class _Cluster:
     def __init__(self, job: ClusterJob, sup: Supervisor) -> None:
         self.job = job
         self.sup = sup
-        self.run = RunDirectory(job.log_dir or None).create()
+        self.run = RunDirectory(job.log_dir or None, program=job.command).create()
         self.log_dir = self.run.path
         kinds = [("chief", 1), ("worker", job.num_workers), ("ps", job.num_ps)]
         ports = {(kind, i): free_port(job.host) for kind, n in kinds for i in range(n)}

@@ -33,6 +33,7 @@ from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.core.strategy import InputSharding, Strategy, tf_device_name
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
+from phalanx.launch import mismatch
 from phalanx.launch.api import job_env
 from phalanx.launch.env import ReplicaEnv
 from phalanx.strategies.common import SyncExtended
@@ -126,6 +127,8 @@ class MultiWorkerMirroredExtended(SyncExtended):
         options = communication_options or CommunicationOptions()
         env = job_env()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_from_environment()
+        if resolver is None and env is None:
+            mismatch.lone_multi_worker("MultiWorkerMirroredStrategy")  # one replica, said once
         spec = resolver.cluster_spec() if resolver is not None else None
         if spec and resolver.lists_every_task:  # a partial spec (torchrun) cannot list this task
             validate_cluster(spec, resolver.task_type, resolver.task_id, allow_ps=False)

@@ -16,6 +16,7 @@ from typing import Any
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.core.strategy import Strategy, StrategyExtended, tf_device_name
 from phalanx.devices import canonicalize
+from phalanx.launch import mismatch
 
 
 class OneDeviceExtended(StrategyExtended):
@@ -24,6 +25,7 @@ class OneDeviceExtended(StrategyExtended):
     def __init__(self, device: Any) -> None:
         logical = canonicalize(device)
         name = (tf_device_name(logical),)
+        mismatch.one_replica_strategy("OneDeviceStrategy")  # under `phalanx run -n 2`: two copies
         super().__init__(LocalCommunicator(), logical, name, name)
 
 
