@@ -303,6 +303,14 @@ class ShardingError(PhalanxError, ValueError):
         super().__init__(f"{reason} (received {value!r}).", hint=hint)
 
 
+class SparseGradientError(PhalanxError, RuntimeError):
+    """A parameter got a sparse gradient where the strategy cannot sum sparse gradients."""
+
+    def __init__(self, parameter: str, where: str, *, hint: str | None = None) -> None:
+        self.parameter, self.where = parameter, where
+        super().__init__(f"{parameter} has a sparse gradient, which {where} cannot sum", hint=hint)
+
+
 class LaunchError(PhalanxError, RuntimeError):
     """A replica process could not be started or exited with an error."""
 

@@ -66,7 +66,8 @@ def accumulation_node(param: torch.Tensor) -> Any:
 
     Holding it keeps it alive, and so the same node, for the parameter's life (DDP does the same).
     """
-    return param.view_as(param).grad_fn.next_functions[0][0]
+    with torch.enable_grad():  # also from a backward callback, which runs without grad mode
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def will_accumulate(node: Any) -> bool:

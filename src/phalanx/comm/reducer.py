@@ -57,6 +57,7 @@ from phalanx._compat.torch import (
     tracing,
     will_accumulate,
 )
+from phalanx.errors import SparseGradientError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -76,8 +77,10 @@ class _Bucket:
         # parameter that is not contiguous (channels_last): its .grad keeps autograd's layout.
         self.views: list[torch.Tensor | None] = []
         # One flag per parameter after the gradients, as a view of `flat`: 1 where this replica's
-        # pass gave the parameter a gradient, 0 where not; summed, 0 means no replica used it.
+        # pass gave the parameter a (dense) gradient, 0 where not; summed, 0 means no replica used
+        # it. A second row flags the parameters this replica gave a sparse gradient.
         self.flags: torch.Tensor | None = None
+        self.sparse_flags: torch.Tensor | None = None
         # The guard's room after the flags (bucket 0), as a view of `flat`: made once, not per pass.
         self.tail: torch.Tensor | None = None
         # Whether this synchronisation zeroed the buffer for its first gradient (see _start_bucket).
@@ -86,11 +89,12 @@ class _Bucket:
         # and, once summed, of those no replica used.
         self.unused_here: list[int] = []
         self.unused_everywhere: set[int] = set()
+        self.sparse_here: list[int] = []  # given a sparse gradient here (nn.Embedding(sparse=True))
 
     @property
     def head(self) -> int:
-        """Elements before the guard's room: the gradients and the flags."""
-        return self.numel + len(self.params)
+        """Elements before the guard's room: the gradients and the two rows of flags."""
+        return self.numel + 2 * len(self.params)
 
     def buffer(self, room: int = 0) -> torch.Tensor:
         """The bucket's flat buffer with ``room`` elements after the gradients and flags; made on first use.
@@ -112,25 +116,32 @@ class _Bucket:
                 p.grad = view
             views.append(view)
         self.flat, self.views, self.tail = grown, views, None
-        self.flags = grown[self.numel : self.head]
+        n = len(self.params)
+        self.flags = grown[self.numel : self.numel + n]
+        self.sparse_flags = grown[self.numel + n : self.head]
         return grown
 
 
-def _write_flags(flags: torch.Tensor, unused: list[int]) -> None:
-    """Flags every parameter of a bucket used (1), but those at ``unused`` (0)."""
-    flags.fill_(1)
-    if not unused:
+def _write_flags(flags: torch.Tensor, value: int, others: list[int]) -> None:
+    """Sets every flag of a bucket's row to ``value``, but those at ``others`` to ``1 - value``."""
+    flags.fill_(value)
+    if not others:
         return
     if flags.is_cuda:  # one small kernel each, no index tensor copied from the host (which would wait)
-        for pos in unused:
-            flags[pos : pos + 1].zero_()
+        for pos in others:
+            flags[pos : pos + 1].fill_(1 - value)
     else:
-        flags[unused] = 0
+        flags[others] = 1 - value
 
 
 def _aliases(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
-    """Whether ``grad`` is ``view`` (the same memory, the same layout)."""
-    return view is not None and grad.data_ptr() == view.data_ptr() and grad.is_contiguous()
+    """Whether ``grad`` is ``view`` (the same memory, the same layout; a sparse one never is)."""
+    return (
+        view is not None
+        and grad.layout == torch.strided
+        and grad.data_ptr() == view.data_ptr()
+        and grad.is_contiguous()
+    )
 
 
 class GradientReducer:
@@ -147,6 +158,8 @@ class GradientReducer:
         guard_collective: ``(guard) -> None``, exchanging and checking the guard in a collective of
             its own just before the first bucket of every pass; for a ``all_reduce`` that does not
             give every replica the sum (a reduce to one replica). None: the guard rides on the bucket.
+        all_gather: ``(tensor) -> [every replica's tensor]``, for sparse gradients; None: a sparse
+            gradient is a :class:`~phalanx.errors.SparseGradientError`.
         persistent: keep each bucket's buffer from pass to pass, so ``.grad`` stays a view of it
             (DDP's ``gradient_as_bucket_view``; it holds one gradient-sized buffer even after
             ``zero_grad(set_to_none=True)``, as DDP's buckets do). False: a new buffer every pass,
@@ -163,8 +176,10 @@ class GradientReducer:
         guard: Any = None,
         guard_collective: Callable[[Any], None] | None = None,
         persistent: bool = True,
+        all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         self._all_reduce = all_reduce
+        self._all_gather = all_gather
         self._persistent = persistent
         self._guard_collective = guard_collective
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
@@ -184,6 +199,8 @@ class GradientReducer:
         self.guard = guard
         # Multiplies this replica's gradients before they are summed (Keras: its share of the batch).
         self.scale = 1.0
+        # Returns parameters to join at the end of a pass (thawed inside it); None: none can.
+        self.late: Callable[[], list[torch.nn.Parameter]] | None = None
         self.reductions = 0  # completed backward passes, for strategies that act after one
         self.skipped = 0  # backward passes under no_sync()
         # id(param) -> the .grad it held before this synchronisation's first backward (summed already)
@@ -350,6 +367,18 @@ class GradientReducer:
             self.sync = previous
 
     # ---------------------------------------------------------------------------- backward
+    def _join_late(self, params: list[torch.nn.Parameter]) -> None:
+        """Parameters that began to train during this pass (frozen, then thawed inside ``run``) join
+        in new buckets, launched after the others: what this pass gave them is summed now, as if
+        they had been registered before it. Every replica thaws the same ones at the same point,
+        so the buckets stay alike (else their sizes differ: a typed error at the collective)."""
+        if not params:
+            return
+        self.add(params)
+        for p in params:
+            if p.requires_grad and p.grad is not None:
+                self._dirty.add(id(p))  # its gradient is this pass's: autograd made .grad, no hook of ours ran
+
     def _launch(self, bucket: _Bucket) -> None:
         if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is not None:
             self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
@@ -361,13 +390,20 @@ class GradientReducer:
             self._guard_len = room
         flat = bucket.buffer(room)
         dirty, views = self._dirty, bucket.views
-        unused = bucket.unused_here = []
+        unused, sparse = bucket.unused_here, bucket.sparse_here = [], []
         for pos, p in enumerate(bucket.params):
             key, grad = id(p), p.grad
             if grad is not None and grad is views[pos] and key in dirty and p.requires_grad:
-                continue  # the usual case: this pass's gradient is in its place already (_on_grad)
+                continue  # the usual case: this pass's gradient is in its place already (the hook)
             offset = bucket.offsets[pos]
             place = flat[offset : offset + bucket.sizes[pos]]
+            if grad is not None and grad.layout != torch.strided and key in dirty and p.requires_grad:
+                # A sparse gradient (nn.Embedding(sparse=True)): summed apart, as TF's IndexedSlices
+                # are (see _sum_sparse); here it adds zeros, flagged sparse and not densely used.
+                place.zero_()
+                unused.append(pos)
+                sparse.append(pos)
+                continue
             if not p.requires_grad:
                 # Frozen since registered: adds zeros, and its .grad is left as it is (see _finish),
                 # so moved out of the bucket first if it was frozen after a pass put it there.
@@ -390,7 +426,8 @@ class GradientReducer:
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
         if self.scale != 1.0:
             flat[: bucket.numel].mul_(self.scale)
-        _write_flags(bucket.flags, unused)
+        _write_flags(bucket.flags, 1, unused)
+        _write_flags(bucket.sparse_flags, 0, sparse)
         if room:
             tail = bucket.tail
             if tail is None or tail.numel() != room:
@@ -400,16 +437,19 @@ class GradientReducer:
         end = bucket.head + room
         bucket.handle = self._all_reduce(flat if flat.numel() == end else flat[:end])
 
-    def _unused_everywhere(self, bucket: _Bucket, summed: torch.Tensor) -> set[int]:
-        """The positions of ``bucket``'s parameters that no replica used: their summed flag is 0.
+    def _unused_everywhere(self, bucket: _Bucket, summed: torch.Tensor) -> tuple[set[int], set[int]]:
+        """The positions of ``bucket``'s parameters that no replica used (their summed flag is 0),
+        and of those some replica gave a sparse gradient (summed apart).
 
-        Read only where this replica did not use one itself (a parameter it used is used), so
-        the usual pass reads nothing back: on a GPU, reading would wait for the all-reduce.
+        Read only where this replica did not use one densely itself (a parameter it used is used),
+        so the usual pass reads nothing back: on a GPU, reading would wait for the all-reduce.
         """
         if not bucket.unused_here:
-            return set()
+            return set(), set()
+        n = len(bucket.params)
         flags = summed[bucket.numel : bucket.head].tolist()
-        return {pos for pos in bucket.unused_here if flags[pos] == 0}
+        sparse = {pos for pos in bucket.unused_here if flags[n + pos] > 0}
+        return {pos for pos in bucket.unused_here if flags[pos] == 0 and pos not in sparse}, sparse
 
     def check_pending(self) -> None:
         """Checks the guard of the last pass if it is still unread (GPU replicas read it one pass late).
@@ -437,11 +477,14 @@ class GradientReducer:
             return  # the pass failed in a hook and was reset there
         try:
             with self._lock:
+                if self.late is not None and self.sync:
+                    self._join_late(self.late())
                 while self._next < len(self._buckets):
                     self._launch(self._buckets[self._next])
                     self._next += 1
             self.check_pending()  # the previous pass's guard, on a GPU (long finished by now)
             base, keep, dirty = self._base, self._keep_grads, self._dirty
+            sparse_sums: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
             for index, bucket in enumerate(self._buckets):
                 flat = bucket.handle.wait()
                 own = bucket.flat
@@ -457,7 +500,8 @@ class GradientReducer:
                         tail = flat[flat.numel() - self._guard_len :]
                     self._checked_by.verify_later(tail)  # type: ignore[union-attr]
                 views = bucket.views
-                gone = bucket.unused_everywhere = self._unused_everywhere(bucket, flat)
+                gone, sparse = self._unused_everywhere(bucket, flat)
+                bucket.unused_everywhere = gone
                 for pos, p in enumerate(bucket.params):
                     if not p.requires_grad:
                         # Frozen since it was registered (fine-tuning): left as on one device,
@@ -467,6 +511,9 @@ class GradientReducer:
                     key = id(p)
                     # What .grad held before this synchronisation, set aside by the hook or at launch.
                     prior = base.pop(key, None) if base else None
+                    if pos in sparse:
+                        sparse_sums.append((p, prior))
+                        continue
                     if not keep:
                         p.grad = None
                         continue
@@ -491,9 +538,59 @@ class GradientReducer:
                         p.grad = chunk.clone()
                     else:
                         p.grad.copy_(chunk)  # keeps the layout autograd gave it (channels_last, ...)
+            if sparse_sums:
+                self._sum_sparse(sparse_sums)
             self.reductions += 1
         finally:
             self._reset()
+
+    def _sum_sparse(self, items: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+        """Sums the sparse gradients of ``items`` across the replicas, as TF sums ``IndexedSlices``:
+        every replica's indices and values are gathered (none from a replica that did not use the
+        parameter) and the result is one coalesced sparse gradient, added to what ``.grad`` held.
+
+        Every replica reaches this with the same parameters in the same order (the summed flags
+        say which). One all-gather of the counts for them all, then two per parameter.
+
+        Raises:
+            SparseGradientError: this strategy's reduction cannot gather (CentralStorage's).
+        """
+        if self._all_gather is None:
+            from phalanx.core.variables import label_of
+
+            raise SparseGradientError(
+                label_of(items[0][0]),
+                "this strategy (its gradients reach one replica)",
+                hint="use MirroredStrategy or MultiWorkerMirroredStrategy, or a dense embedding (sparse=False)",
+            )
+        local = []
+        for p, _ in items:
+            g = p.grad if p.grad is not None and p.grad.layout != torch.strided else None
+            local.append(g.coalesce() if g is not None else None)
+        device = items[0][0].device
+        counts = torch.tensor([g._nnz() if g is not None else 0 for g in local], dtype=torch.int64, device=device)
+        every = [c.tolist() for c in self._all_gather(counts)]
+        for i, ((p, prior), g) in enumerate(zip(items, local)):
+            nnz = [row[i] for row in every]
+            most = max(nnz)
+            dense_shape = tuple(p.shape)
+            if most == 0:
+                p.grad = prior
+                continue
+            sparse_dims = g.sparse_dim() if g is not None else 1
+            indices = torch.zeros(sparse_dims, most, dtype=torch.int64, device=device)
+            values = torch.zeros((most, *dense_shape[sparse_dims:]), dtype=p.dtype, device=device)
+            if g is not None:
+                indices[:, : g._nnz()] = g._indices()
+                values[: g._nnz()] = g._values()
+            all_indices = self._all_gather(indices)
+            all_values = self._all_gather(values)
+            summed = torch.sparse_coo_tensor(
+                torch.cat([ix[:, :n] for ix, n in zip(all_indices, nnz)], dim=1),
+                torch.cat([v[:n] for v, n in zip(all_values, nnz)]),
+                dense_shape,
+            ).coalesce()
+            p.grad = summed if prior is None else prior + summed
 
     def _reset(self) -> None:
         """Ends a pass, finished or failed: clears its state and puts set-aside gradients back."""
@@ -502,7 +599,8 @@ class GradientReducer:
             bucket.handle = None
             bucket.started = False
             if not self._persistent:  # .grad keeps this pass's buffer alive as long as the user keeps .grad
-                bucket.flat, bucket.views, bucket.tail, bucket.flags = None, [], None, None
+                bucket.flat, bucket.views, bucket.tail = None, [], None
+                bucket.flags = bucket.sparse_flags = None
         self._next = 0
         self._pending = False
         self._deferred = False

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -103,6 +103,9 @@ class AllReduce(GradientSync):
         cross_device_ops: the all-reduce algorithm (``num_packs`` splits the buckets).
         bucket_bytes: the buckets' target size.
         guard: the consistency guard riding on the first bucket, or None.
+        thawed: returns the synchronised parameters that were created frozen and train now (and
+            forgets them): asked at the end of each backward pass, so that a parameter thawed
+            inside ``run`` joins in that same step.
     """
 
     def __init__(
@@ -111,11 +114,13 @@ class AllReduce(GradientSync):
         cross_device_ops: CrossDeviceOps,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         guard: Any = None,
+        thawed: Callable[[], list[torch.nn.Parameter]] | None = None,
     ) -> None:
         self._comm = comm
         self._ops = cross_device_ops
         self._bucket_bytes = bucket_bytes
         self._guard = guard
+        self._thawed = thawed
         self.reducer: GradientReducer | None = None
 
     def attach(self, params: list[torch.nn.Parameter]) -> None:
@@ -124,8 +129,14 @@ class AllReduce(GradientSync):
             return
         comm, ops = self._comm, self._ops
         self.reducer = GradientReducer(
-            params, lambda flat: ops.all_reduce(comm, flat, "sum"), self._bucket_bytes, ops.num_packs, guard=self._guard
+            params,
+            lambda flat: ops.all_reduce(comm, flat, "sum"),
+            self._bucket_bytes,
+            ops.num_packs,
+            guard=self._guard,
+            all_gather=comm.all_gather,
         )
+        self.reducer.late = self._thawed
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()

@@ -330,7 +330,13 @@ class StrategyExtended:
         all-reduce into every replica's ``.grad`` where there are collectives, else nothing."""
         if not self._collectives:
             return GradientSync()
-        return AllReduce(self._comm, self._cross_device_ops, self._bucket_bytes, self.consistency.active)
+        return AllReduce(
+            self._comm,
+            self._cross_device_ops,
+            self._bucket_bytes,
+            self.consistency.active,
+            thawed=self.variable_sync.take_thawed,
+        )
 
     def _sync_new_variables(self) -> None:
         """Makes variables created since the last call identical everywhere and synchronised (collective)."""

@@ -122,7 +122,18 @@ class VariableSync:
             self.on_new_module,
             self.tag,
             self.on_container,
+            self.on_materialized,
         )
+
+    def on_materialized(self, module: torch.nn.Module) -> None:
+        """A lazy module's first forward gave its parameters their values: inside ``run`` they are
+        captured and synchronised now, before that forward uses them (every replica calls the
+        module at the same point), as a Keras layer built by its first call is; elsewhere at the
+        next synchronisation (scope exit, the next ``run``)."""
+        self.on_new_module(module, False)
+        if context.get_replica_context() is not None:
+            self.capture_new_modules()
+            self._synchronise()
 
     def on_new_module(self, module: torch.nn.Module, deep: bool) -> None:
         """Remembers ``module`` to sweep at the next :meth:`capture_new_modules`."""
@@ -268,6 +279,8 @@ class VariableSync:
                 # A plain tensor in a parameter's place is torch.func.functional_call's stand-in:
                 # the caller's tensor, whose gradient is the caller's, not a variable of the model.
                 stand_in = not isinstance(p, torch.nn.Parameter)
+                if variables.is_lazy(p):
+                    continue  # materialised by this call, then synchronised (on_materialized)
                 if p.requires_grad and not stand_in and id(p) not in self.synced and id(p) not in pending:
                     raise UnsynchronizedParameterError(
                         f"{type(module).__name__}.{name} (shape {tuple(p.shape)})",

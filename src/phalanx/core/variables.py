@@ -58,6 +58,9 @@ class Capture:
     # Told of each container a module is registered on under the capture (a model whose __init__
     # runs in scope): a strategy that works on whole models (FullyShardedStrategy) finds its roots.
     on_container: Callable[[torch.nn.Module], None] | None = None
+    # Told of a lazy module (torch.nn.LazyLinear, ...) whose parameters its first forward has just
+    # materialised, before that forward uses them: inside `run` they are synchronised at once.
+    on_materialized: Callable[[torch.nn.Module], None] | None = None
 
 
 MARK = "_phalanx_scope_tag"
@@ -153,6 +156,9 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
     _remember(module, cap)
     if param.is_meta:
         return None  # no values to move or broadcast yet: captured once materialised (to_empty, assign)
+    if is_lazy(param):
+        _watch_materialisation(module, cap)
+        return None  # a lazy module's: captured once its first forward gives it a shape
     if param.device != cap.device:
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
         _LABELS[param] = f"{type(module).__name__}.{name}"
@@ -173,7 +179,7 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
     if _is_compiler_module(module):
         return None
     _remember(module, cap)
-    if buffer.is_meta:
+    if buffer.is_meta or is_lazy(buffer):
         return None
     moved = buffer.to(cap.device) if buffer.device != cap.device else buffer
     cap.on_buffer(moved)
@@ -250,7 +256,7 @@ def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch
         # A plain tensor in a parameter's place is torch.func.functional_call's stand-in, not a variable.
         if not isinstance(param, torch.nn.Parameter) or known(param):
             continue
-        if param.is_meta:
+        if param.is_meta or is_lazy(param):
             meta = True
             continue
         if param.device != cap.device:
@@ -261,7 +267,7 @@ def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch
     for name, buffer in list(module.named_buffers(recurse=False)):
         if buffer is None or known(buffer):
             continue
-        if buffer.is_meta:
+        if buffer.is_meta or is_lazy(buffer):
             meta = True
             continue
         if buffer.device != cap.device:
@@ -269,6 +275,38 @@ def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch
             setattr(module, name, buffer)
         cap.on_buffer(buffer)
     return meta
+
+
+_LAZY_WATCHED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # lazy module -> its hook's handle
+
+
+def _watch_materialisation(module: torch.nn.Module, cap: Capture) -> None:
+    """Tells ``cap`` when ``module``'s first forward has materialised its lazy parameters.
+
+    torch's lazy modules (``LazyModuleMixin``) materialise in a forward pre-hook of their own; this
+    one, registered after it, runs next, before the forward uses the values. Weak on the capture's
+    callback: the module does not keep its strategy alive.
+    """
+    if cap.on_materialized is None or module in _LAZY_WATCHED:
+        return
+    notify = weakref.WeakMethod(cap.on_materialized)  # type: ignore[arg-type]
+
+    def materialised(mod: torch.nn.Module, args: Any) -> None:
+        if any(is_lazy(p) for p in mod.parameters(recurse=False)):
+            return
+        handle = _LAZY_WATCHED.pop(mod, None)
+        if handle is not None:
+            handle.remove()
+        callback = notify()
+        if callback is not None:
+            callback(mod)
+
+    _LAZY_WATCHED[module] = module.register_forward_pre_hook(materialised)
+
+
+def is_lazy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a lazy module's parameter or buffer that has no shape or values yet."""
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)
 
 
 @contextlib.contextmanager

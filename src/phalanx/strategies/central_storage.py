@@ -193,7 +193,8 @@ class Central(GradientSync):
         # per replica (mirrored from replica 0) rather than being raced on in shared memory.
         # Created frozen, a parameter stays per replica until it thaws (adopt_thawed: the same).
         self._attach_reducer(params)
-        trainable = [p for p in params if p.requires_grad]
+        # (An empty one has nothing to share: a lazy module's placeholder before its real parameter.)
+        trainable = [p for p in params if p.requires_grad and p.numel() > 0]
         # Alone, and computing where the variables are, a replica's own copy is the central one.
         if trainable and (self._comm.world_size > 1 or self._copy_mode):
             with torch.no_grad():
