@@ -204,7 +204,7 @@ def test_a_tracker_whose_client_is_missing_fails_at_create_file_writer_naming_th
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it fails
     with pytest.raises(TrackerUnavailableError, match=f"needs the '{module}' package") as e:
         summary.create_file_writer(tmp_path, trackers=("csv", tracker))
-    assert e.value.hint == f'pip install "phalanx[{tracker}]"'
+    assert e.value.hint == f'pip install -e ".[{tracker}]"'
     assert not (tmp_path / "metrics.csv").exists()
 
 

@@ -79,7 +79,7 @@ def test_a_missing_bar_client_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with pytest.raises(ProgressError, match="needs the 'tqdm' package") as e:
         choose_style("tqdm", _Tty())
-    assert "phalanx[progress]" in e.value.hint
+    assert ".[progress]" in e.value.hint
     monkeypatch.setitem(sys.modules, "rich", None)
     assert choose_style(None, _Tty()) == "plain"  # nothing to draw with: plain lines, not an error
 

@@ -519,7 +519,7 @@ class TrackerUnavailableError(SummaryError, ImportError):
         self.tracker, self.module, self.extra = tracker, module, extra
         super().__init__(
             f"The {tracker!r} tracker needs the {module!r} package, which is not installed.",
-            hint=f'pip install "phalanx[{extra}]"',
+            hint=f'pip install -e ".[{extra}]"',
         )
 
 

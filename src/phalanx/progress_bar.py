@@ -9,7 +9,7 @@ or ``batch_size=``), the time left, and the values last given to :meth:`Progress
 Where it draws:
 
 * a terminal or a Jupyter notebook: ``tqdm`` (``style="tqdm"``, the default where it is
-  installed, ``pip install "phalanx[progress]"``) or ``rich`` (``style="rich"``);
+  installed, ``pip install -e ".[progress]"``) or ``rich`` (``style="rich"``);
 * anything else (a batch job, a log file, a pipe): one plain line every ``interval`` seconds
   and one at the end, no carriage returns (``style="plain"``; the default off a terminal, and
   where neither tqdm nor rich is installed).
@@ -63,7 +63,7 @@ def choose_style(style: str | None, stream: TextIO) -> str:
         if style != "plain" and not _installed(style):
             raise ProgressError(
                 f"The {style!r} progress bar needs the {style!r} package, which is not installed.",
-                hint=f'pip install "phalanx[progress]" (or pip install {style}), or style="plain"',
+                hint=f'pip install -e ".[progress]" (or pip install {style}), or style="plain"',
             )
         return style
     interactive = _in_notebook() or bool(getattr(stream, "isatty", lambda: False)())

@@ -5,7 +5,7 @@ A writer writes only in the chief process (replica 0, or the ``chief`` task); ev
 calls are checked the same way and write nothing, so a job leaves exactly one run in each tracker.
 The trackers are named at :func:`create_file_writer` (see :mod:`phalanx.trackers`):
 ``"tensorboard"`` (the default; event files through ``torch.utils.tensorboard``,
-``pip install "phalanx[tensorboard]"``), ``"csv"`` (``metrics.csv``, built in), ``"mlflow"``
+``pip install -e ".[tensorboard]"``), ``"csv"`` (``metrics.csv``, built in), ``"mlflow"``
 (``phalanx[mlflow]``) and ``"wandb"`` (``phalanx[wandb]``), each through its own client.
 
 Example (each replica runs this; only the chief writes ``logs/``)::

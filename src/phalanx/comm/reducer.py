@@ -134,6 +134,15 @@ def _write_flags(flags: torch.Tensor, value: int, others: list[int]) -> None:
         flags[others] = 1 - value
 
 
+def _nnz(g: torch.Tensor | None) -> int:
+    """The rows a coalesced sparse gradient holds (0 for none)."""
+    return 0 if g is None else int(g.indices().shape[1])
+
+
+def _shape_of(param: torch.Tensor) -> str:
+    return f"a parameter of shape {tuple(param.shape)}"
+
+
 def _aliases(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
     """Whether ``grad`` is ``view`` (the same memory, the same layout; a sparse one never is)."""
     return (
@@ -160,6 +169,7 @@ class GradientReducer:
             give every replica the sum (a reduce to one replica). None: the guard rides on the bucket.
         all_gather: ``(tensor) -> [every replica's tensor]``, for sparse gradients; None: a sparse
             gradient is a :class:`~phalanx.errors.SparseGradientError`.
+        name_of: names a parameter in errors.
         persistent: keep each bucket's buffer from pass to pass, so ``.grad`` stays a view of it
             (DDP's ``gradient_as_bucket_view``; it holds one gradient-sized buffer even after
             ``zero_grad(set_to_none=True)``, as DDP's buckets do). False: a new buffer every pass,
@@ -177,9 +187,11 @@ class GradientReducer:
         guard_collective: Callable[[Any], None] | None = None,
         persistent: bool = True,
         all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+        name_of: Callable[[torch.Tensor], str] = _shape_of,
     ) -> None:
         self._all_reduce = all_reduce
         self._all_gather = all_gather
+        self._name_of = name_of
         self._persistent = persistent
         self._guard_collective = guard_collective
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
@@ -556,10 +568,8 @@ class GradientReducer:
             SparseGradientError: this strategy's reduction cannot gather (CentralStorage's).
         """
         if self._all_gather is None:
-            from phalanx.core.variables import label_of
-
             raise SparseGradientError(
-                label_of(items[0][0]),
+                self._name_of(items[0][0]),
                 "this strategy (its gradients reach one replica)",
                 hint="use MirroredStrategy or MultiWorkerMirroredStrategy, or a dense embedding (sparse=False)",
             )
@@ -568,7 +578,7 @@ class GradientReducer:
             g = p.grad if p.grad is not None and p.grad.layout != torch.strided else None
             local.append(g.coalesce() if g is not None else None)
         device = items[0][0].device
-        counts = torch.tensor([g._nnz() if g is not None else 0 for g in local], dtype=torch.int64, device=device)
+        counts = torch.tensor([_nnz(g) for g in local], dtype=torch.int64, device=device)
         every = [c.tolist() for c in self._all_gather(counts)]
         for i, ((p, prior), g) in enumerate(zip(items, local)):
             nnz = [row[i] for row in every]
@@ -581,8 +591,8 @@ class GradientReducer:
             indices = torch.zeros(sparse_dims, most, dtype=torch.int64, device=device)
             values = torch.zeros((most, *dense_shape[sparse_dims:]), dtype=p.dtype, device=device)
             if g is not None:
-                indices[:, : g._nnz()] = g._indices()
-                values[: g._nnz()] = g._values()
+                indices[:, : _nnz(g)] = g.indices()
+                values[: _nnz(g)] = g.values()
             all_indices = self._all_gather(indices)
             all_values = self._all_gather(values)
             summed = torch.sparse_coo_tensor(

@@ -46,7 +46,7 @@ try:
     import keras  # noqa: E402
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise UnsupportedKerasError(
-        f"phalanx.keras needs Keras 3 ({SUPPORTED}); importing keras failed: {e}", hint="pip install 'phalanx[keras]'"
+        f"phalanx.keras needs Keras 3 ({SUPPORTED}); importing keras failed: {e}", hint="pip install -e '.[keras]'"
     ) from e
 
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())

@@ -8,7 +8,7 @@ Example:
     ...     check_keras_version("2.15.0", "torch")
     ... except UnsupportedKerasError as e:
     ...     print(e)
-    phalanx.keras supports Keras >=3.6,<3.16; found keras 2.15.0. HINT: pip install 'phalanx[keras]'
+    phalanx.keras supports Keras >=3.6,<3.16; found keras 2.15.0. HINT: pip install -e '.[keras]'
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def parse_version(version: str) -> tuple[int, int]:
     if not match:
         raise UnsupportedKerasError(
             f"Cannot read the Keras version {version!r}.",
-            hint=f"install Keras {SUPPORTED}: pip install 'phalanx[keras]'",
+            hint=f"install Keras {SUPPORTED}: pip install -e '.[keras]'",
         )
     return int(match.group(1)), int(match.group(2))
 
@@ -41,7 +41,7 @@ def check_keras_version(version: str, backend: str) -> None:
     """Raises :class:`UnsupportedKerasError` unless ``version`` is supported and ``backend`` is torch."""
     if not MIN_VERSION <= parse_version(version) < MAX_VERSION:
         raise UnsupportedKerasError(
-            f"phalanx.keras supports Keras {SUPPORTED}; found keras {version}.", hint="pip install 'phalanx[keras]'"
+            f"phalanx.keras supports Keras {SUPPORTED}; found keras {version}.", hint="pip install -e '.[keras]'"
         )
     if backend != "torch":
         raise UnsupportedKerasError(

@@ -2,7 +2,7 @@
 
 Keras 3's own ``keras.callbacks.TensorBoard`` writes through TensorFlow, so on the torch backend
 without TensorFlow it cannot write. This one writes the same event files through
-``torch.utils.tensorboard`` (``pip install "phalanx[tensorboard]"``), with Keras' layout and tag
+``torch.utils.tensorboard`` (``pip install -e ".[tensorboard]"``), with Keras' layout and tag
 names, so ``tensorboard --logdir DIR`` shows what it shows for a tf.keras job:
 
 * ``DIR/train``: ``epoch_loss``, ``epoch_<metric>``, ``epoch_learning_rate`` at every epoch;

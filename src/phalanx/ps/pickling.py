@@ -106,7 +106,7 @@ def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
     try:
         import cloudpickle
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ParameterServerStrategy ships functions with cloudpickle: pip install 'phalanx[ps]'") from e
+        raise ImportError("ParameterServerStrategy ships functions with cloudpickle: pip install -e '.[ps]'") from e
 
     class _Pickler(cloudpickle.Pickler):
         def persistent_id(self, o: Any) -> Any:

@@ -129,7 +129,7 @@ def _grpc() -> Any:
         import grpc
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "ParameterServerStrategy needs gRPC: pip install 'phalanx[ps]' (grpcio, cloudpickle, cryptography)"
+            "ParameterServerStrategy needs gRPC: pip install -e '.[ps]' (grpcio, cloudpickle, cryptography)"
         ) from e
     return grpc
 

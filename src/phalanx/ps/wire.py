@@ -193,7 +193,7 @@ def _gcm() -> tuple[Any, Any, Any, Any]:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install 'phalanx[ps]'"
+                "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install -e '.[ps]'"
             ) from e
         _GCM = (AESGCM, Cipher, algorithms, modes)
     return _GCM

@@ -89,6 +89,7 @@ from phalanx.comm.communicator import Handle
 from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
+from phalanx.core import variables
 from phalanx.core.cross_replica import by_dtype
 from phalanx.core.gradient_sync import GradientSync
 from phalanx.core.strategy import Strategy, tf_device_name
@@ -272,6 +273,7 @@ class Central(GradientSync):
         guarding = {
             "guard": self._guard,
             "guard_collective": None if self._all_reduce_buckets else self._exchange_guard,
+            "name_of": variables.label_of,
         }
         if self.reducer is not None:
             self.reducer.add(params, self._bucket_bytes)
