@@ -816,18 +816,20 @@ class Supervisor:
     def dump_stacks(self, runs: Sequence[Running], settle: float = 1.0) -> dict[str, str]:
         """Asks each task for its Python stack; returns what each wrote (or why there is none).
 
-        A replica registers :mod:`faulthandler` on SIGUSR1 (:mod:`phalanx.launch.replica_hooks`),
-        which writes every thread's stack to its log; py-spy is used where it is installed and the
-        task has no such handler. A task without either is not signalled (SIGUSR1 would kill it).
+        A replica registers :mod:`faulthandler` on the stack-dump signal (``PHALANX_STACK_SIGNAL``,
+        default SIGUSR2; :mod:`phalanx.launch.replica_hooks`), which writes every thread's stack to
+        its log; py-spy is used where it is installed and the task has no such handler. A task
+        without either is not signalled (the signal's default action would kill it).
         """
         sizes, stacks = {}, {}
         signalled = []
+        sig = settings.stack_signal()
         for run in runs:
             path = run.task.log_path
             sizes[run.task.name] = os.path.getsize(path) if path and os.path.exists(path) else 0
-            if _catches(run.pid, signal.SIGUSR1):
+            if _catches(run.pid, sig):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(run.pid, signal.SIGUSR1)
+                    os.kill(run.pid, sig)
                 signalled.append(run)
             elif shutil.which("py-spy"):
                 try:
@@ -841,7 +843,10 @@ class Supervisor:
                 except (OSError, subprocess.SubprocessError) as e:
                     stacks[run.task.name] = f"(py-spy failed: {e})"
             else:
-                stacks[run.task.name] = "(no stack: it has no SIGUSR1 stack-dump handler and py-spy is not installed)"
+                stacks[run.task.name] = (
+                    f"(no stack: it has no {sig.name} stack-dump handler (PHALANX_STACK_SIGNAL) "
+                    "and py-spy is not installed)"
+                )
         if signalled:
             time.sleep(settle)
         for run in signalled:
