@@ -44,6 +44,9 @@ CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's cl
 # Steps between two parameter fingerprints of the consistency guard (phalanx.comm.guard): at most
 # 1 % of a step on the benchmark models (benchmarks/fingerprint.py), drift named within 100 steps.
 FINGERPRINT_EVERY = 100
+# Collectives each replica's flight recorder keeps (phalanx.comm.flight_recorder): a few steps of a
+# model with a dozen gradient buckets, for the diagnosis of a hang or of collectives that part.
+FLIGHT_RECORDER = 128
 # The signal that makes a launched replica write every thread's Python stack to its log. Not
 # SIGUSR1: Slurm sends that before a job's time runs out (--signal=USR1@60), for the program to save.
 STACK_SIGNAL = "SIGUSR2"
@@ -132,6 +135,9 @@ class Settings:
             fresh interpreter); see :mod:`phalanx.launch.forkserver`.
         job_report: PHALANX_JOB_REPORT=0 turns off the job report a job that watched itself (a
             summary writer, a progress bar, a profile) prints at exit (:mod:`phalanx.report`).
+        flight_recorder: PHALANX_FLIGHT_RECORDER, how many of its last collectives each replica's
+            flight recorder keeps (rounded up to a power of two, at least 8), for the diagnosis of
+            a hang (:mod:`phalanx.comm.diagnosis`).
         stack_signal: PHALANX_STACK_SIGNAL, the signal on which a launched replica writes every
             thread's Python stack to its log (``kill -USR2 <pid>``; default SIGUSR2, leaving SIGUSR1
             to the program: Slurm's warning before a job's time runs out). The supervisor and the
@@ -169,6 +175,7 @@ class Settings:
     fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
     job_report: str | None = field(default=None, metadata={"env": "PHALANX_JOB_REPORT"})
     stack_signal: str = field(default=STACK_SIGNAL, metadata={"env": "PHALANX_STACK_SIGNAL"})
+    flight_recorder: int = field(default=FLIGHT_RECORDER, metadata={"env": "PHALANX_FLIGHT_RECORDER"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from phalanx.comm.flight_recorder import recording
 from phalanx.errors import ReplicaDivergenceError
 
 FIELDS = ("step", "global batch size", "batch", "parameters")
@@ -254,10 +255,11 @@ class ReplicaGuard:
         if not self._digests:
             return None
         mine = torch.tensor([x for pair in self._digests for x in pair], dtype=torch.int64)
-        sizes = self._comm.all_gather(torch.tensor([mine.numel()]))  # type: ignore[attr-defined]
-        if len({int(s) for s in sizes}) != 1:
-            return f"(replica 0 has {int(sizes[0]) // 2} parameters, replica {other} {int(sizes[other]) // 2})"
-        every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
+        with recording(self._comm, "guard"):
+            sizes = self._comm.all_gather(torch.tensor([mine.numel()]))  # type: ignore[attr-defined]
+            if len({int(s) for s in sizes}) != 1:
+                return f"(replica 0 has {int(sizes[0]) // 2} parameters, replica {other} {int(sizes[other]) // 2})"
+            every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
         a, b = every[0].tolist(), every[other].tolist()
         for i, label in enumerate(self._labels):
             if a[2 * i : 2 * i + 2] != b[2 * i : 2 * i + 2]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -32,6 +33,7 @@ import torch
 from phalanx import nest
 from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from phalanx.comm.flight_recorder import recording
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 from phalanx.core import compiled, context, global_batch, integrations
@@ -285,18 +287,27 @@ class StrategyExtended:
         self._comm.step = self._step  # the communicator names the step in its errors
         times = getattr(self._comm, "times", None)
         self.stats.step_began(times.seconds if times is not None else 0.0)
-        with context.enter_scope(strategy):
-            self._before_run()
-            with (
-                context.enter_replica(strategy, self._comm.rank),
-                books.scope(strategy, default_device=False),
-                global_batch.using(info),
-                loss_scale_watch(self._reducer, self._comm.world_size),
-                _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
-            ):
-                # The first step (and the first after new modules) watches for unsynchronised parameters.
-                result = fn(*args, **kwargs) if books.checked_first_run else books.first_run(fn, args, kwargs)
-            self._after_run()
+        # The flight recorder looks the step's source line up once, at its first collective (the
+        # caller of `run` is where to look from a thread with no user frame: GPU autograd's).
+        rec = getattr(self._comm, "recorder", None)
+        saved = rec.enter_step(sys._getframe(1)) if rec is not None else None
+        try:
+            with context.enter_scope(strategy):
+                with recording(self._comm, "variable sync"):
+                    self._before_run()
+                with (
+                    context.enter_replica(strategy, self._comm.rank),
+                    books.scope(strategy, default_device=False),
+                    global_batch.using(info),
+                    loss_scale_watch(self._reducer, self._comm.world_size),
+                    _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
+                ):
+                    # The first step (and the first after new modules) watches for unsynchronised parameters.
+                    result = fn(*args, **kwargs) if books.checked_first_run else books.first_run(fn, args, kwargs)
+                self._after_run()
+        finally:
+            if rec is not None:
+                rec.leave_step(saved)
         self.cross_replica.remember_result(result)
         return result
 
@@ -339,6 +350,9 @@ class StrategyExtended:
             self._reducer.add(params, self._bucket_bytes, self._cross_device_ops.num_packs)
             return
         reduce = lambda flat: self._cross_device_ops.all_reduce(self._comm, flat, "sum")  # noqa: E731
+        rec = getattr(self._comm, "recorder", None)
+        if rec is not None:  # the flight recorder calls these collectives gradient buckets
+            reduce = rec.labelled("gradient bucket", reduce)
         self._reducer = GradientReducer(
             params, reduce, self._bucket_bytes, self._cross_device_ops.num_packs, guard=self._guard
         )
@@ -368,7 +382,8 @@ class StrategyExtended:
     def barrier(self) -> None:
         """Returns once every process of the job has called it."""
         if self._collectives:
-            self._comm.barrier()
+            with recording(self._comm, "barrier"):
+                self._comm.barrier()
 
     def adopt_variables(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Treats ``params`` as created in scope: broadcast from the chief, gradients synchronised.
@@ -717,6 +732,10 @@ class Strategy:
         collective when the worker has more than one replica: call it on every replica, as
         :meth:`reduce`. Mirrored values give N identical entries; other values ``(value,)``.
         """
+        with recording(self._extended.communicator, "gather"):
+            return self._local_results(value)
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
         leaves, spec = nest.flatten_with_spec(value)
         ext, values = self._extended, self._extended.cross_replica
         if ext.num_processes // max(ext.input_sharding.num_workers, 1) > 1:  # a collective here
@@ -757,6 +776,10 @@ class Strategy:
                 "strategy.reduce is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_reduce(...) in replica context",
             )
+        with recording(self._extended.communicator, "reduce"):
+            return self._reduce(op, value, axis)
+
+    def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         leaves, spec = nest.flatten_with_spec(value)
         values = self._extended.cross_replica
         structure = values.take_structure()  # TF's regroup check rides on this collective
@@ -801,6 +824,10 @@ class Strategy:
                 "strategy.gather is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_gather(value, axis)",
             )
+        with recording(self._extended.communicator, "gather"):
+            return self._gather(value, axis)
+
+    def _gather(self, value: Any, axis: int) -> Any:
         ext, values = self._extended, self._extended.cross_replica
         values.check_structures(values.take_structure())  # TF's regroup check
         workers = max(ext.input_sharding.num_workers, 1)

@@ -139,7 +139,7 @@ class ReplicaLauncher:
         # A host that is not Python (R) starts as itself: a Python fork server cannot run its program.
         self.embedded = host.embedded()
         forking = not self.embedded and (world_size > 2 or forkserver.has_inherited_server())
-        self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn")
+        self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn", run_dir=self.log_dir)
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._reported = threading.Event()  # ... and its failure reported (root cause, or interrupt)
         self._main_exiting = threading.Event()

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from phalanx.comm import diagnosis
 from phalanx.errors import LaunchError
 from phalanx.launch import settings
 from phalanx.launch.forkserver import (
@@ -257,6 +258,9 @@ class Exit:
     # waiting for it (alive, not arriving): the error of the peer that waited.
     stalled: str = ""
     state_when_stopped: str = ""  # its process state when the supervisor first signalled it
+    # Set by Supervisor.report_root_cause() on the replica a diagnosis (the replicas' flight
+    # recorders, comm/diagnosis.py) names as the cause: what it says, in one line.
+    diagnosed: str = ""
 
     @property
     def failed(self) -> bool:
@@ -264,8 +268,9 @@ class Exit:
 
     @property
     def status(self) -> int:
-        """The shell exit status this end stands for (1 for an error ended by the supervisor, or a stall)."""
-        return 1 if self.stopped_while_failing or self.stalled else exit_status(self.code)
+        """The shell exit status this end stands for (1 for an error ended by the supervisor, a stall
+        or a diagnosed cause)."""
+        return 1 if self.stopped_while_failing or self.stalled or self.diagnosed else exit_status(self.code)
 
     @property
     def consequence(self) -> bool:
@@ -357,16 +362,54 @@ def root_cause(exits: Iterable[Exit]) -> Exit | None:
     return cause
 
 
+# Errors that a failed collective raises on a replica that may not be the cause: the diagnosis decides.
+_COLLECTIVE_ERRORS = (*_CONSEQUENCES, "CollectiveMismatchError", "ReplicaDivergenceError")
+
+
+def _diagnosed_cause(cause: Exit, exits: list[Exit], found: dict, runs: list[Running]) -> Exit:
+    """The root cause a diagnosis names, where the failure found first only follows it."""
+    culprits = found.get("culprits") or []
+    if not culprits:
+        return cause
+    name = f"replica {culprits[0]}"
+    where = next((e for e in found.get("replicas") or [] if e.get("rank") == culprits[0]), {})
+    summary = str(found.get("summary") or where.get("where") or "")
+    if cause.task.name == name:
+        if cause.stalled:  # the stalled report; where it was, from its own answer
+            if where.get("state") != "own code":
+                return cause
+            how = "busy, not stuck: " if where.get("busy") else "blocked: "
+            return dataclasses.replace(cause, diagnosed=how + str(where.get("where")))
+        return cause if not cause.consequence else dataclasses.replace(cause, diagnosed=summary)
+    if not any(kind in cause.message for kind in _COLLECTIVE_ERRORS) and not cause.stalled:
+        return cause  # a failure of its own (an exception, a crash): the diagnosis only adds context
+    culprit = next((e for e in exits if e.task.name == name), None)
+    if culprit is None:  # still running (being stopped), or the launching process itself (self-launch)
+        run = next((r for r in runs if r.task.name == name), None)
+        task = run.task if run is not None else Task(name=name, command=(), info=f"rank {culprits[0]}")
+        pid = run.pid if run is not None else int(where.get("pid") or 0)
+        culprit = Exit(task, pid, 0, len(exits), True, "", int(time.time()))
+    return dataclasses.replace(culprit, diagnosed=summary, stalled="")
+
+
 def _who(task: Task, pid: int) -> str:
     return f"{task.name} ({task.info + ', ' if task.info else ''}pid {pid})"
 
 
 def format_failure(exit: Exit, *, lines: int = 15) -> str:
     """The report of one failed task: who, how, its recorded error and its log's last lines."""
+    if exit.diagnosed and not exit.stalled:
+        return f"{_who(exit.task, exit.pid)}: {exit.diagnosed}\n"
     if exit.stalled:
         waiter, error = exit.stalled.split(": ", 1)
         state = exit.state_when_stopped or "running"
         why = "" if state != "running" else " (deadlocked, or busy far longer than its peers)"
+        if exit.diagnosed:  # where it was, from its own answer: busy is not stuck
+            return (
+                f"{_who(exit.task, exit.pid)} never arrived at a collective, and {waiter} timed out waiting for it. "
+                f"It was {exit.diagnosed}, until the supervisor ended it ({describe_exit_code(exit.code)}).\n"
+                f"{waiter}'s error: {error}\n"
+            )
         return (
             f"{_who(exit.task, exit.pid)} stalled: it was alive but never arrived at a collective, and "
             f"{waiter} timed out waiting for it. It was {state}{why} until the supervisor ended it "
@@ -444,10 +487,18 @@ class Supervisor:
             cannot be forked is spawned).
         preload: with ``fork``, modules for the server to import besides those
             :func:`~phalanx.launch.forkserver.preload_for` finds in the script.
+        run_dir: the tasks' run directory, where a replica whose collective failed writes its
+            diagnosis (:mod:`phalanx.comm.diagnosis`); the root-cause report prints it.
     """
 
     def __init__(
-        self, *, tee: bool = False, out: IO[str] | None = None, start_method: str = "spawn", preload: Sequence[str] = ()
+        self,
+        *,
+        tee: bool = False,
+        out: IO[str] | None = None,
+        start_method: str = "spawn",
+        preload: Sequence[str] = (),
+        run_dir: str | None = None,
     ) -> None:
         if start_method not in ("spawn", "fork"):
             raise ValueError(f"start_method must be 'spawn' or 'fork', not {start_method!r}")
@@ -459,6 +510,9 @@ class Supervisor:
         self._runs: list[Running] = []
         self._exits: list[Exit] = []
         self._cause_reported = False  # this attempt printed a root cause: it failed (job_status)
+        # Where the tasks' run directory is (their logs, and a diagnosis a replica wrote there).
+        self.run_dir = run_dir
+        self._attempt_started = time.time()
         self._lock = threading.Lock()
         self._tee_lock = threading.Lock()
 
@@ -705,10 +759,11 @@ class Supervisor:
             time.sleep(0.02)
 
     def forget_exits(self) -> None:
-        """Starts a new attempt: earlier ends no longer count for the root cause."""
+        """Starts a new attempt: earlier ends (and an earlier diagnosis) no longer count for the root cause."""
         with self._lock:
             self._exits = []
             self._cause_reported = False
+            self._attempt_started = time.time()
 
     @property
     def exits(self) -> list[Exit]:
@@ -863,12 +918,31 @@ class Supervisor:
         return stacks
 
     # ------------------------------------------------------------------ reporting
+    def diagnosis(self) -> dict | None:
+        """The diagnosis a replica of this attempt wrote to the run directory, if any."""
+        if not self.run_dir:
+            return None
+        return diagnosis.read(self.run_dir, since=self._attempt_started - 1.0)
+
     def report_root_cause(self, exits: Iterable[Exit] | None = None) -> Exit | None:
-        """Prints the root-cause report once, in the one format; returns the failure it named."""
-        cause = root_cause(self.exits if exits is None else exits)
+        """Prints the root-cause report once, in the one format; returns the failure it named.
+
+        Where a replica wrote a diagnosis (its collective failed: it asked every replica where it
+        was), the diagnosis names the cause when the failures seen only follow it (a timeout, a lost
+        peer, collectives that do not match): the replica that never arrived, or that made another
+        call, whatever its state, never the one that waited. The diagnosis is printed after the
+        root cause, once.
+        """
+        exits = self.exits if exits is None else list(exits)
+        cause = root_cause(exits)
+        found = self.diagnosis() if cause is not None else None
+        if cause is not None and found is not None:
+            cause = _diagnosed_cause(cause, exits, found, self.runs)
         if cause is not None:
             self._cause_reported = True
             self.say("root cause (first failure): " + format_failure(cause))
+            if found is not None:
+                self.say(diagnosis.render(found, where=os.path.join(self.run_dir or "", diagnosis.FILE)))
         return cause
 
     def job_status(self, code: int) -> int:

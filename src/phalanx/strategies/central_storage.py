@@ -84,6 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm.communicator import Handle
+from phalanx.comm.flight_recorder import recording
 from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
@@ -324,6 +325,9 @@ class CentralStorageExtended(SyncExtended):
             comm.reduce(flat, dst=0)
             return Handle(flat)
 
+        rec = getattr(comm, "recorder", None)
+        if rec is not None:  # the flight recorder calls these collectives gradient buckets
+            reduce_to_chief = rec.labelled("gradient bucket", reduce_to_chief)
         # The guard rides on the first bucket where every replica gets its sum; where only replica 0
         # gets it (gloo's reduce), it has a small all-reduce of its own just before that bucket.
         guarding = {
@@ -347,7 +351,9 @@ class CentralStorageExtended(SyncExtended):
         """Every replica's guard numbers in one small all-reduce; raises if the replicas disagree."""
         # A copy: the guard reuses its buffer, and the all-reduce works in place.
         mine = guard.encode(torch.int64, _CENTRAL_DEVICE, with_parameters=with_parameters).clone()
-        guard.verify(self._comm.all_reduce(mine, "sum").wait())
+        with recording(self._comm, "guard"):
+            summed = self._comm.all_reduce(mine, "sum").wait()
+        guard.verify(summed)
 
     def _barrier(self) -> None:
         """A barrier that carries the consistency guard when it is on (see the module docstring).
