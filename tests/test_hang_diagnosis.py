@@ -238,6 +238,23 @@ def test_a_tf_config_worker_that_never_arrives_is_named_on_the_other_workers_ter
     assert started + res.elapsed - float((tmp_path / "t_event_0").read_text()) < BOUND, out[-3000:]
 
 
+def test_a_chief_that_dies_inside_wait_for_chief_ends_the_wait_at_once(tmp_path):
+    """The wait is bounded by the chief's liveness, not by the clock: its death is seen in a moment."""
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    env = {**ENV, "HANG_MODE": "chief_dies", "HANG_DIR": str(tmp_path)}
+    started = time.time()
+    chief, other = run_jobs(
+        [([sys.executable, str(SCRIPT)], {**env, **tf_config(workers, i)}) for i in range(2)], timeout=120, cwd=tmp_path
+    )
+    assert chief.returncode == -9, chief.output[-3000:]
+    assert other.returncode == 1, other.output[-6000:]
+    assert "PeerUnavailableError: waiting for the chief's evaluation on worker:1 (rank 1)" in other.output, other.output
+    assert "worker:0 (rank 0) is unavailable" in other.output, other.output
+    # The chief died 1 s into the block: the other worker ends long before any timeout would.
+    took = started + other.elapsed - float((tmp_path / "t_event_1").read_text())
+    assert took < 1.0 + TIMEOUT / 2, (took, other.output[-3000:])
+
+
 # ----------------------------------------------------------------------------- a slow replica, seen live
 def test_a_slow_replica_is_not_called_stuck_and_the_job_runs_on(tmp_path):
     env = {**os.environ, **ENV, "HANG_MODE": "slow", "HANG_STEPS": "16", "HANG_SLOW_S": "0.5"}

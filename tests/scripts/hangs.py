@@ -11,7 +11,8 @@ writes), ``extra`` (replica 1 makes one more ``strategy.reduce``), ``missing`` (
 (replica 1 builds its model's layers in another order: its gradient buckets differ), ``kill``
 (replica 1 is killed with SIGKILL), ``slow`` (replica 1 is slow at every step, never past the
 timeout), ``chief`` (the chief evaluates alone for ``HANG_CHIEF_S`` seconds, longer than the
-timeout) and ``chief_declared`` (the same inside ``phalanx.wait_for_chief()``). The files go to
+timeout), ``chief_declared`` (the same inside ``phalanx.wait_for_chief()``) and ``chief_dies``
+(the chief is killed inside ``phalanx.wait_for_chief()``). The files go to
 ``HANG_DIR`` (default: the working directory).
 """
 
@@ -91,6 +92,11 @@ for i in range(1, STEPS + 1):
             with px.wait_for_chief("evaluation"):  # @DECLARED
                 if px.is_chief():
                     evaluate(CHIEF_S)
+        if MODE == "chief_dies":
+            with px.wait_for_chief("evaluation"):
+                if px.is_chief():
+                    time.sleep(1.0)
+                    os.kill(os.getpid(), signal.SIGKILL)  # @CHIEF_DIES
         if MODE == "shape":
             strategy.run(other_shape)
     if MODE == "slow" and rank == 1:

@@ -86,7 +86,9 @@ def _place(c: dict[str, Any]) -> tuple:
 
 
 def _signature(c: dict[str, Any]) -> tuple:
-    return (*_place(c), c.get("numel"), c.get("dtype"))
+    """Two replicas' calls with one sequence number must match in all of this, the step included
+    (every replica runs the same steps: a replica a step ahead skipped one)."""
+    return (*_place(c), c.get("numel"), c.get("dtype"), c.get("step"))
 
 
 # ----------------------------------------------------------------------------- where a replica is

@@ -41,8 +41,10 @@ __all__ = ["FlightRecorder", "library_frame", "record_to_dict", "recording", "us
 
 DEFAULT_CAPACITY = 128
 # Modules whose frames are not "the user's line": phalanx itself, the libraries it drives, and the
-# stdlib's wrappers that sit between a user's call and phalanx (a `with`, a partial).
-_LIBRARIES = frozenset({"phalanx", "torch", "keras", "contextlib", "functools", "numpy", "optree", "tree"})
+# stdlib's wrappers that sit between a user's call and phalanx (a `with`, a partial, a thread's start).
+_LIBRARIES = frozenset(
+    {"phalanx", "torch", "keras", "contextlib", "functools", "numpy", "optree", "tree", "threading", "runpy"}
+)
 # A site nobody could find (no user frame on this thread): looked up once, then kept as it is.
 NO_SITE: tuple = ()
 # `site` outside any entry point: walk for every collective there (rare ones: a checkpoint's
@@ -198,15 +200,16 @@ class FlightRecorder:
         return _Label(self, kind)
 
     def labelled(self, kind: str, fn: Any) -> Any:
-        """``fn`` with its collectives recorded as ``kind`` (a strategy's gradient-bucket function)."""
+        """``fn`` with its collectives recorded as ``kind``: a strategy's gradient-bucket function.
+
+        One attribute write per call and no restore (a bucket is a hot path): ``kind`` stays until
+        the step ends (:meth:`leave_step`) or an entry point's :meth:`label` sets and restores its own;
+        every other collective of a step comes through such an entry point.
+        """
 
         def call(*args: Any) -> Any:
-            saved = self.kind
             self.kind = kind
-            try:
-                return fn(*args)
-            finally:
-                self.kind = saved
+            return fn(*args)
 
         return call
 

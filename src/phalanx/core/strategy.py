@@ -369,15 +369,18 @@ class StrategyExtended:
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp | str = ReduceOp.SUM) -> list[torch.Tensor]:
         """Reduces each tensor across all processes (integers averaged in floating point, as TF
         does), one message per dtype; new tensors, the same everywhere."""
-        return self.cross_replica.all_reduce(list(tensors), ReduceOp.from_any(op))
+        with recording(self._comm, "all_reduce"):
+            return self.cross_replica.all_reduce(list(tensors), ReduceOp.from_any(op))
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Overwrites ``tensors`` in place with process ``src``'s values (one message per dtype)."""
-        self.cross_replica.broadcast(list(tensors), src)
+        with recording(self._comm, "broadcast"):
+            self.cross_replica.broadcast(list(tensors), src)
 
     def all_gather(self, tensor: Any, axis: int = 0) -> torch.Tensor:
         """Concatenates every process's ``tensor`` along ``axis`` in process order (lengths may differ)."""
-        return self.cross_replica.all_gather(tensor, axis)
+        with recording(self._comm, "all_gather"):
+            return self.cross_replica.all_gather(tensor, axis)
 
     def barrier(self) -> None:
         """Returns once every process of the job has called it."""

@@ -368,7 +368,8 @@ class CentralStorageExtended(SyncExtended):
             # all-reduce just before it) carries it.
             self._exchange_guard(self._guard, with_parameters=False)
         elif self._comm.world_size > 1:
-            self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
+            with recording(self._comm, "barrier"):
+                self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
 
     def _adopt_reduced(self, buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
         """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients.
