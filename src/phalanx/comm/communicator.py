@@ -191,6 +191,8 @@ class GroupSpec:
     # written there for the launcher to print, and `phalanx diagnose --live` asks through it. ''
     # where no phalanx launcher watches (TF_CONFIG started by hand, torchrun): the replica prints it.
     run_dir: str = field(default="", compare=False)
+    # Whether the launcher prints that diagnosis (phalanx run, self-launch): then the replica does not.
+    launcher_prints: bool = field(default=False, compare=False)
     recorder_size: int = field(default=DEFAULT_CAPACITY, compare=False)  # PHALANX_FLIGHT_RECORDER
 
     def name(self, rank: int) -> str:
@@ -580,8 +582,9 @@ class ProcessGroupCommunicator:
 
         The first time only (the first failure is the one that matters; a diagnosis takes up to
         :data:`DIAGNOSIS_WAIT` seconds): asks every replica where it is, writes the diagnosis to the
-        run directory for the launcher to print (or, with no launcher watching, prints it on this
-        process's stderr), and returns a typed error that names the replica that caused the failure
+        run directory, if any, for the launcher to print (or, where no launcher prints it: a
+        ``TF_CONFIG`` job started by hand, a notebook, prints it on this process's stderr), and
+        returns a typed error that names the replica that caused the failure
         and its line. A timeout or a lost peer becomes an error of the same class naming the cause;
         any other error keeps its class and gains the diagnosis in its message. Never raises.
         """
@@ -599,9 +602,9 @@ class ProcessGroupCommunicator:
                 kept = diagnosis.write(found, self.spec.run_dir, keep_within=self.spec.timeout + DIAGNOSIS_WAIT + 10)
             except OSError:
                 kept = ""
-        if not kept:
+        if not (kept and self.spec.launcher_prints):
             with contextlib.suppress(Exception):  # a closed or broken stderr never hides the error
-                sys.stderr.write("phalanx: " + diagnosis.render(found) + "\n")
+                sys.stderr.write("phalanx: " + diagnosis.render(found, where=kept or None) + "\n")
                 sys.stderr.flush()
         return _with_diagnosis(error, found, self.spec.name(self.rank))
 

@@ -122,6 +122,9 @@ def launch(world_size: int) -> ReplicaLauncher:
 class ReplicaLauncher:
     """Starts and supervises replicas 1..N-1 of the current script; this process is replica 0."""
 
+    # Its supervisor prints the diagnosis a replica writes to the run directory (replica 0 too).
+    prints_diagnosis = True
+
     def __init__(self, world_size: int) -> None:
         # A program started with a closed stdout, stderr or stdin: /dev/null on that descriptor, or
         # the log files, pipes and fork-server socket opened below would take its number (and a

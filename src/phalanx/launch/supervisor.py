@@ -378,8 +378,8 @@ def _diagnosed_cause(cause: Exit, exits: list[Exit], found: dict, runs: list[Run
         if cause.stalled:  # the stalled report; where it was, from its own answer
             if where.get("state") != "own code":
                 return cause
-            how = "busy, not stuck: " if where.get("busy") else "blocked: "
-            return dataclasses.replace(cause, diagnosed=how + str(where.get("where")))
+            how = "busy, not stuck: " if where.get("busy") else ""
+            return dataclasses.replace(cause, diagnosed=how + str(where.get("where")).split("; it never reached")[0])
         return cause if not cause.consequence else dataclasses.replace(cause, diagnosed=summary)
     if not any(kind in cause.message for kind in _COLLECTIVE_ERRORS) and not cause.stalled:
         return cause  # a failure of its own (an exception, a crash): the diagnosis only adds context
@@ -538,6 +538,8 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 os.unlink(task.done_path)
             env["PHALANX_DONE_FILE"] = task.done_path
+        if self.run_dir:  # this supervisor prints the diagnosis a replica writes there: it need not
+            env["PHALANX_DIAGNOSIS_DIR"] = self.run_dir
         piped = task.log_path is not None and self.tee
         log = None
         if task.log_path is not None:
