@@ -57,6 +57,7 @@ CASES = {  # name -> (launcher, HANG_MODE)
     "missing-self": ("self", "missing"),
     "shape-self": ("self", "shape"),
     "bucket_order-self": ("self", "bucket_order"),
+    "skip-self": ("self", "skip"),
     "kill-self": ("self", "kill"),
     "kill-run": ("run", "kill"),
     "chief-self": ("self", "chief"),
@@ -186,6 +187,14 @@ def test_gradient_buckets_in_another_order_are_named_at_the_backward_line(jobs):
     cause = job.cause()
     assert "gradient buckets that differ" in cause and line_of("BACKWARD") in cause, cause
     assert "created in the same order" in job.diagnosis(), job.diagnosis()
+
+
+def test_a_skipped_step_says_so_and_names_the_replica_that_skipped_it(jobs):
+    job = jobs("skip-self")
+    assert job.code == 1, job.output[-6000:]
+    cause = job.cause()
+    assert cause.startswith("replica 1") and "a skipped step" in cause and "step 5" in cause, cause
+    assert "ReplicaDivergenceError" in job.output and line_of("BACKWARD") in cause, job.output[-6000:]
 
 
 # ----------------------------------------------------------------------------- a dead replica

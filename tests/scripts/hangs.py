@@ -12,7 +12,8 @@ writes), ``extra`` (replica 1 makes one more ``strategy.reduce``), ``missing`` (
 (replica 1 is killed with SIGKILL), ``slow`` (replica 1 is slow at every step, never past the
 timeout), ``chief`` (the chief evaluates alone for ``HANG_CHIEF_S`` seconds, longer than the
 timeout), ``chief_declared`` (the same inside ``phalanx.wait_for_chief()``) and ``chief_dies``
-(the chief is killed inside ``phalanx.wait_for_chief()``). The files go to
+(the chief is killed inside ``phalanx.wait_for_chief()``) and ``skip`` (replica 1's step raises, and its
+loop goes on to the next step). The files go to
 ``HANG_DIR`` (default: the working directory).
 """
 
@@ -55,7 +56,9 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def step(x):
+def step(x, i=0):
+    if MODE == "skip" and rank == 1 and i == 5:
+        raise ValueError("a bad record on replica 1 only")  # @SKIP
     loss = px.nn.compute_average_loss(model(x).square().sum(1), global_batch_size=8)
     loss.backward()  # @BACKWARD
     optimizer.step()
@@ -101,7 +104,10 @@ for i in range(1, STEPS + 1):
             strategy.run(other_shape)
     if MODE == "slow" and rank == 1:
         time.sleep(SLOW_S)  # @SLOW
-    loss = strategy.run(step, args=(torch.ones(4, 4),))
+    try:
+        loss = strategy.run(step, args=(torch.ones(4, 4), i))
+    except ValueError:
+        continue  # the loop skips the bad batch, on replica 1 only
     if MODE == "extra" and rank == 1 and i == 5:
         strategy.reduce("SUM", loss, axis=None)  # @EXTRA
     strategy.reduce("SUM", loss, axis=None)  # @REDUCE

@@ -484,20 +484,26 @@ class ProcessGroupCommunicator:
         own = self._snapshot(sample_cpu=False)
         absent: dict[int, str] = {}
         here = str(self._peers[self.rank]["host"])
+        ended: dict[int, dict[str, Any]] = {}
         for r, info in self._peers.items():
             if r != self.rank and str(info["host"]) == here:
                 state = health.process_state(int(info["pid"]))
                 if state in ("", "Z", "X"):
-                    absent[r] = f"dead: its process ({info['pid']}) has exited"
+                    final = snapshot.final(self.spec.run_dir, r, int(info["pid"])) if self.spec.run_dir else None
+                    if final is not None:  # it closed its strategy first: its program has ended
+                        ended[r] = final
+                    else:
+                        absent[r] = f"dead: its process ({info['pid']}) has exited"
                 elif state in ("T", "t"):
                     absent[r] = f"stopped (SIGSTOP or a debugger), pid {info['pid']}"
-        ask = [r for r in range(self.world_size) if r != self.rank and r not in absent]
+        ask = [r for r in range(self.world_size) if r != self.rank and r not in absent and r not in ended]
         found: dict[int, dict[str, Any]] = {}
         if ask:
             try:
                 found = snapshot.ask(self._short_store(), ask, DIAGNOSIS_WAIT)
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 died): say what is known here
                 found = {}
+        found.update(ended)
         found[self.rank] = own
         return diagnosis.analyse(
             found,
@@ -592,16 +598,20 @@ class ProcessGroupCommunicator:
             return error
         self._explained = True
         trigger = {"rank": self.rank, "name": self.spec.name(self.rank), "error": type(error).__name__}
-        try:
-            found = self.diagnose(trigger=trigger)
-        except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
-            return error
+        marked = diagnosis.diagnosing(self.spec.run_dir, self.rank) if self.spec.run_dir else contextlib.nullcontext()
         kept = ""
-        if self.spec.run_dir:
+        with marked:  # the launcher does not stop this replica before the diagnosis is written
             try:
-                kept = diagnosis.write(found, self.spec.run_dir, keep_within=self.spec.timeout + DIAGNOSIS_WAIT + 10)
-            except OSError:
-                kept = ""
+                found = self.diagnose(trigger=trigger)
+            except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
+                return error
+            if self.spec.run_dir:
+                try:
+                    kept = diagnosis.write(
+                        found, self.spec.run_dir, keep_within=self.spec.timeout + DIAGNOSIS_WAIT + 10
+                    )
+                except OSError:
+                    kept = ""
         if not (kept and self.spec.launcher_prints):
             with contextlib.suppress(Exception):  # a closed or broken stderr never hides the error
                 sys.stderr.write("phalanx: " + diagnosis.render(found, where=kept or None) + "\n")
@@ -780,11 +790,19 @@ class ProcessGroupCommunicator:
         return group
 
     def close(self) -> None:
-        """Stops the heartbeat and releases the process group; idempotent."""
+        """Stops the heartbeat and releases the process group; idempotent.
+
+        In a launcher's run directory it leaves its last collectives behind (``ended``): a peer
+        still waiting in a collective this replica never made can then say so, rather than call
+        it dead.
+        """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self.spec.run_dir and self.recorder.seq:
+            with contextlib.suppress(Exception):  # a diagnosis never fails a job
+                snapshot.leave_final(self.spec.run_dir, {**self._snapshot(sample_cpu=False), "ended": True})
         if self._shm is not None:
             self._shm.close()
         self._heartbeat.stop()

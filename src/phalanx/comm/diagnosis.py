@@ -41,12 +41,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FILE", "analyse", "read", "render", "write"]
+__all__ = ["FILE", "analyse", "diagnosing", "pending", "read", "render", "write"]
 
 FILE = "diagnosis.json"  # in the run directory (LOGDIR/<run-id>/), where the launcher reads it
 # The share of the time a replica's main thread was running or runnable (waiting for a core) at or
@@ -113,12 +115,19 @@ def _last_seq(snapshot: dict[str, Any]) -> int:
 def _own_code(snapshot: dict[str, Any]) -> str:
     """``in its own code at job.py:28 (`time.sleep(1000)`), step 4, blocked (0% of a core)``."""
     frames = _user_frames(snapshot)
+    stack = snapshot.get("stack") or []
     if frames:
         top = frames[0]
         text = f" (`{top['text']}`)" if top.get("text") else ""
-        where = f"at {os.path.basename(str(top['file']))}:{top['line']}{text}"
+        where = f"in its own code at {os.path.basename(str(top['file']))}:{top['line']}{text}"
+        if stack and not stack[-1].get("user"):  # deeper, in a library's code (phalanx's, torch's)
+            inner = stack[-1]
+            where = (
+                f"not in a collective, in {os.path.basename(str(inner['file']))}:{inner['line']} ({inner['function']}) "
+                f"called from its code at {os.path.basename(str(top['file']))}:{top['line']}{text}"
+            )
     else:
-        where = "outside phalanx (no frame of its own code on its stack)"
+        where = "in its own code, outside phalanx (no frame of it on its stack)"
     cpu = snapshot.get("cpu")
     how = ""
     if cpu is not None:
@@ -132,7 +141,7 @@ def _own_code(snapshot: dict[str, Any]) -> str:
         else:
             how = f", blocked ({share}: asleep, reading, or waiting on a lock)"
     step = f", step {snapshot['step']}" if snapshot.get("step") is not None else ""
-    return f"in its own code {where}{step}{how}"
+    return f"{where}{step}{how}"
 
 
 def _busy(snapshot: dict[str, Any]) -> bool:
@@ -291,6 +300,16 @@ def analyse(
             entry.update(state=why.split(" ", 1)[0].rstrip(":"), where=why)
             if not live or why.startswith(("dead", "stopped")):
                 culprits.append(r)
+        elif s.get("ended"):  # it closed its strategy (its program ended) and its process is gone
+            last = (s.get("collectives") or [{}])[-1]
+            entry.update(
+                pid=s.get("pid"),
+                step=s.get("step"),
+                seq=_last_seq(s),
+                state="ended",
+                where=f"ended: it closed its strategy after collective #{_last_seq(s)}"
+                + (f" ({_line(last.get('site'))})" if last.get("site") else ""),
+            )
         else:
             entry.update(pid=s.get("pid"), step=s.get("step"), seq=_last_seq(s))
             c = _in_flight(s)
@@ -315,6 +334,12 @@ def analyse(
                     f"; waits for the chief's {chief.get('what')} ({chief.get('seconds', 0):.1f} s so far)"
                 )
         replicas.append(entry)
+    ended = [e for e in replicas if e["state"] == "ended"]
+    if ended and parting is None and not culprits and front is not None:
+        # The others wait in a collective that an ended replica never made: theirs is the extra call.
+        culprits = [
+            e["rank"] for e in replicas if e["state"] == "collective" and e["seq"] > min(x["seq"] for x in ended)
+        ]
     if parting is not None:
         culprits = [parting["culprit"]] + [r for r in culprits if r != parting["culprit"]]
     agree = (parting["seq"] - 1) if parting is not None else min((_last_seq(s) for s in snapshots.values()), default=0)
@@ -378,6 +403,16 @@ def _summary(
         return "no replica is missing and none parted", ""
     first = next(e for e in replicas if e["rank"] == culprits[0])
     name = first["name"]
+    gone = [e for e in replicas if e["state"] == "ended"]
+    if first["state"] == "collective" and gone:
+        c = _in_flight(snapshots[culprits[0]]) or {}
+        others = ", ".join(e["name"] for e in gone)
+        return f"{name} made {_collective(c)} after {others} had ended its program: " + "; ".join(
+            f"{e['name']} {e['where']}" for e in gone
+        ), (
+            f"every replica must make the same collectives: the call at {_line(c.get('site')) or '?'} runs on "
+            f"{name} only, or {others} left early (a shorter loop, a `break`, data that ran out first)"
+        )
     if first["state"] in ("dead", "stopped", "silent"):
         return f"{name} is {first['where']}", (
             "synchronous training cannot go on without every replica; the launcher names how a dead replica ended"
@@ -470,3 +505,42 @@ def read(directory: str, *, since: float | None = None) -> dict[str, Any] | None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("version") == VERSION else None
+
+
+_PENDING = os.path.join("diagnosis", "pending-")  # in the run directory: a replica diagnosing now
+
+
+@contextlib.contextmanager
+def diagnosing(directory: str, rank: int) -> Iterator[None]:
+    """Marks, for the launcher, that replica ``rank`` is diagnosing a failure (it should not be stopped yet)."""
+    marker = os.path.join(directory, f"{_PENDING}{rank}")
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError:
+        marker = ""
+    try:
+        yield
+    finally:
+        if marker:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+
+
+def pending(directory: str) -> bool:
+    """Whether a replica that writes to ``directory`` is diagnosing a failure now (its process alive)."""
+    folder = os.path.join(directory, os.path.dirname(_PENDING))
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(os.path.basename(_PENDING))]
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                pid = int(f.read().strip() or 0)
+            os.kill(pid, 0)  # a marker of a replica that died while diagnosing does not count
+        except (OSError, ValueError):
+            continue
+        return True
+    return False

@@ -246,9 +246,22 @@ class ReplicaGuard:
         return self.every > 0 and (last is None or step - last >= self.every)
 
     def verify(self, summed: torch.Tensor) -> None:
-        """Checks the guard's part of the sum; raises ReplicaDivergenceError on every replica alike."""
+        """Checks the guard's part of the sum; raises ReplicaDivergenceError on every replica alike.
+
+        Replicas at different steps are diagnosed first (the communicator's ``explain``): the
+        replicas' flight recorders say which one skipped a step, and where it went on from.
+        """
         self.checks += 1
-        self._fields.check(summed, self._comm.name, self._step, self._first_difference)  # type: ignore[attr-defined]
+        try:
+            self._fields.check(summed, self._comm.name, self._step, self._first_difference)  # type: ignore[attr-defined]
+        except ReplicaDivergenceError as e:
+            explain = getattr(self._comm, "explain", None)
+            if e.field != "step" or explain is None:
+                raise
+            explained = explain(e)
+            if explained is e:
+                raise
+            raise explained from e
 
     def _first_difference(self, other: int) -> str | None:
         """The first parameter whose digest differs between replica 0 and ``other`` (a collective)."""

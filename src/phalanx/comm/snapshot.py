@@ -35,7 +35,7 @@ from typing import Any
 from phalanx._compat.python import main_thread_frame
 from phalanx.comm.flight_recorder import FlightRecorder, library_frame
 
-__all__ = ["Agent", "ask", "ask_directory", "take"]
+__all__ = ["Agent", "ask", "ask_directory", "final", "leave_final", "take"]
 
 REQUEST_KEY, SNAPSHOT_KEY = "diag/req", "diag/snap/"
 DIRECTORY = "diagnosis"  # under the run directory
@@ -275,3 +275,23 @@ def ask_directory(run_dir: str, wait: float) -> dict[int, dict[str, Any]]:
             break
         time.sleep(0.05)
     return found
+
+
+def leave_final(run_dir: str, snapshot: dict[str, Any]) -> None:
+    """Leaves a closing replica's last snapshot in the run directory (``final_<rank>.json``)."""
+    directory = os.path.join(run_dir, DIRECTORY)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"final_{snapshot['rank']}.json")
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        json.dump(snapshot, f, default=str)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+def final(run_dir: str, rank: int, pid: int) -> dict[str, Any] | None:
+    """The last snapshot replica ``rank`` (process ``pid``) left when it closed, if it did."""
+    try:
+        with open(os.path.join(run_dir, DIRECTORY, f"final_{rank}.json")) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if found.get("pid") == pid else None

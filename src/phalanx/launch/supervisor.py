@@ -102,6 +102,10 @@ FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish
 # peer that failed first is often still exiting (its teardown can take seconds), or its end not yet
 # reported (a fork server reports an exit a moment after the process ended).
 CAUSE_WAIT_S = 2.0
+# A replica diagnosing a failed collective (its peers' answers, then diagnosis.json) gets this long
+# before it is stopped; after a task was killed by a signal, its peers get DIAGNOSIS_SETTLE_S to start.
+DIAGNOSIS_WAIT_S = 3.0
+DIAGNOSIS_SETTLE_S = 0.3
 
 
 # ----------------------------------------------------------------------------- run directories
@@ -384,6 +388,8 @@ def _diagnosed_cause(cause: Exit, exits: list[Exit], found: dict, runs: list[Run
     if not any(kind in cause.message for kind in _COLLECTIVE_ERRORS) and not cause.stalled:
         return cause  # a failure of its own (an exception, a crash): the diagnosis only adds context
     culprit = next((e for e in exits if e.task.name == name), None)
+    if culprit is not None and culprit.code == 0:
+        return cause  # it finished its program: whoever still made collectives after it is the cause
     if culprit is None:  # still running (being stopped), or the launching process itself (self-launch)
         run = next((r for r in runs if r.task.name == name), None)
         task = run.task if run is not None else Task(name=name, command=(), info=f"rank {culprits[0]}")
@@ -399,7 +405,13 @@ def _who(task: Task, pid: int) -> str:
 def format_failure(exit: Exit, *, lines: int = 15) -> str:
     """The report of one failed task: who, how, its recorded error and its log's last lines."""
     if exit.diagnosed and not exit.stalled:
-        return f"{_who(exit.task, exit.pid)}: {exit.diagnosed}\n"
+        text = f"{_who(exit.task, exit.pid)}: {exit.diagnosed}\n"
+        if exit.failed and exit.task.log_path is not None:  # where it raised, from its log (if it did)
+            log = tail(exit.task.log_path, 80)
+            start = log.rfind("Traceback (most recent call last):")
+            if start >= 0:
+                text += f"last lines of {exit.task.log_path}:\n{log[start:]}\n"
+        return text
     if exit.stalled:
         waiter, error = exit.stalled.split(": ", 1)
         state = exit.state_when_stopped or "running"
@@ -760,6 +772,31 @@ class Supervisor:
                 return seen
             time.sleep(0.02)
 
+    def await_diagnosis(self, limit: float = DIAGNOSIS_WAIT_S, settle: float = DIAGNOSIS_SETTLE_S) -> list[Exit]:
+        """Before the others are stopped: lets a replica that is diagnosing the failure finish.
+
+        A replica whose collective failed asks every replica where it is, then writes the diagnosis
+        to the run directory (:mod:`phalanx.comm.diagnosis`); meanwhile a marker says so. Stopping it
+        then would lose the diagnosis. Waits while a marker is there, at most ``limit`` seconds;
+        after a task killed by a signal (a crash, the OOM killer: its peers notice within a tenth of
+        a second, and their view of where they were is all there is) first ``settle`` seconds for
+        one to start. Returns at once where no run directory is kept.
+
+        Returns:
+            The exits seen meanwhile.
+        """
+        if not self.run_dir:
+            return []
+        seen: list[Exit] = []
+        start = time.monotonic()
+        killed = any(e.code < 0 and not e.stopped_by_supervisor for e in self.exits)
+        while self.alive() and time.monotonic() - start < limit:
+            if not diagnosis.pending(self.run_dir) and (not killed or time.monotonic() - start >= settle):
+                break
+            time.sleep(0.02)
+            seen += self.poll()
+        return seen
+
     def forget_exits(self) -> None:
         """Starts a new attempt: earlier ends (and an earlier diagnosis) no longer count for the root cause."""
         with self._lock:
@@ -841,6 +878,7 @@ class Supervisor:
         show (:meth:`await_cause`). Returns the exits seen meanwhile."""
         grace = settings.stop_grace() if grace is None else grace
         seen = self.await_cause()
+        seen += self.await_diagnosis()
         failing = self.failing()
         others = [r for r in self.alive() if r not in failing]
         self.signal_all(signal.SIGTERM, others)
