@@ -24,8 +24,20 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # collecting (pyproject's --doctest-modules would).
 collect_ignore = ["scripts"]
 
-# Prepended to every replica script: a stack dump on SIGUSR1, so a hung replica shows where it is.
-PRELUDE = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+# Prepended to every replica script: a stack dump on the stack-dump signal (PHALANX_STACK_SIGNAL,
+# default SIGUSR2, which the hard timeouts below send), so a hung replica shows where it is.
+PRELUDE = (
+    "import faulthandler; from phalanx.config import stack_signal; "
+    "faulthandler.register(stack_signal(), all_threads=True)\n"
+)
+
+
+def _stack_signal():
+    """The signal the hung-job dumps send: the one replicas and the scripts' prelude register."""
+    from phalanx.config import stack_signal
+
+    return stack_signal()
+
 
 # ----------------------------------------------------------------------------- starting jobs
 # `python script.py` jobs are forked from per-test-process fork servers that imported torch (and,
@@ -235,7 +247,7 @@ def run_job(
         procs = _hung_processes(proc.pid)
         for p in procs:
             try:
-                p.send_signal(signal.SIGUSR1)
+                p.send_signal(_stack_signal())
             except psutil.Error:
                 pass
         time.sleep(1.0)
@@ -279,7 +291,7 @@ def run_jobs(
                 for p, _ in procs:
                     for q in _hung_processes(p.pid):
                         try:
-                            q.send_signal(signal.SIGUSR1)
+                            q.send_signal(_stack_signal())
                         except psutil.Error:
                             pass
                 time.sleep(1.0)

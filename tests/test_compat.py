@@ -96,6 +96,24 @@ def test_hook_before_thread_pools_exit_runs_while_pools_still_take_work():
     assert out.stdout == "pools shut when the hook ran: False\n", out.stdout + out.stderr
 
 
+def test_main_thread_frame_is_where_the_main_thread_is_seen_from_another_thread():
+    import threading
+
+    from phalanx._compat.python import main_thread_frame
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(main_thread_frame()))
+    worker.start()
+    worker.join()  # the main thread waits here, in this test function
+    caller = seen[0]  # the main thread's innermost frame (in Thread.join), not the worker's
+    assert caller is not None
+    while caller is not None and caller.f_code.co_name != (
+        "test_main_thread_frame_is_where_the_main_thread_is_seen_from_another_thread"
+    ):
+        caller = caller.f_back
+    assert caller is not None
+
+
 def test_run_module_as_main_runs_the_module_in_main_as_python_m_does(tmp_path):
     (tmp_path / "mod_probe.py").write_text(
         "import sys, pickle\nclass C: pass\n"

@@ -31,6 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from phalanx.config import stack_signal
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "r" / "seed_000.R"
 REPLICAS = ROOT / "tests" / "scripts" / "r_replicas.R"
@@ -106,7 +108,7 @@ def run_r(args: list[str], folder: Path, *, timeout: float = TIMEOUT_S) -> RRun:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             for p in _session(proc.pid):
-                p.send_signal(signal.SIGUSR1)  # a Python stack from each replica (faulthandler)
+                p.send_signal(stack_signal())  # a Python stack from each replica (faulthandler)
             time.sleep(1.0)
         finally:
             elapsed = time.monotonic() - started

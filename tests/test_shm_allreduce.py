@@ -2,7 +2,7 @@
 
 Each test starts real processes (this file run as a script, one per rank) that meet through a
 real TCPStore hosted by the test process. Every launch has a hard deadline: on expiry each child
-dumps its Python stacks (faulthandler on SIGUSR1) and is killed, and the test fails with the
+dumps its Python stacks (faulthandler on PHALANX_STACK_SIGNAL) and is killed, and the test fails with the
 dumps. Every child is reaped, and no segment of ours may remain in /dev/shm.
 """
 
@@ -27,6 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+from phalanx.config import stack_signal
 
 from conftest import start_process
 
@@ -339,7 +341,9 @@ def _child_main(args: dict) -> None:
     a scenario that ends the process (peer death) leaves behind still reaches the test."""
     import faulthandler
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from phalanx.config import stack_signal
+
+    faulthandler.register(stack_signal(), all_threads=True)
     from torch.distributed import TCPStore
 
     from phalanx.comm.shm import ShmAllReduce
@@ -427,7 +431,7 @@ def _launch_many(
             except subprocess.TimeoutExpired:
                 for q in procs:
                     if q.poll() is None:
-                        q.send_signal(signal.SIGUSR1)
+                        q.send_signal(stack_signal())
                 time.sleep(1.0)
                 dumps = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()}" for r in range(world))
                 names = [sc["name"] for sc in scenarios]

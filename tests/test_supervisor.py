@@ -273,8 +273,9 @@ def test_replica_still_running_after_replica_0_finished_is_named_with_its_stack(
 # A parameter-server cluster whose ps task never ends (a server the chief's shutdown did not
 # reach); the chief and the worker finish at once. No torch: the tasks start in milliseconds.
 _PS_TASK = """
-import faulthandler, json, os, signal, time
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+import faulthandler, json, os, time
+from phalanx.config import stack_signal
+faulthandler.register(stack_signal(), all_threads=True)
 kind = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
 if kind == "ps":
     def lingering_server():

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
     from phalanx.core.distributed_variable import Variable, VariableAggregation, VariableSynchronization
     from phalanx.core.global_strategy import experimental_set_strategy
     from phalanx.core.options import RunOptions
-    from phalanx.core.process import barrier, is_chief, num_processes, process_index
+    from phalanx.core.process import barrier, is_chief, num_processes, process_index, wait_for_chief
     from phalanx.core.strategy import Strategy, StrategyExtended
     from phalanx.input import (
         AutoShardPolicy,
@@ -99,6 +99,7 @@ _ATTRIBUTES = {
     "is_chief": "phalanx.core.process",
     "num_processes": "phalanx.core.process",
     "process_index": "phalanx.core.process",
+    "wait_for_chief": "phalanx.core.process",
     "Server": "phalanx.server",
     "profile": "phalanx.profiler",
     "progress": "phalanx.progress_bar",

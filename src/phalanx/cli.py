@@ -7,11 +7,13 @@ Examples::
     phalanx run --ps 2 --workers 3 train.py       # a parameter-server cluster on this host
     phalanx demo --strategy all --epochs 10
     phalanx bench --quick                          # forwards its options to python -m benchmarks
+    phalanx diagnose --live                        # where each replica of the newest run is, now
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Sequence
@@ -186,6 +188,60 @@ def _bench(args: argparse.Namespace) -> int:
     return 2
 
 
+def _newest_run(root: str) -> str | None:
+    """The newest run directory under the log root (run ids sort by start time)."""
+    import re
+
+    try:
+        names = sorted(n for n in os.listdir(root) if re.match(r"^\d{8}-\d{6}-[0-9a-f]{6}$", n))
+    except OSError:
+        return None
+    return os.path.join(root, names[-1]) if names else None
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    """``phalanx diagnose [RUN_DIR] [--live]``: the diagnosis of a run, kept or asked for now."""
+    from phalanx.comm import diagnosis
+
+    run_dir = args.run_dir
+    if run_dir is None:
+        from phalanx.launch import settings
+
+        run_dir = _newest_run(settings.log_root())
+        if run_dir is None:
+            print(f"phalanx diagnose: no run directory under {settings.log_root()}; name one", file=sys.stderr)
+            return 2
+    if not os.path.isdir(run_dir):
+        print(f"phalanx diagnose: {run_dir!r} is not a directory (a run's LOGDIR/<run-id>)", file=sys.stderr)
+        return 2
+    if not args.live:
+        found = diagnosis.read(run_dir)
+        if found is None:
+            print(
+                f"phalanx diagnose: {run_dir} holds no diagnosis (no collective of that run failed); "
+                "`phalanx diagnose --live` asks a running job",
+                file=sys.stderr,
+            )
+            return 1
+        print(json.dumps(found, indent=1) if args.json else diagnosis.render(found))
+        return 0
+    from phalanx.comm import snapshot
+
+    answers = snapshot.ask_directory(run_dir, args.wait)
+    if not answers:
+        print(
+            f"phalanx diagnose: no replica of {run_dir} answered within {args.wait:g} s (has the job ended? a "
+            "replica answers from its heartbeat thread once its strategy is built)",
+            file=sys.stderr,
+        )
+        return 1
+    world = max(int(s.get("world_size") or 0) for s in answers.values())
+    absent = {r: "silent: it did not answer (another host, or it has ended)" for r in range(world) if r not in answers}
+    found = diagnosis.analyse(answers, world, absent=absent, live=True)
+    print(json.dumps(found, indent=1) if args.json else diagnosis.render(found))
+    return 0
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the examples' layout and appends each option's default (when it has a meaningful one)."""
 
@@ -216,6 +272,7 @@ _TOP_EXAMPLES = """examples:
   phalanx demo                       # train a small model under OneDevice and Mirrored, print a table
   phalanx run -n 2 train.py          # run your script as 2 replica processes
   phalanx bench --quick              # a short benchmark run (from a source checkout)
+  phalanx diagnose --live            # where each replica of the newest run is, without stopping it
   phalanx <command> --help           # a command's options
 
 documentation: README.md in the source repository"""
@@ -263,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or benchmark.",
     )
     parser.add_argument("--version", action=_VersionAction)
-    sub = parser.add_subparsers(dest="cmd", metavar="{run,demo,bench}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{run,demo,bench,diagnose}")
 
     run = sub.add_parser(
         "run",
@@ -374,6 +431,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(demo)
     demo.set_defaults(func=demo_main)
+
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="say where each replica of a run is, and why it hung (kept, or asked now with --live)",
+        description="Print the diagnosis of a run: where each replica was (in which collective, from which "
+        "line; or in its own code), where their collectives parted, and the cause. A replica whose "
+        "collective failed writes it to the run directory, where the launcher printed it; --live asks the "
+        "replicas of a running job now, without stopping it.",
+        epilog="examples:\n  phalanx diagnose                      # the newest run's kept diagnosis\n"
+        "  phalanx diagnose /tmp/phalanx-logs/20261128-101500-1a2b3c\n"
+        "  phalanx diagnose --live               # the newest run, now",
+        formatter_class=_HelpFormatter,
+    )
+    diagnose.add_argument(
+        "run_dir",
+        nargs="?",
+        default=None,
+        metavar="RUN_DIR",
+        help="the run's directory, LOGDIR/<run-id> (default: the newest under $PHALANX_LOG_ROOT or <tmp>/phalanx-logs)",
+    )
+    diagnose.add_argument("--live", action="store_true", help="ask the running job's replicas now")
+    diagnose.add_argument(
+        "--wait", type=float, default=3.0, metavar="S", help="with --live: how long to wait for the replicas' answers"
+    )
+    diagnose.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    diagnose.set_defaults(func=_diagnose)
 
     # bench's options belong to python -m benchmarks: everything after `bench` is forwarded
     # (see main), so `phalanx bench --help` shows the suite's own help.

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
@@ -43,6 +44,18 @@ CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's cl
 # Steps between two parameter fingerprints of the consistency guard (phalanx.comm.guard): at most
 # 1 % of a step on the benchmark models (benchmarks/fingerprint.py), drift named within 100 steps.
 FINGERPRINT_EVERY = 100
+# Collectives each replica's flight recorder keeps (phalanx.comm.flight_recorder): a few steps of a
+# model with a dozen gradient buckets, for the diagnosis of a hang or of collectives that part.
+FLIGHT_RECORDER = 128
+# The signal that makes a launched replica write every thread's Python stack to its log. Not
+# SIGUSR1: Slurm sends that before a job's time runs out (--signal=USR1@60), for the program to save.
+STACK_SIGNAL = "SIGUSR2"
+# Signals that cannot carry a stack dump: uncatchable, phalanx's own stop signals, the ones
+# faulthandler keeps for crashes, and those the kernel sends for other reasons.
+_NOT_FOR_STACKS = frozenset(
+    ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGINT", "SIGCHLD", "SIGCONT")  # uncatchable, phalanx's stops, the kernel's
+    + ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL")  # faulthandler's own, for crashes
+)
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -53,6 +66,26 @@ def _seconds(name: str, raw: str) -> float:
     if not value > 0:
         raise ClusterSpecError(name, raw, "must be positive")
     return value
+
+
+def _signal_name(name: str, raw: str) -> str:
+    """A signal given by name (``SIGUSR2``, ``USR2``, any case) or number, as its ``SIG`` name."""
+    text = raw.strip().upper()
+    try:
+        named = text if text.startswith("SIG") else "SIG" + text
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[named]
+    except (KeyError, ValueError):
+        raise ClusterSpecError(
+            name, raw, "is not a signal of this system", hint=f"name one, e.g. {STACK_SIGNAL} (the default) or SIGWINCH"
+        ) from None
+    if sig.name in _NOT_FOR_STACKS:
+        raise ClusterSpecError(
+            name,
+            raw,
+            f"{sig.name} cannot carry a stack dump (it stops, ends or crashes a process, or phalanx uses it)",
+            hint=f"use a signal that is free in your programs, e.g. {STACK_SIGNAL} (the default) or SIGWINCH",
+        )
+    return sig.name
 
 
 def _flag(name: str, raw: str, hint: str = "") -> bool:
@@ -105,6 +138,13 @@ class Settings:
             fresh interpreter); see :mod:`phalanx.launch.forkserver`.
         job_report: PHALANX_JOB_REPORT=0 turns off the job report a job that watched itself (a
             summary writer, a progress bar, a profile) prints at exit (:mod:`phalanx.report`).
+        flight_recorder: PHALANX_FLIGHT_RECORDER, how many of its last collectives each replica's
+            flight recorder keeps (rounded up to a power of two, at least 8), for the diagnosis of
+            a hang (:mod:`phalanx.comm.diagnosis`).
+        stack_signal: PHALANX_STACK_SIGNAL, the signal on which a launched replica writes every
+            thread's Python stack to its log (``kill -USR2 <pid>``; default SIGUSR2, leaving SIGUSR1
+            to the program: Slurm's warning before a job's time runs out). The supervisor and the
+            test harness send the same.
     """
 
     collective_timeout: float = field(default=COLLECTIVE_TIMEOUT, metadata={"env": "PHALANX_COLLECTIVE_TIMEOUT"})
@@ -138,6 +178,8 @@ class Settings:
     fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
     job_report: str | None = field(default=None, metadata={"env": "PHALANX_JOB_REPORT"})
     debug: bool = field(default=False, metadata={"env": "PHALANX_DEBUG"})
+    stack_signal: str = field(default=STACK_SIGNAL, metadata={"env": "PHALANX_STACK_SIGNAL"})
+    flight_recorder: int = field(default=FLIGHT_RECORDER, metadata={"env": "PHALANX_FLIGHT_RECORDER"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -167,6 +209,8 @@ class Settings:
                 values[f.name] = _flag(name, raw, "1 shows phalanx's own frames in a configuration error's traceback")
             elif f.name == "shm_packing":
                 values[f.name] = _flag(name, raw, "0 keeps a host's replicas on their own cores when it is crowded")
+            elif f.name == "stack_signal":
+                values[f.name] = _signal_name(name, raw)
             elif f.type == "int":
                 if not raw.strip().isdigit():
                     raise ClusterSpecError(name, raw, "must be a non-negative integer")
@@ -184,3 +228,13 @@ class Settings:
 def settings() -> Settings:
     """A snapshot of the settings in the environment now (take one when building a strategy)."""
     return Settings.from_environ()
+
+
+def stack_signal(environ: Mapping[str, str] | None = None) -> signal.Signals:
+    """The stack-dump signal (``PHALANX_STACK_SIGNAL``) in ``environ`` (default ``os.environ``).
+
+    Example:
+        >>> stack_signal({}).name
+        'SIGUSR2'
+    """
+    return signal.Signals[Settings.from_environ(environ).stack_signal]

@@ -254,23 +254,47 @@ class RendezvousTimeoutError(DistributedRuntimeError):
 
 
 class PeerUnavailableError(DistributedRuntimeError):
-    """A peer process died or stopped responding during a collective."""
+    """A peer process died or stopped responding during a collective.
 
-    def __init__(self, peers: list[str], *, step: int | None, operation: str, cause: str) -> None:
+    Attributes:
+        peers: the peers named (``"replica:1 (rank 1)"``), those the collective waited for.
+        step: the step, where known.
+        operation: the collective and the replica that raised (``"all-reduce on replica:0 (rank 0)"``).
+        cause: what happened to them (with a diagnosis: where each one is).
+        diagnosis: the job's diagnosis (:mod:`phalanx.comm.diagnosis`) when the replica that raised
+            could ask its peers where they are, else None.
+    """
+
+    def __init__(
+        self, peers: list[str], *, step: int | None, operation: str, cause: str, hint: str | None = None
+    ) -> None:
         self.peers = peers
         self.step = step
         self.operation = operation
+        self.cause = cause
+        self.diagnosis: dict[str, Any] | None = None
         where = f" at step {step}" if step is not None else ""
         who = ", ".join(peers) if peers else "an unidentified peer"
         super().__init__(
             f"{operation} failed{where}: {who} is unavailable ({cause}).",
-            hint="synchronous training cannot continue without every replica; restart the job "
+            hint=hint
+            or "synchronous training cannot continue without every replica; restart the job "
             "(phalanx run --max-restarts K) and resume from the last checkpoint",
         )
+
+    def __reduce__(self) -> tuple:
+        # The constructor's arguments, not the message: pickled across processes (Ray, multiprocessing).
+        kwargs = {"step": self.step, "operation": self.operation, "cause": self.cause, "hint": self.hint}
+        return (_rebuild, (type(self), (self.peers,), kwargs))
 
 
 class CollectiveTimeoutError(PeerUnavailableError):
     """A collective did not complete within its timeout (a stalled peer)."""
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict[str, Any]) -> BaseException:
+    """Unpickles an error whose constructor takes keyword arguments (``__reduce__``)."""
+    return cls(*args, **kwargs)
 
 
 class KerasIntegrationError(PhalanxError, RuntimeError):

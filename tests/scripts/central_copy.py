@@ -13,12 +13,13 @@ written to ``OUT_DIR/OPTIMIZER/``.
 import faulthandler
 import json
 import os
-import signal
 import sys
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job dumps its stacks
+from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+faulthandler.register(stack_signal(), all_threads=True)  # a hung job dumps its stacks
 
 from equivalence import GLOBAL_BATCH, data, make_model, make_optimizer, reference
 

@@ -15,12 +15,13 @@ written by its replica.
 import faulthandler
 import json
 import os
-import signal
 import sys
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+faulthandler.register(stack_signal(), all_threads=True)
 
 import phalanx as px  # noqa: E402
 from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, load_state, storage  # noqa: E402

@@ -21,12 +21,13 @@ Dumps are plain {name: tensor or number} dicts, compared bitwise by the tests.
 
 import faulthandler
 import os
-import signal
 import sys
 
 import torch
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+faulthandler.register(stack_signal(), all_threads=True)
 
 import phalanx as px  # noqa: E402
 from phalanx.checkpoint import Checkpoint, CheckpointManager, Counter, InputPosition, latest_checkpoint  # noqa: E402

@@ -28,14 +28,15 @@ import contextlib
 import faulthandler
 import json
 import os
-import signal
 import sys
 import time
 
 import torch
 
 if __name__ == "__main__":  # a replica process; not the test process that imports references()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+    faulthandler.register(stack_signal(), all_threads=True)
 
 import phalanx as px
 from phalanx.errors import ReplicaDivergenceError

@@ -8,13 +8,14 @@ keras_precision.py runs :func:`run` on its replica processes too (one job for bo
 import faulthandler
 import json
 import os
-import signal
 import sys
 
 import torch
 
-if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a hung job dumps its stacks (on the signal the test harness sends)
+    from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+    faulthandler.register(stack_signal(), all_threads=True)
 
 import phalanx as px  # noqa: E402
 

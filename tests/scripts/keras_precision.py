@@ -14,10 +14,11 @@ strategy runs, on replica 0 only (the other replicas run the same program: they 
 import faulthandler
 import json
 import os
-import signal
 import sys
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+faulthandler.register(stack_signal(), all_threads=True)
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402

@@ -29,11 +29,12 @@ import builtins
 import faulthandler
 import json
 import os
-import signal
 import sys
 import types
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+faulthandler.register(stack_signal(), all_threads=True)
 _PLAN = json.loads(os.environ["PHALANX_TEST_PROGRAMS"])
 # The job's folder: replicas that a program's strategy starts begin in that program's folder.
 _HOME = os.environ.setdefault("PHALANX_TEST_PROGRAMS_HOME", os.getcwd())

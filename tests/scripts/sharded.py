@@ -38,14 +38,15 @@ The test imports :func:`reference` (plain PyTorch on one device) and compares.
 import faulthandler
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
-if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a hung job dumps its stacks (on the signal the test harness sends)
+    from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+    faulthandler.register(stack_signal(), all_threads=True)
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository: the benchmark's byte count
 if _ROOT not in sys.path:

@@ -21,14 +21,15 @@ with, per step, which parameters had ``.grad is None`` after backward.
 import contextlib
 import faulthandler
 import json
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
-if __name__ == "__main__":  # a hung job dumps its stacks (the test harness sends SIGUSR1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":  # a hung job dumps its stacks (on the signal the test harness sends)
+    from phalanx.config import stack_signal  # PHALANX_STACK_SIGNAL, as the test harness sends
+
+    faulthandler.register(stack_signal(), all_threads=True)
 _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)

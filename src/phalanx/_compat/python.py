@@ -10,16 +10,29 @@ import atexit
 # gRPC, in a server's thread) it would register after ours and run before them.
 import concurrent.futures.thread  # noqa: F401
 import runpy
+import sys
 import threading
+from types import FrameType
 from typing import Any, Callable
 
 __all__ = [
+    "main_thread_frame",
     "register_before_thread_pools_exit",
     "run_exit_handlers",
     "run_module_as_main",
     "set_traceback_printer",
     "show_traceback",
 ]
+
+
+def main_thread_frame() -> FrameType | None:
+    """The frame the main thread runs now, read from another thread (``sys._current_frames``,
+    CPython 3.0 to 3.13); None when the main thread has ended.
+
+    A replica's diagnosis agent answers from its heartbeat thread while the main thread sleeps,
+    reads, waits in a collective or runs the user's code: this is where the main thread is.
+    """
+    return sys._current_frames().get(threading.main_thread().ident)
 
 
 def run_exit_handlers() -> None:

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,18 +42,37 @@ import torch
 import torch.distributed as dist
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
-from phalanx.comm import health, process_group, rendezvous
+from phalanx.comm import diagnosis, health, process_group, rendezvous, snapshot
+from phalanx.comm.flight_recorder import DEFAULT_CAPACITY, FlightRecorder
 from phalanx.comm.memory_store import InMemoryStore
 from phalanx.comm.timing import MARKS, CollectiveTimes
 from phalanx.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    DistributedRuntimeError,
     PeerUnavailableError,
     PhalanxError,
     ReplicaDivergenceError,
 )
 
 HEARTBEAT_INTERVAL = health.HEARTBEAT_INTERVAL  # read at construction (tests shorten it)
+# How long the replica whose collective failed waits for its peers' snapshots before it raises: an
+# agent answers at its next heartbeat (0.25 s), after measuring its CPU share (0.1 s) when it is
+# in its own code. A peer that has not answered by then is named silent.
+DIAGNOSIS_WAIT = 2.0
+
+
+class _NoTensor:
+    """What a barrier records as its tensor: nothing."""
+
+    dtype = None
+
+    @staticmethod
+    def numel() -> int:
+        return 0
+
+
+_NO_TENSOR = _NoTensor()
 _TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
@@ -166,6 +187,13 @@ class GroupSpec:
     # calls it while it waits, so a replica that died before arriving ends the wait at once
     # rather than at the rendezvous timeout. Not part of what processes must agree on.
     peer_check: Callable[[], None] | None = field(default=None, compare=False)
+    # The run directory a phalanx launcher made (LOGDIR/<run-id>): a failed collective's diagnosis is
+    # written there for the launcher to print, and `phalanx diagnose --live` asks through it. ''
+    # where no phalanx launcher watches (TF_CONFIG started by hand, torchrun): the replica prints it.
+    run_dir: str = field(default="", compare=False)
+    # Whether the launcher prints that diagnosis (phalanx run, self-launch): then the replica does not.
+    launcher_prints: bool = field(default=False, compare=False)
+    recorder_size: int = field(default=DEFAULT_CAPACITY, compare=False)  # PHALANX_FLIGHT_RECORDER
 
     def name(self, rank: int) -> str:
         label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"
@@ -251,6 +279,11 @@ class ProcessGroupCommunicator:
         self.rank, self.world_size = spec.rank, spec.world_size
         self.step: int | None = None
         self.times = CollectiveTimes()  # the job report's share of time spent in collectives
+        # The last collectives, for a diagnosis when the job hangs or its replicas' calls part.
+        self.recorder = FlightRecorder(spec.recorder_size)
+        self._explained = False  # one diagnosis per communicator: the first failure is the one to explain
+        self._waiting_for_chief: dict[str, Any] | None = None
+        self._chief_calls = 0
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me, spec.address(spec.rank))  # its port for errors
@@ -322,7 +355,9 @@ class ProcessGroupCommunicator:
                 )
             )
         self._shm, self._cross = self._fast_path()
-        self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL)
+        # The heartbeat thread also answers requests for this replica's snapshot (a diagnosis).
+        self._agent = snapshot.Agent(self._snapshot, self.rank, spec.run_dir or None)
+        self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL, on_beat=self._agent.poll)
         # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
         # this object alive, and a daemon thread still inside a store call when the interpreter
         # finalises is killed by a forced unwind through C++ frames, which aborts the process
@@ -388,12 +423,13 @@ class ProcessGroupCommunicator:
         )
 
     @contextlib.contextmanager
-    def errors_for(self, operation: str) -> Iterator[None]:
+    def errors_for(self, operation: str, slot: int | None = None) -> Iterator[None]:
         """Translates a transport failure inside the block into a typed error naming the peer.
 
         The kind (:func:`classify`): a timeout (:class:`~phalanx.errors.CollectiveTimeoutError`)
         or a lost peer (:class:`~phalanx.errors.PeerUnavailableError`); the peers are found by
-        :func:`phalanx.comm.health.unresponsive_peers`.
+        :func:`phalanx.comm.health.unresponsive_peers`. With the flight recorder's ``slot`` of the
+        collective, the failure is diagnosed (:meth:`explain`) before it is raised.
         """
         try:
             yield
@@ -403,9 +439,192 @@ class ProcessGroupCommunicator:
             text = str(e)
             peers = [self.spec.name(r) for r in self._unresponsive_peers()] if hasattr(self, "_peers") else []
             first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            raise classify(e)(
+            error = classify(e)(
                 peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}", cause=first_line[:300]
-            ) from e
+            )
+            if slot is not None:
+                self.recorder.failed(slot, error)
+                error = self.explain(error)
+            raise error from e
+
+    # ----------------------------------------------------------------------------- diagnosis
+    def _snapshot(self, request: int | str | None = None, sample_cpu: bool | None = None) -> dict[str, Any]:
+        """This replica's snapshot (:func:`phalanx.comm.snapshot.take`); its CPU share is measured
+        only where its main thread is in its own code (in a collective it is phalanx's)."""
+        if sample_cpu is None:
+            sample_cpu = self.recorder.current() is None
+        waiting = self._waiting_for_chief
+        if waiting is not None:
+            waiting = {**waiting, "seconds": time.monotonic() - waiting["since"]}
+        return snapshot.take(
+            rank=self.rank,
+            world_size=self.world_size,
+            name=self.spec.name(self.rank),
+            recorder=self.recorder,
+            step=self.step,
+            timeout=self.spec.timeout,
+            host=str(self._peers[self.rank]["host"]) if hasattr(self, "_peers") else "",
+            request=request,
+            sample_cpu=sample_cpu,
+            waiting_for_chief=waiting,
+        )
+
+    def _short_store(self) -> Any:
+        """A fresh client of the job's store that gives up within 2 s (the shared one waits for
+        minutes, and its server lives in rank 0's process, which may be the one stopped)."""
+        client = dist.TCPStore(
+            self.spec.master_addr,
+            self.spec.master_port,
+            self.world_size,
+            False,
+            datetime.timedelta(seconds=2),
+            wait_for_workers=False,
+        )
+        return dist.PrefixStore(self.spec.store_prefix, client) if self.spec.store_prefix else client
+
+    def diagnose(self, *, trigger: dict[str, Any] | None = None, live: bool = False) -> dict[str, Any]:
+        """Asks every replica where it is (through the job's store) and puts the answers side by side.
+
+        Returns:
+            The diagnosis (:func:`phalanx.comm.diagnosis.analyse`): where each replica is, where
+            their collectives part, and the cause.
+        """
+        own = self._snapshot(sample_cpu=False)
+        absent: dict[int, str] = {}
+        here = str(self._peers[self.rank]["host"])
+        ended: dict[int, dict[str, Any]] = {}
+        for r, info in self._peers.items():
+            if r != self.rank and str(info["host"]) == here:
+                state = health.process_state(int(info["pid"]))
+                if state in ("", "Z", "X"):
+                    final = snapshot.final(self.spec.run_dir, r, int(info["pid"])) if self.spec.run_dir else None
+                    if final is not None:  # it closed its strategy first: its program has ended
+                        ended[r] = final
+                    else:
+                        absent[r] = f"dead: its process ({info['pid']}) has exited"
+                elif state in ("T", "t"):
+                    absent[r] = f"stopped (SIGSTOP or a debugger), pid {info['pid']}"
+        ask = [r for r in range(self.world_size) if r != self.rank and r not in absent and r not in ended]
+        found: dict[int, dict[str, Any]] = {}
+        if ask:
+            try:
+                found = snapshot.ask(self._short_store(), ask, DIAGNOSIS_WAIT)
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0 died): say what is known here
+                found = {}
+        found.update(ended)
+        found[self.rank] = own
+        return diagnosis.analyse(
+            found,
+            self.world_size,
+            absent=absent,
+            names={r: self.spec.name(r) for r in range(self.world_size)},
+            trigger=trigger,
+            timeout=self.spec.timeout,
+            live=live,
+        )
+
+    @contextlib.contextmanager
+    def wait_for_chief(self, what: str = "chief-only work") -> Iterator[None]:
+        """Work that the chief (rank 0) does alone inside the block; the others wait at its end.
+
+        Every rank enters the block (at the same point of the program); rank 0 runs the work, the
+        others run nothing and then wait for it for as long as rank 0 is alive, however long that
+        is: not ``PHALANX_COLLECTIVE_TIMEOUT``, which bounds each collective. Rank 0 declares the
+        work meanwhile (a diagnosis shows it busy, not stuck). A rank 0 that dies ends the wait at
+        once with :class:`~phalanx.errors.PeerUnavailableError`; one that is stopped (SIGSTOP, a
+        debugger) or whose heartbeat stops for longer than the collective timeout, with
+        :class:`~phalanx.errors.CollectiveTimeoutError`.
+        """
+        self._chief_calls += 1
+        key = f"chief/done/{self._chief_calls}"
+        if self.rank == 0:
+            self.recorder.busy = {"what": what, "since": time.time()}
+            try:
+                yield
+            finally:
+                self.recorder.busy = None
+                self._store.set(key, "1")  # also after an error the chief caught: the others go on
+            return
+        yield
+        self._await_chief(key, what)
+
+    def _await_chief(self, key: str, what: str) -> None:
+        """Waits until rank 0 sets ``key``, bounded by rank 0's liveness (see :meth:`wait_for_chief`)."""
+        me, chief = self.spec.name(self.rank), self.spec.name(0)
+        operation = f"waiting for the chief's {what} on {me}"
+        info = self._peers[0]
+        local = str(info["host"]) == str(self._peers[self.rank]["host"])
+        start = last_sign = time.monotonic()
+        last_beat: Any = None
+        self._waiting_for_chief = {"what": what, "since": start}
+        try:
+            while True:
+                try:
+                    if self._store.check([key]):
+                        return
+                    beat = self._store.get("hb/0") if not local and self._store.check(["hb/0"]) else None
+                except RuntimeError as e:  # the store lives in rank 0's process: it is gone
+                    raise PeerUnavailableError(
+                        [chief], step=self.step, operation=operation, cause=f"its store stopped answering ({e})"
+                    ) from e
+                now = time.monotonic()
+                if local:
+                    state = health.process_state(int(info["pid"]))
+                    if state in ("", "Z", "X"):
+                        raise PeerUnavailableError(
+                            [chief], step=self.step, operation=operation, cause=f"its process ({info['pid']}) exited"
+                        )
+                    if state not in ("T", "t"):
+                        last_sign = now
+                elif beat != last_beat:
+                    last_beat, last_sign = beat, now
+                if now - last_sign > self.spec.timeout:
+                    raise CollectiveTimeoutError(
+                        [chief],
+                        step=self.step,
+                        operation=operation,
+                        cause=f"stopped, or its heartbeat silent, for {self.spec.timeout:g}s",
+                        hint="a stopped chief (SIGSTOP, a debugger) holds the job; PHALANX_COLLECTIVE_TIMEOUT bounds "
+                        "how long the others wait for a chief that shows no sign of life",
+                    )
+                time.sleep(0.05)
+        finally:
+            self._waiting_for_chief = None
+
+    def explain(self, error: BaseException) -> BaseException:
+        """The error to raise for a failed collective: ``error`` with the job's diagnosis.
+
+        The first time only (the first failure is the one that matters; a diagnosis takes up to
+        :data:`DIAGNOSIS_WAIT` seconds): asks every replica where it is, writes the diagnosis to the
+        run directory, if any, for the launcher to print (or, where no launcher prints it: a
+        ``TF_CONFIG`` job started by hand, a notebook, prints it on this process's stderr), and
+        returns a typed error that names the replica that caused the failure
+        and its line. A timeout or a lost peer becomes an error of the same class naming the cause;
+        any other error keeps its class and gains the diagnosis in its message. Never raises.
+        """
+        if self._explained or not isinstance(error, DistributedRuntimeError) or not hasattr(self, "_peers"):
+            return error
+        self._explained = True
+        trigger = {"rank": self.rank, "name": self.spec.name(self.rank), "error": type(error).__name__}
+        marked = diagnosis.diagnosing(self.spec.run_dir, self.rank) if self.spec.run_dir else contextlib.nullcontext()
+        kept = ""
+        with marked:  # the launcher does not stop this replica before the diagnosis is written
+            try:
+                found = self.diagnose(trigger=trigger)
+            except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
+                return error
+            if self.spec.run_dir:
+                try:
+                    kept = diagnosis.write(
+                        found, self.spec.run_dir, keep_within=self.spec.timeout + DIAGNOSIS_WAIT + 10
+                    )
+                except OSError:
+                    kept = ""
+        if not (kept and self.spec.launcher_prints):
+            with contextlib.suppress(Exception):  # a closed or broken stderr never hides the error
+                sys.stderr.write("phalanx: " + diagnosis.render(found, where=kept or None) + "\n")
+                sys.stderr.flush()
+        return _with_diagnosis(error, found, self.spec.name(self.rank))
 
     _translate = errors_for  # the former private name
 
@@ -420,22 +639,35 @@ class ProcessGroupCommunicator:
             "product": dist.ReduceOp.PRODUCT,
         }[op]
         if (self._shm is not None or self._cross is not None) and tensor.device.type == "cpu":
-            # Synchronous: the wait for the peers is inside the call. Timed inline (no context
-            # manager) because this is the gradient buckets' path.
+            # Synchronous: the wait for the peers is inside the call. Timed and recorded inline
+            # (no context manager) because this is the gradient buckets' path.
             start = time.perf_counter()
+            rec = self.recorder
+            slot = rec.begin("all_reduce", tensor, self.step, start)
             try:
                 if MARKS.active:
                     with torch.profiler.record_function("phalanx::all_reduce"):
-                        return self._hierarchical_all_reduce(tensor, op, native)
-                return self._hierarchical_all_reduce(tensor, op, native)
-            finally:
+                        handle = self._hierarchical_all_reduce(tensor, op, native)
+                else:
+                    handle = self._hierarchical_all_reduce(tensor, op, native)
+            except BaseException as e:
+                rec.failed(slot, e)
                 self.times.add(time.perf_counter() - start)
-        with self.errors_for("all-reduce"):
+                explained = self.explain(e)
+                if explained is e:
+                    raise
+                raise explained from (e.__cause__ or e)  # the transport's own error, not the same one twice
+            end = time.perf_counter()
+            rec.ends[slot] = end
+            self.times.add(end - start)
+            return handle
+        slot = self.recorder.begin("all_reduce", tensor, self.step, time.perf_counter())
+        with self.errors_for("all-reduce", slot):
             # NCCL's work.wait() only orders the current CUDA stream after the collective: the
             # host goes on, and backward overlaps the gradient buckets as DDP's do.
             work = self._group_for(tensor).allreduce([tensor], native)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" else None
-        return Handle(tensor, lambda: self._wait(work, "all-reduce"), post)
+        return Handle(tensor, lambda: self._wait(work, "all-reduce", slot), post)
 
     def _hierarchical_all_reduce(self, tensor: torch.Tensor, op: str, native: Any) -> Handle:
         if self._shm is not None:
@@ -448,7 +680,11 @@ class ProcessGroupCommunicator:
                     raise
                 raise divergence from e
             except PeerUnavailableError as e:  # keep its kind (dead vs stalled); name peers the job's way
-                peers = [self.spec.name(r) for r in self._unresponsive_peers()]
+                # The ranks the shared-memory wait named (this host's indices), as the job names
+                # them; else those found dead or stopped.
+                local = [int(p.split()[-1]) for p in e.peers if p.startswith("rank ") and p.split()[-1].isdigit()]
+                peers = [self.spec.name(self._host_ranks[j]) for j in local if j < len(self._host_ranks)]
+                peers = peers or [self.spec.name(r) for r in self._unresponsive_peers()]
                 raise type(e)(
                     peers,
                     step=self.step,
@@ -477,11 +713,15 @@ class ProcessGroupCommunicator:
                 )
         return None
 
-    def _wait(self, work: Any, operation: str) -> None:
+    def _wait(self, work: Any, operation: str, slot: int | None = None) -> None:
         # Only the wait is timed: starting an asynchronous collective returns at once, and the
-        # time between start and wait is the overlap with backward, not waiting.
-        with self.times.measure(operation.replace("-", "_")), self.errors_for(operation):
+        # time between start and wait is the overlap with backward, not waiting. On a GPU the
+        # recorded end is when the host handed the wait to the stream, not the kernel's end
+        # (torch's NCCL Flight Recorder has that: TORCH_NCCL_TRACE_BUFFER_SIZE).
+        with self.times.measure(operation.replace("-", "_")), self.errors_for(operation, slot):
             work.wait()
+        if slot is not None:
+            self.recorder.ends[slot] = time.perf_counter()
 
     def _group_for(self, tensor: torch.Tensor) -> Any:
         """The group that reduces ``tensor``: NCCL for CUDA tensors of an NCCL job, gloo otherwise."""
@@ -491,7 +731,8 @@ class ProcessGroupCommunicator:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = dst, dist.ReduceOp.SUM
         group = self._group_for(tensor)
-        with self.times.measure("reduce"), self.errors_for("reduce"):
+        slot = self.recorder.begin("reduce", tensor, self.step, time.perf_counter())
+        with self.times.measure("reduce"), self.errors_for("reduce", slot):
             if tensor.is_cuda and group is self._cpu_pg:
                 # gloo reduces CUDA tensors only in all-reduce and broadcast: stage through the host.
                 host = tensor.cpu()
@@ -499,26 +740,33 @@ class ProcessGroupCommunicator:
                 tensor.copy_(host)
             else:
                 group.reduce([tensor], opts).wait()
+        self.recorder.ends[slot] = time.perf_counter()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        with self.times.measure("broadcast"), self.errors_for("broadcast"):
+        slot = self.recorder.begin("broadcast", tensor, self.step, time.perf_counter())
+        with self.times.measure("broadcast"), self.errors_for("broadcast", slot):
             self._group_for(tensor).broadcast([tensor], opts).wait()
+        self.recorder.ends[slot] = time.perf_counter()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Returns every rank's ``tensor`` (all of the same shape), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self.times.measure("all_gather"), self.errors_for("all-gather"):
+        slot = self.recorder.begin("all_gather", tensor, self.step, time.perf_counter())
+        with self.times.measure("all_gather"), self.errors_for("all-gather", slot):
             self._group_for(tensor).allgather([out], [tensor.contiguous()]).wait()
+        self.recorder.ends[slot] = time.perf_counter()
         return out
 
     def barrier(self) -> None:
         # Through gloo even in an NCCL job: NCCL's barrier is an all-reduce on a guessed device.
-        with self.times.measure("barrier"), self.errors_for("barrier"):
+        slot = self.recorder.begin("barrier", _NO_TENSOR, self.step, time.perf_counter())
+        with self.times.measure("barrier"), self.errors_for("barrier", slot):
             self._cpu_pg.barrier().wait()
+        self.recorder.ends[slot] = time.perf_counter()
 
     def name(self, rank: int) -> str:
         return self.spec.name(rank)
@@ -550,11 +798,19 @@ class ProcessGroupCommunicator:
         return group
 
     def close(self) -> None:
-        """Stops the heartbeat and releases the process group; idempotent."""
+        """Stops the heartbeat and releases the process group; idempotent.
+
+        In a launcher's run directory it leaves its last collectives behind (``ended``): a peer
+        still waiting in a collective this replica never made can then say so, rather than call
+        it dead.
+        """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self.spec.run_dir and self.recorder.seq:
+            with contextlib.suppress(Exception):  # a diagnosis never fails a job
+                snapshot.leave_final(self.spec.run_dir, {**self._snapshot(sample_cpu=False), "ended": True})
         if self._shm is not None:
             self._shm.close()
         self._heartbeat.stop()
@@ -566,6 +822,46 @@ class ProcessGroupCommunicator:
                 group.shutdown()
         self._subgroups.clear()
         self.pg = self._cpu_pg = None
+
+
+def _with_diagnosis(error: BaseException, found: dict[str, Any], me: str) -> BaseException:
+    """``error`` rewritten from a diagnosis: the cause named, its line, and the diagnosis' hint.
+
+    A timeout or a lost peer (:class:`~phalanx.errors.PeerUnavailableError`) becomes an error of the
+    same class naming the replicas that caused it (the launcher's report reads them from the
+    message too); any other error keeps its class and instance, with the diagnosis appended.
+    """
+    culprits = found.get("culprits") or []
+    names = {e["rank"]: e["name"] for e in found.get("replicas") or []}
+    parting = found.get("parting")
+    if isinstance(error, PeerUnavailableError):
+        if parting is not None:
+            named = [names[r] for r in culprits if names.get(r) != me] or list(error.peers)
+            cause = f"the replicas' collectives part at #{parting['seq']}, {parting['verdict']}: {parting['text']}; "
+            cause += "; ".join(parting.get("calls") or [])
+        elif culprits:
+            named = [names[r] for r in culprits]
+            where = {e["rank"]: e["where"] for e in found.get("replicas") or []}
+            cause = "; ".join(f"{names[r]} is {where[r]}" for r in culprits)
+            if isinstance(error, CollectiveTimeoutError) and found.get("timeout"):
+                cause += f"; it did not arrive within {found['timeout']:g}s"
+            else:
+                cause += f"; {error.cause}"
+        else:
+            named, cause = list(error.peers), f"{error.cause}; {found.get('summary')}"
+        new = type(error)(
+            named, step=error.step, operation=error.operation, cause=cause[:2000], hint=found.get("hint") or None
+        )
+        new.diagnosis = found
+        return new
+    if parting is not None:
+        text = f"{error.args[0].split(' HINT: ')[0]} The replicas' collectives part at #{parting['seq']}, "
+        text += f"{parting['verdict']}: {parting['text']} ({'; '.join(parting.get('calls') or [])})."
+        error.args = (f"{text} HINT: {parting['hint']}",)
+        if hasattr(error, "hint"):
+            error.hint = parting["hint"]
+    error.diagnosis = found  # type: ignore[attr-defined]
+    return error
 
 
 GlooCommunicator = ProcessGroupCommunicator  # the former name (it builds NCCL groups too)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from phalanx.comm.flight_recorder import recording
 from phalanx.errors import ReplicaDivergenceError
 
 FIELDS = ("step", "global batch size", "batch", "parameters")
@@ -395,9 +396,22 @@ class ReplicaGuard:
         return self.every > 0 and (last is None or step - last >= self.every)
 
     def verify(self, summed: torch.Tensor) -> None:
-        """Checks the guard's part of the sum; raises ReplicaDivergenceError on every replica alike."""
+        """Checks the guard's part of the sum; raises ReplicaDivergenceError on every replica alike.
+
+        Replicas at different steps are diagnosed first (the communicator's ``explain``): the
+        replicas' flight recorders say which one skipped a step, and where it went on from.
+        """
         self.checks += 1
-        self._fields.check(summed, self._comm.name, self._step, self._first_difference)  # type: ignore[attr-defined]
+        try:
+            self._fields.check(summed, self._comm.name, self._step, self._first_difference)  # type: ignore[attr-defined]
+        except ReplicaDivergenceError as e:
+            explain = getattr(self._comm, "explain", None)
+            if e.field != "step" or explain is None:
+                raise
+            explained = explain(e)
+            if explained is e:
+                raise
+            raise explained from e
 
     def verify_later(self, summed: torch.Tensor) -> None:
         """Checks ``summed`` now on the CPU; on a GPU, copies it to pinned memory without waiting and
@@ -436,10 +450,11 @@ class ReplicaGuard:
             return None
         named = self._params()
         mine = torch.tensor([x for pair in digests([t for _, t in named]) for x in pair], dtype=torch.int64)
-        sizes = self._comm.all_gather(torch.tensor([mine.numel()]))  # type: ignore[attr-defined]
-        if len({int(s) for s in sizes}) != 1:
-            return f"(replica 0 has {int(sizes[0]) // 2} parameters, replica {other} {int(sizes[other]) // 2})"
-        every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
+        with recording(self._comm, "guard"):
+            sizes = self._comm.all_gather(torch.tensor([mine.numel()]))  # type: ignore[attr-defined]
+            if len({int(s) for s in sizes}) != 1:
+                return f"(replica 0 has {int(sizes[0]) // 2} parameters, replica {other} {int(sizes[other]) // 2})"
+            every = self._comm.all_gather(mine)  # type: ignore[attr-defined]
         a, b = every[0].tolist(), every[other].tolist()
         for i, (label, _) in enumerate(named):
             if a[2 * i : 2 * i + 2] != b[2 * i : 2 * i + 2]:

@@ -10,6 +10,7 @@ import datetime
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -61,10 +62,21 @@ class Heartbeat:
     It shares the communicator's store client (its operations are serialised) rather than owning
     one: a C++ client still connecting or waiting inside this thread when the interpreter exits
     was seen to abort the process ("terminate called ...").
+
+    Args:
+        on_beat: called with the store at every beat, also once the store is gone (the snapshot
+            agent of :mod:`phalanx.comm.snapshot`, which answers the run directory's requests too).
     """
 
-    def __init__(self, store: Any, rank: int, interval: float = HEARTBEAT_INTERVAL) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        interval: float = HEARTBEAT_INTERVAL,
+        on_beat: Callable[[Any], None] | None = None,
+    ) -> None:
         self._store, self._rank, self._interval = store, rank, interval
+        self._on_beat = on_beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
         with helper_threads_ignore_stop_signals():  # a Ctrl-C must wake the main thread, not this one
@@ -72,11 +84,20 @@ class Heartbeat:
 
     def _beat(self) -> None:
         count = 0
+        beating = True
         while not self._stop.wait(self._interval):
             count += 1
-            try:
-                self._store.set(f"hb/{self._rank}", str(count))
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
+            if beating:
+                try:
+                    self._store.set(f"hb/{self._rank}", str(count))
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending or rank 0 died
+                    beating = False
+            if self._on_beat is not None:
+                try:
+                    self._on_beat(self._store)
+                except Exception:  # noqa: BLE001 - answering a diagnosis never ends the heartbeat
+                    pass
+            elif not beating:
                 return
 
     def stop(self, timeout: float = 6.0) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from phalanx import nest
+from phalanx.comm.flight_recorder import recording
 from phalanx.errors import ContextError, NotCallableError, StrategyScopeError
 from phalanx.values import DistributedValues, ReduceOp, local_results
 
@@ -230,10 +231,11 @@ class ReplicaContext:
         tensors = [torch.as_tensor(local_results(v)[0]) for v in leaves]
         ext = self._strategy.extended
         structure = ext.cross_replica.take_structure()  # TF's regroup check of the last run
-        if ext.num_processes > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            reduced = _AllReduce.apply(ext, op, structure, *tensors)
-        else:
-            reduced = ext.cross_replica.all_reduce(tensors, op, structure)
+        with recording(ext.communicator, "all_reduce"):  # the flight recorder: from the caller's line
+            if ext.num_processes > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                reduced = _AllReduce.apply(ext, op, structure, *tensors)
+            else:
+                reduced = ext.cross_replica.all_reduce(tensors, op, structure)
         return nest.unflatten(list(reduced), spec)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
@@ -246,7 +248,6 @@ class ReplicaContext:
         if options is not None:
             warnings.warn("ReplicaContext.all_gather(options=...) has no effect in phalanx", UserWarning, stacklevel=2)
         ext = self._strategy.extended
-        ext.cross_replica.check_structures(ext.cross_replica.take_structure())  # TF's regroup check
 
         def gather(t: Any) -> torch.Tensor:
             t = torch.as_tensor(local_results(t)[0])
@@ -254,7 +255,9 @@ class ReplicaContext:
                 return _AllGather.apply(ext, axis, t)
             return ext.all_gather(t, axis)
 
-        return nest.map_structure(gather, value)
+        with recording(ext.communicator, "all_gather"):  # the flight recorder: from the caller's line
+            ext.cross_replica.check_structures(ext.cross_replica.take_structure())  # TF's regroup check
+            return nest.map_structure(gather, value)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in cross-replica context.

@@ -13,10 +13,15 @@ Example:
     >>> px.process_index(), px.num_processes(), px.is_chief()
     (0, 1, True)
     >>> px.barrier()  # one process: returns at once
+    >>> with px.wait_for_chief():  # every replica; the chief works alone inside
+    ...     if px.is_chief():
+    ...         pass  # an evaluation, a save: as long as it takes
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from phalanx.core import context
@@ -95,3 +100,31 @@ def barrier() -> None:
     strategy = _strategy()
     if strategy is not None:
         strategy.extended.barrier()
+
+
+@contextlib.contextmanager
+def wait_for_chief(what: str = "chief-only work") -> Iterator[None]:
+    """Lets the chief do work alone for longer than the collective timeout; the others wait for it.
+
+    Every replica enters the block at the same point; inside, the chief works alone (an evaluation, a
+    save: ``if px.is_chief(): ...``) and the others do nothing. At the end of the block they wait for
+    the chief for as long as it is alive, however long the work takes, where a collective would give
+    up after ``PHALANX_COLLECTIVE_TIMEOUT`` seconds (300 by default; TF's collectives wait forever).
+    A chief that dies ends the wait at once with ``PeerUnavailableError``; one stopped (SIGSTOP, a
+    debugger) or whose heartbeat stops for longer than the collective timeout, with
+    ``CollectiveTimeoutError``. While it works, a diagnosis (``phalanx diagnose --live``) shows the
+    chief busy with ``what`` and the others waiting for it.
+
+    Without a multi-process strategy there is nobody to wait for: the block just runs.
+
+    Args:
+        what: what the chief does, for the diagnosis (``"evaluation"``).
+    """
+    strategy = _strategy()
+    comm = strategy.extended.communicator if strategy is not None else None
+    wait = getattr(comm, "wait_for_chief", None)
+    if wait is None or strategy.extended.num_processes == 1:
+        yield
+        return
+    with wait(what):
+        yield

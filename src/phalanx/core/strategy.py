@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -32,6 +33,7 @@ import torch
 from phalanx import nest
 from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from phalanx.comm.flight_recorder import recording
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
 from phalanx.core import compiled, context, global_batch, integrations
@@ -287,18 +289,27 @@ class StrategyExtended:
         self._comm.step = self._step  # the communicator names the step in its errors
         times = getattr(self._comm, "times", None)
         self.stats.step_began(times.seconds if times is not None else 0.0)
-        with context.enter_scope(strategy):
-            self._before_run()
-            with (
-                context.enter_replica(strategy, self._comm.rank),
-                books.scope(strategy),
-                global_batch.using(info),
-                loss_scale_watch(self.gradient_sync, self._comm.world_size),
-                _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
-            ):
-                # The first step (and the first after new modules) watches for unsynchronised parameters.
-                result = fn(*args, **kwargs) if books.checked_first_run else books.first_run(fn, args, kwargs)
-            self._after_run()
+        # The flight recorder looks the step's source line up once, at its first collective (the
+        # caller of `run` is where to look from a thread with no user frame: GPU autograd's).
+        rec = getattr(self._comm, "recorder", None)
+        saved = rec.enter_step(sys._getframe(1)) if rec is not None else None
+        try:
+            with context.enter_scope(strategy):
+                with recording(self._comm, "variable sync"):
+                    self._before_run()
+                with (
+                    context.enter_replica(strategy, self._comm.rank),
+                    books.scope(strategy),
+                    global_batch.using(info),
+                    loss_scale_watch(self.gradient_sync, self._comm.world_size),
+                    _device_contexts(strategy) if _DEVICE_CONTEXTS else contextlib.nullcontext(),
+                ):
+                    # The first step (and the first after new modules) watches for unsynchronised parameters.
+                    result = fn(*args, **kwargs) if books.checked_first_run else books.first_run(fn, args, kwargs)
+                self._after_run()
+        finally:
+            if rec is not None:
+                rec.leave_step(saved)
         self.cross_replica.remember_result(result)
         return result
 
@@ -365,20 +376,24 @@ class StrategyExtended:
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp | str = ReduceOp.SUM) -> list[torch.Tensor]:
         """Reduces each tensor across all processes (integers averaged in floating point, as TF
         does), one message per dtype; new tensors, the same everywhere."""
-        return self.cross_replica.all_reduce(list(tensors), ReduceOp.from_any(op))
+        with recording(self._comm, "all_reduce"):
+            return self.cross_replica.all_reduce(list(tensors), ReduceOp.from_any(op))
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Overwrites ``tensors`` in place with process ``src``'s values (one message per dtype)."""
-        self.cross_replica.broadcast(list(tensors), src)
+        with recording(self._comm, "broadcast"):
+            self.cross_replica.broadcast(list(tensors), src)
 
     def all_gather(self, tensor: Any, axis: int = 0) -> torch.Tensor:
         """Concatenates every process's ``tensor`` along ``axis`` in process order (lengths may differ)."""
-        return self.cross_replica.all_gather(tensor, axis)
+        with recording(self._comm, "all_gather"):
+            return self.cross_replica.all_gather(tensor, axis)
 
     def barrier(self) -> None:
         """Returns once every process of the job has called it."""
         if self._collectives:
-            self._comm.barrier()
+            with recording(self._comm, "barrier"):
+                self._comm.barrier()
 
     def adopt_variables(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Treats ``params`` as created in scope: broadcast from the chief, gradients synchronised.
@@ -719,6 +734,10 @@ class Strategy:
         collective when the worker has more than one replica: call it on every replica, as
         :meth:`reduce`. Mirrored values give N identical entries; other values ``(value,)``.
         """
+        with recording(self._extended.communicator, "gather"):
+            return self._local_results(value)
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
         leaves, spec = nest.flatten_with_spec(value)
         ext, values = self._extended, self._extended.cross_replica
         if ext.num_processes // max(ext.input_sharding.num_workers, 1) > 1:  # a collective here
@@ -759,6 +778,10 @@ class Strategy:
                 "strategy.reduce is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_reduce(...) in replica context",
             )
+        with recording(self._extended.communicator, "reduce"):
+            return self._reduce(op, value, axis)
+
+    def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         leaves, spec = nest.flatten_with_spec(value)
         values = self._extended.cross_replica
         structure = values.take_structure()  # TF's regroup check rides on this collective
@@ -803,6 +826,10 @@ class Strategy:
                 "strategy.gather is a cross-replica API and was called inside strategy.run.",
                 hint="use phalanx.get_replica_context().all_gather(value, axis)",
             )
+        with recording(self._extended.communicator, "gather"):
+            return self._gather(value, axis)
+
+    def _gather(self, value: Any, axis: int) -> Any:
         ext, values = self._extended, self._extended.cross_replica
         values.check_structures(values.take_structure())  # TF's regroup check
         workers = max(ext.input_sharding.num_workers, 1)

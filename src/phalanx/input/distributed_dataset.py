@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from phalanx import nest
+from phalanx.comm.flight_recorder import recording
 from phalanx.core import global_batch
 from phalanx.errors import InputMismatchError, PhalanxError
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
@@ -283,7 +284,8 @@ def check_same_batch(ext: Any, element: Any, index: int) -> None:
     names both replicas and both sizes (``ReplicaDivergenceError``, field "global batch size").
     """
     f, size = _fingerprint(element), float(batch_size_of(element))
-    both = ext.communicator.all_reduce(torch.tensor([f, -f, size, -size], dtype=torch.float64), "max").wait()
+    with recording(ext.communicator, "input check"):
+        both = ext.communicator.all_reduce(torch.tensor([f, -f, size, -size], dtype=torch.float64), "max").wait()
     if float(both[2]) != -float(both[3]):
         return
     if float(both[0]) != -float(both[1]):
@@ -307,7 +309,8 @@ def check_same_stream(ext: Any, elements: list[Any], groups: int, group: int) ->
     f = sum((i + 1) * _fingerprint(e) for i, e in enumerate(elements)) + len(elements)
     slots = torch.full((2 * groups,), float("-inf"), dtype=torch.float64)
     slots[2 * group], slots[2 * group + 1] = f, -f
-    both = ext.communicator.all_reduce(slots, "max").wait()
+    with recording(ext.communicator, "input check"):
+        both = ext.communicator.all_reduce(slots, "max").wait()
     if any(float(both[2 * w]) != -float(both[2 * w + 1]) for w in range(groups)):
         raise InputMismatchError(
             f"The processes of one worker read different elements from its dataset_fn's pipeline (the first "

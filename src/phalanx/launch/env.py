@@ -29,10 +29,12 @@ PREFIX = "PHALANX_"
 # Set by a launcher for each child it starts (not user settings): the launcher's pid, which the
 # replica watches so that it dies with it, and the file a replica writes when its program ends
 # (the supervisor); a forked program's connection to its fork server (phalanx.launch.forkserver);
-# the address, secret and rank of a spawned notebook replica (phalanx.interactive).
+# the address, secret and rank of a spawned notebook replica (phalanx.interactive); the run directory
+# whose diagnosis of a failed collective the supervisor prints (phalanx.comm.diagnosis).
 SUPERVISOR_VARIABLES = (
     "PHALANX_PARENT_PID",
     "PHALANX_DONE_FILE",
+    "PHALANX_DIAGNOSIS_DIR",
     "PHALANX_FORK_SERVER",
     "PHALANX_INTERACTIVE_ADDR",
     "PHALANX_INTERACTIVE_SECRET",

@@ -4,8 +4,10 @@ Called once per process when a strategy builds its communicator (:func:`install`
 
 * **Error file.** An uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` in torch
   elastic's format (whole or not at all), from which the supervisor names the root cause.
-* **Stack dumps.** :mod:`faulthandler` on SIGUSR1 writes every thread's stack to stderr (the
-  replica's log), so a replica still running when replica 0 has finished can say where it is.
+* **Stack dumps.** :mod:`faulthandler` on the stack-dump signal (``PHALANX_STACK_SIGNAL``, default
+  SIGUSR2: ``kill -USR2 <pid>``) writes every thread's stack to stderr (the replica's log), so a
+  replica still running when replica 0 has finished can say where it is. SIGUSR1 stays the
+  program's (Slurm's warning before a job's time runs out).
 * **Parent watch.** A daemon thread ends the process within half a second of its launcher's
   death. ``PR_SET_PDEATHSIG`` already does that for children of phalanx's supervisor; the watch
   also covers replicas that torchrun (torch elastic) started, and children whose starting thread
@@ -31,6 +33,7 @@ import sys
 import threading
 from typing import Any
 
+from phalanx import config
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.launch.stdio import flush_quietly
 
@@ -136,12 +139,13 @@ def _install_stack_dump() -> None:
         return  # not a launched replica: leave the user's signals alone
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
-        return  # the program handles SIGUSR1 itself
+    sig = config.stack_signal()
+    if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+        return  # the program handles that signal itself
     # A replica started with a closed stderr (2>&-, as plain Python allows) has nowhere to write
     # a stack: it runs without the dump rather than fail (faulthandler refuses sys.stderr None).
     with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.register(sig, all_threads=True)
 
 
 def _parent_to_watch() -> int | None:

@@ -72,7 +72,7 @@ def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
     start_method = spec.start_method or settings.start_method()
     run = RunDirectory(spec.log_dir or None, program=spec.command).create()
-    sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload)
+    sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload, run_dir=run.path)
     here = (
         "every replica writes here, prefixed; "
         if spec.tee

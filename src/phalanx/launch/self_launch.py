@@ -122,6 +122,9 @@ def launch(world_size: int) -> ReplicaLauncher:
 class ReplicaLauncher:
     """Starts and supervises replicas 1..N-1 of the current script; this process is replica 0."""
 
+    # Its supervisor prints the diagnosis a replica writes to the run directory (replica 0 too).
+    prints_diagnosis = True
+
     def __init__(self, world_size: int) -> None:
         # A program started with a closed stdout, stderr or stdin: /dev/null on that descriptor, or
         # the log files, pipes and fork-server socket opened below would take its number (and a
@@ -139,7 +142,7 @@ class ReplicaLauncher:
         # A host that is not Python (R) starts as itself: a Python fork server cannot run its program.
         self.embedded = host.embedded()
         forking = not self.embedded and (world_size > 2 or forkserver.has_inherited_server())
-        self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn")
+        self.supervisor = Supervisor(start_method=settings.start_method() if forking else "spawn", run_dir=self.log_dir)
         self._ended = threading.Event()  # the job's outcome is decided (failure handled, or finished)
         self._reported = threading.Event()  # ... and its failure reported (root cause, or interrupt)
         self._main_exiting = threading.Event()

@@ -8,6 +8,7 @@ is a :class:`~phalanx.errors.ClusterSpecError` naming the variable and the value
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -54,3 +55,8 @@ def start_method() -> str:
 def preemption_grace() -> float:
     """Seconds replicas get to save after the launcher was told to stop with SIGTERM."""
     return config.settings().preemption_grace
+
+
+def stack_signal() -> signal.Signals:
+    """The signal that makes a launched replica write its Python stacks to its log (``PHALANX_STACK_SIGNAL``)."""
+    return config.stack_signal()

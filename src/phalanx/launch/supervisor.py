@@ -59,6 +59,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from phalanx.comm import diagnosis
 from phalanx.errors import LaunchError
 from phalanx.launch import settings
 from phalanx.launch.forkserver import (
@@ -104,6 +105,10 @@ FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish
 # peer that failed first is often still exiting (its teardown can take seconds), or its end not yet
 # reported (a fork server reports an exit a moment after the process ended).
 CAUSE_WAIT_S = 2.0
+# A replica diagnosing a failed collective (its peers' answers, then diagnosis.json) gets this long
+# before it is stopped; after a task was killed by a signal, its peers get DIAGNOSIS_SETTLE_S to start.
+DIAGNOSIS_WAIT_S = 3.0
+DIAGNOSIS_SETTLE_S = 0.3
 
 
 # ----------------------------------------------------------------------------- run directories
@@ -311,6 +316,9 @@ class Exit:
     # waiting for it (alive, not arriving): the error of the peer that waited.
     stalled: str = ""
     state_when_stopped: str = ""  # its process state when the supervisor first signalled it
+    # Set by Supervisor.report_root_cause() on the replica a diagnosis (the replicas' flight
+    # recorders, comm/diagnosis.py) names as the cause: what it says, in one line.
+    diagnosed: str = ""
 
     @property
     def failed(self) -> bool:
@@ -318,8 +326,9 @@ class Exit:
 
     @property
     def status(self) -> int:
-        """The shell exit status this end stands for (1 for an error ended by the supervisor, or a stall)."""
-        return 1 if self.stopped_while_failing or self.stalled else exit_status(self.code)
+        """The shell exit status this end stands for (1 for an error ended by the supervisor, a stall
+        or a diagnosed cause)."""
+        return 1 if self.stopped_while_failing or self.stalled or self.diagnosed else exit_status(self.code)
 
     @property
     def consequence(self) -> bool:
@@ -411,16 +420,62 @@ def root_cause(exits: Iterable[Exit]) -> Exit | None:
     return cause
 
 
+# Errors that a failed collective raises on a replica that may not be the cause: the diagnosis decides.
+_COLLECTIVE_ERRORS = (*_CONSEQUENCES, "CollectiveMismatchError", "ReplicaDivergenceError")
+
+
+def _diagnosed_cause(cause: Exit, exits: list[Exit], found: dict, runs: list[Running]) -> Exit:
+    """The root cause a diagnosis names, where the failure found first only follows it."""
+    culprits = found.get("culprits") or []
+    if not culprits:
+        return cause
+    name = f"replica {culprits[0]}"
+    where = next((e for e in found.get("replicas") or [] if e.get("rank") == culprits[0]), {})
+    summary = str(found.get("summary") or where.get("where") or "")
+    if cause.task.name == name:
+        if cause.stalled:  # the stalled report; where it was, from its own answer
+            if where.get("state") != "own code":
+                return cause
+            how = "busy, not stuck: " if where.get("busy") else ""
+            return dataclasses.replace(cause, diagnosed=how + str(where.get("where")).split("; it never reached")[0])
+        return cause if not cause.consequence else dataclasses.replace(cause, diagnosed=summary)
+    if not any(kind in cause.message for kind in _COLLECTIVE_ERRORS) and not cause.stalled:
+        return cause  # a failure of its own (an exception, a crash): the diagnosis only adds context
+    culprit = next((e for e in exits if e.task.name == name), None)
+    if culprit is not None and culprit.code == 0:
+        return cause  # it finished its program: whoever still made collectives after it is the cause
+    if culprit is None:  # still running (being stopped), or the launching process itself (self-launch)
+        run = next((r for r in runs if r.task.name == name), None)
+        task = run.task if run is not None else Task(name=name, command=(), info=f"rank {culprits[0]}")
+        pid = run.pid if run is not None else int(where.get("pid") or 0)
+        culprit = Exit(task, pid, 0, len(exits), True, "", int(time.time()))
+    return dataclasses.replace(culprit, diagnosed=summary, stalled="")
+
+
 def _who(task: Task, pid: int) -> str:
     return f"{task.name} ({task.info + ', ' if task.info else ''}pid {pid})"
 
 
 def format_failure(exit: Exit, *, lines: int = 15) -> str:
     """The report of one failed task: who, how, its recorded error and its log's last lines."""
+    if exit.diagnosed and not exit.stalled:
+        text = f"{_who(exit.task, exit.pid)}: {exit.diagnosed}\n"
+        if exit.failed and exit.task.log_path is not None:  # where it raised, from its log (if it did)
+            log = tail(exit.task.log_path, 80)
+            start = log.rfind("Traceback (most recent call last):")
+            if start >= 0:
+                text += f"last lines of {exit.task.log_path}:\n{log[start:]}\n"
+        return text
     if exit.stalled:
         waiter, error = exit.stalled.split(": ", 1)
         state = exit.state_when_stopped or "running"
         why = "" if state != "running" else " (deadlocked, or busy far longer than its peers)"
+        if exit.diagnosed:  # where it was, from its own answer: busy is not stuck
+            return (
+                f"{_who(exit.task, exit.pid)} never arrived at a collective, and {waiter} timed out waiting for it. "
+                f"It was {exit.diagnosed}, until the supervisor ended it ({describe_exit_code(exit.code)}).\n"
+                f"{waiter}'s error: {error}\n"
+            )
         return (
             f"{_who(exit.task, exit.pid)} stalled: it was alive but never arrived at a collective, and "
             f"{waiter} timed out waiting for it. It was {state}{why} until the supervisor ended it "
@@ -498,10 +553,18 @@ class Supervisor:
             cannot be forked is spawned).
         preload: with ``fork``, modules for the server to import besides those
             :func:`~phalanx.launch.forkserver.preload_for` finds in the script.
+        run_dir: the tasks' run directory, where a replica whose collective failed writes its
+            diagnosis (:mod:`phalanx.comm.diagnosis`); the root-cause report prints it.
     """
 
     def __init__(
-        self, *, tee: bool = False, out: IO[str] | None = None, start_method: str = "spawn", preload: Sequence[str] = ()
+        self,
+        *,
+        tee: bool = False,
+        out: IO[str] | None = None,
+        start_method: str = "spawn",
+        preload: Sequence[str] = (),
+        run_dir: str | None = None,
     ) -> None:
         if start_method not in ("spawn", "fork"):
             raise ValueError(f"start_method must be 'spawn' or 'fork', not {start_method!r}")
@@ -513,6 +576,9 @@ class Supervisor:
         self._runs: list[Running] = []
         self._exits: list[Exit] = []
         self._cause_reported = False  # this attempt printed a root cause: it failed (job_status)
+        # Where the tasks' run directory is (their logs, and a diagnosis a replica wrote there).
+        self.run_dir = run_dir
+        self._attempt_started = time.time()
         self._lock = threading.Lock()
         self._tee_lock = threading.Lock()
 
@@ -538,6 +604,8 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 os.unlink(task.done_path)
             env["PHALANX_DONE_FILE"] = task.done_path
+        if self.run_dir:  # this supervisor prints the diagnosis a replica writes there: it need not
+            env["PHALANX_DIAGNOSIS_DIR"] = self.run_dir
         piped = task.log_path is not None and self.tee
         log = None
         if task.log_path is not None:
@@ -758,11 +826,37 @@ class Supervisor:
                 return seen
             time.sleep(0.02)
 
+    def await_diagnosis(self, limit: float = DIAGNOSIS_WAIT_S, settle: float = DIAGNOSIS_SETTLE_S) -> list[Exit]:
+        """Before the others are stopped: lets a replica that is diagnosing the failure finish.
+
+        A replica whose collective failed asks every replica where it is, then writes the diagnosis
+        to the run directory (:mod:`phalanx.comm.diagnosis`); meanwhile a marker says so. Stopping it
+        then would lose the diagnosis. Waits while a marker is there, at most ``limit`` seconds;
+        after a task killed by a signal (a crash, the OOM killer: its peers notice within a tenth of
+        a second, and their view of where they were is all there is) first ``settle`` seconds for
+        one to start. Returns at once where no run directory is kept.
+
+        Returns:
+            The exits seen meanwhile.
+        """
+        if not self.run_dir:
+            return []
+        seen: list[Exit] = []
+        start = time.monotonic()
+        killed = any(e.code < 0 and not e.stopped_by_supervisor for e in self.exits)
+        while self.alive() and time.monotonic() - start < limit:
+            if not diagnosis.pending(self.run_dir) and (not killed or time.monotonic() - start >= settle):
+                break
+            time.sleep(0.02)
+            seen += self.poll()
+        return seen
+
     def forget_exits(self) -> None:
-        """Starts a new attempt: earlier ends no longer count for the root cause."""
+        """Starts a new attempt: earlier ends (and an earlier diagnosis) no longer count for the root cause."""
         with self._lock:
             self._exits = []
             self._cause_reported = False
+            self._attempt_started = time.time()
 
     @property
     def exits(self) -> list[Exit]:
@@ -838,6 +932,7 @@ class Supervisor:
         show (:meth:`await_cause`). Returns the exits seen meanwhile."""
         grace = settings.stop_grace() if grace is None else grace
         seen = self.await_cause()
+        seen += self.await_diagnosis()
         failing = self.failing()
         others = [r for r in self.alive() if r not in failing]
         self.signal_all(signal.SIGTERM, others)
@@ -870,18 +965,20 @@ class Supervisor:
     def dump_stacks(self, runs: Sequence[Running], settle: float = 1.0) -> dict[str, str]:
         """Asks each task for its Python stack; returns what each wrote (or why there is none).
 
-        A replica registers :mod:`faulthandler` on SIGUSR1 (:mod:`phalanx.launch.replica_hooks`),
-        which writes every thread's stack to its log; py-spy is used where it is installed and the
-        task has no such handler. A task without either is not signalled (SIGUSR1 would kill it).
+        A replica registers :mod:`faulthandler` on the stack-dump signal (``PHALANX_STACK_SIGNAL``,
+        default SIGUSR2; :mod:`phalanx.launch.replica_hooks`), which writes every thread's stack to
+        its log; py-spy is used where it is installed and the task has no such handler. A task
+        without either is not signalled (the signal's default action would kill it).
         """
         sizes, stacks = {}, {}
         signalled = []
+        sig = settings.stack_signal()
         for run in runs:
             path = run.task.log_path
             sizes[run.task.name] = os.path.getsize(path) if path and os.path.exists(path) else 0
-            if _catches(run.pid, signal.SIGUSR1):
+            if _catches(run.pid, sig):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(run.pid, signal.SIGUSR1)
+                    os.kill(run.pid, sig)
                 signalled.append(run)
             elif shutil.which("py-spy"):
                 try:
@@ -895,7 +992,10 @@ class Supervisor:
                 except (OSError, subprocess.SubprocessError) as e:
                     stacks[run.task.name] = f"(py-spy failed: {e})"
             else:
-                stacks[run.task.name] = "(no stack: it has no SIGUSR1 stack-dump handler and py-spy is not installed)"
+                stacks[run.task.name] = (
+                    f"(no stack: it has no {sig.name} stack-dump handler (PHALANX_STACK_SIGNAL) "
+                    "and py-spy is not installed)"
+                )
         if signalled:
             time.sleep(settle)
         for run in signalled:
@@ -912,12 +1012,31 @@ class Supervisor:
         return stacks
 
     # ------------------------------------------------------------------ reporting
+    def diagnosis(self) -> dict | None:
+        """The diagnosis a replica of this attempt wrote to the run directory, if any."""
+        if not self.run_dir:
+            return None
+        return diagnosis.read(self.run_dir, since=self._attempt_started - 1.0)
+
     def report_root_cause(self, exits: Iterable[Exit] | None = None) -> Exit | None:
-        """Prints the root-cause report once, in the one format; returns the failure it named."""
-        cause = root_cause(self.exits if exits is None else exits)
+        """Prints the root-cause report once, in the one format; returns the failure it named.
+
+        Where a replica wrote a diagnosis (its collective failed: it asked every replica where it
+        was), the diagnosis names the cause when the failures seen only follow it (a timeout, a lost
+        peer, collectives that do not match): the replica that never arrived, or that made another
+        call, whatever its state, never the one that waited. The diagnosis is printed after the
+        root cause, once.
+        """
+        exits = self.exits if exits is None else list(exits)
+        cause = root_cause(exits)
+        found = self.diagnosis() if cause is not None else None
+        if cause is not None and found is not None:
+            cause = _diagnosed_cause(cause, exits, found, self.runs)
         if cause is not None:
             self._cause_reported = True
             self.say("root cause (first failure): " + format_failure(cause))
+            if found is not None:
+                self.say(diagnosis.render(found, where=os.path.join(self.run_dir or "", diagnosis.FILE)))
         return cause
 
     def job_status(self, code: int) -> int:

@@ -599,7 +599,7 @@ class ParameterServerStrategy(Strategy):
         transport: Any = None,
         serve_and_exit: bool = True,
     ) -> None:
-        # Under `phalanx run --ps`: the error file, the stack dump on SIGUSR1, the parent watch and
+        # Under `phalanx run --ps`: the error file, the stack dump (PHALANX_STACK_SIGNAL), the parent watch and
         # the mark that the program finished (a task still running after the chief's end fails the job).
         replica_hooks.install()
         self._build(cluster_resolver, variable_partitioner, rpc_timeout, cluster_secret, transport)

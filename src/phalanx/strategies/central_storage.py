@@ -86,6 +86,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm.communicator import Handle
+from phalanx.comm.flight_recorder import recording
 from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
@@ -268,6 +269,9 @@ class Central(GradientSync):
             comm.reduce(flat, dst=0)
             return Handle(flat)
 
+        rec = getattr(comm, "recorder", None)
+        if rec is not None:  # the flight recorder calls these collectives gradient buckets
+            reduce_to_chief = rec.labelled("gradient bucket", reduce_to_chief)
         # The guard rides on the first bucket where every replica gets its sum; where only replica 0
         # gets it (gloo's reduce), it has a small all-reduce of its own just before that bucket.
         guarding = {
@@ -292,7 +296,9 @@ class Central(GradientSync):
         """Every replica's guard numbers in one small all-reduce; raises if the replicas disagree."""
         # A copy: the guard reuses its buffer, and the all-reduce works in place.
         mine = guard.encode(torch.int64, _CENTRAL_DEVICE, with_parameters=with_parameters).clone()
-        guard.verify(self._comm.all_reduce(mine, "sum").wait())
+        with recording(self._comm, "guard"):
+            summed = self._comm.all_reduce(mine, "sum").wait()
+        guard.verify(summed)
 
     def _barrier(self) -> None:
         """A barrier that carries the consistency guard when it is on (see the module docstring).
@@ -307,7 +313,8 @@ class Central(GradientSync):
             # all-reduce just before it) carries it.
             self._exchange_guard(self._guard, with_parameters=False)
         elif self._comm.world_size > 1:
-            self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
+            with recording(self._comm, "barrier"):
+                self._comm.all_reduce(torch.zeros(1, dtype=torch.int64), "sum").wait()
 
     def _adopt_reduced(self, buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
         """Replica 0, copy mode: the optimizer is to update the central copy with the summed gradients.

@@ -181,6 +181,14 @@ class SyncExtended(StrategyExtended):
             # A launcher that can tell a dead local replica (an interactive session) ends the
             # rendezvous with that replica's error as soon as it knows.
             peer_check=self._launcher.check_peers if self._launcher is not None else None,
+            # Where a failed collective's diagnosis goes for the launcher to print (a phalanx launcher's run).
+            run_dir=env.log_dir,
+            launcher_prints=bool(env.log_dir)
+            and (
+                os.environ.get("PHALANX_DIAGNOSIS_DIR") == env.log_dir
+                or getattr(self._launcher, "prints_diagnosis", False)
+            ),
+            recorder_size=settings.flight_recorder,
         )
         return ProcessGroupCommunicator(spec, backend=backend)
 

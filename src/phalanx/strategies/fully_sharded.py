@@ -52,6 +52,7 @@ from phalanx import hooks
 from phalanx._compat.torch import untraced
 from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
+from phalanx.comm.flight_recorder import recording
 from phalanx.core import context, variables
 from phalanx.core.gradient_sync import AllReduce, GradientSync
 from phalanx.core.strategy import Strategy, StrategyExtended
@@ -354,7 +355,9 @@ class Sharded(GradientSync):
         contribution = guard.encode(torch.float64, with_parameters=False)
         if contribution is not None:
             # A copy: encode reuses its buffer, and the all-reduce sums in place.
-            guard.verify(self._comm.all_reduce(contribution.clone(), "sum").wait())
+            with recording(self._comm, "guard"):
+                summed = self._comm.all_reduce(contribution.clone(), "sum").wait()
+            guard.verify(summed)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

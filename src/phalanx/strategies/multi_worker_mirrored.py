@@ -172,6 +172,9 @@ class MultiWorkerMirroredExtended(SyncExtended):
             placement.master_port,
             placement.node_rank,
             placement.num_nodes,
+            # Under a phalanx launcher (phalanx run with TF_CONFIG), its run directory: a failed
+            # collective's diagnosis goes there for the launcher to print.
+            log_dir=env.log_dir if env is not None else "",
         )
         comm = self._build_communicator(
             run_env,
