@@ -50,6 +50,9 @@ from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_result
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
 RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
+# Called as ``observe(strategy, args, kwargs)`` before each ``run`` with what ``fn`` is given
+# (phalanx.keras adapts a Keras optimizer passed to the step function, as it does one ``fn`` names).
+RUN_ARGUMENT_OBSERVERS: list[Callable[[Any, tuple, dict], None]] = []
 
 
 def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
@@ -682,6 +685,8 @@ class Strategy:
         _interactive.before_step()  # an interrupted notebook stops every replica at the same step
         for observe in RUN_OBSERVERS:
             observe(self, fn)
+        for observe_arguments in RUN_ARGUMENT_OBSERVERS:
+            observe_arguments(self, args, kwargs or {})
         result = self._extended.call_for_each_replica(fn, args, kwargs)
         return self._wrap_local(result)
 
