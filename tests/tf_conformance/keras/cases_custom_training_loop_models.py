@@ -11,6 +11,8 @@ equal one device's.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import torch
@@ -305,3 +307,81 @@ def variable_run_argument(strategy, ctx):
     strategy.reduce(px.ReduceOp.SUM, per_replica, axis=None)
     assert kinds == [True], kinds
     replicas_agree(strategy, net.get_weights(), "weights")
+
+
+class _Heads(keras.Model):
+    """A trunk, a head, and an auxiliary head that the loss uses on even steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = keras.layers.Dense(8, activation="tanh")
+        self.head = keras.layers.Dense(1)
+        self.aux = keras.layers.Dense(1)
+
+    def call(self, x, use_aux=False):
+        h = self.trunk(x)
+        return (self.head(h), self.aux(h)) if use_aux else (self.head(h), None)
+
+
+def _unused_layer_loop(strategy, optimizer_fn):
+    seed()
+    global_batch, steps = 8, 6
+    x = np.random.normal(size=(global_batch * steps, 4)).astype("float32")
+    y = np.random.normal(size=(global_batch * steps, 1)).astype("float32")
+
+    def build():
+        model = _Heads()
+        model(np.zeros((1, 4), "float32"), use_aux=True)
+        return model
+
+    initial = build().get_weights()
+
+    def train(distribution):
+        with distribution.scope() if distribution is not None else contextlib.nullcontext():
+            model = build()
+            model.set_weights(initial)
+            optimizer = optimizer_fn()
+
+        def step_fn(inputs, step):
+            xb, yb = inputs
+            out, aux = model(xb, use_aux=step % 2 == 0)
+            per_example = keras.ops.squeeze(keras.ops.square(out - yb), -1)
+            if aux is not None:
+                per_example = per_example + 0.5 * keras.ops.squeeze(keras.ops.square(aux), -1)
+            loss = px.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            model.zero_grad()
+            loss.backward()
+            variables = model.trainable_variables
+            optimizer.apply([v.value.grad for v in variables], variables)
+            return loss.detach()
+
+        data = loader(x, y, batch_size=global_batch)
+        if distribution is None:
+            for step, batch in enumerate(data):
+                step_fn(batch, step)
+        else:
+            for step, batch in enumerate(distribution.experimental_distribute_dataset(data)):
+                distribution.run(step_fn, args=(batch, step))
+        return model.get_weights()
+
+    got = train(strategy)
+    replicas_agree(strategy, got, "weights")
+    # One device leaves the auxiliary head alone at odd steps (its gradient is None, so the
+    # optimizer skips it: momentum does not move it, weight decay does not shrink it).
+    all_close(got, train(None), 1e-5, 1e-5, "weights")
+
+
+@case(
+    "distribute_strategy_test.py TestDistributionStrategyWithNumpyArrays.test_gradients_are_none (in a custom loop: "
+    "an auxiliary head unused at odd steps, SGD with momentum, optimizer.apply in strategy.run, against one device)"
+)
+def unused_layer_in_custom_loop_sgd_momentum(strategy, ctx):
+    _unused_layer_loop(strategy, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+@case(
+    "distribute_strategy_test.py TestDistributionStrategyWithNumpyArrays.test_gradients_are_none (in a custom loop: "
+    "an auxiliary head unused at odd steps, AdamW with weight decay, against one device)"
+)
+def unused_layer_in_custom_loop_adamw(strategy, ctx):
+    _unused_layer_loop(strategy, lambda: keras.optimizers.AdamW(0.05, weight_decay=0.5))
