@@ -34,7 +34,7 @@ from phalanx.comm.communicator import Communicator, LocalCommunicator
 from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES, GradientReducer
-from phalanx.core import compiled, context, global_batch, integrations
+from phalanx.core import compiled, context, global_batch, hazards, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
 from phalanx.core.job_stats import JobStats
@@ -624,6 +624,8 @@ class Strategy:
         if not self._is_default:
             with _LIVE_LOCK:
                 _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
+            if getattr(extended, "num_processes", 1) > 1:
+                hazards.install()  # lines every replica runs that race (os.makedirs), input()
 
     # ---------------------------------------------------------------- properties
     @property
