@@ -74,7 +74,9 @@ def test_sparse_embedding_with_sparse_adam_trains_as_on_one_device(runs):
     _check(runs, "sparse")
 
 
-@pytest.mark.xfail(strict=True, reason="lazy modules: the reducer sizes buckets from uninitialized parameters (issue 50)")
+@pytest.mark.xfail(
+    strict=True, reason="lazy modules: the reducer sizes buckets from uninitialized parameters (issue 50)"
+)
 def test_lazy_linear_materialised_inside_run_trains_as_on_one_device(runs):
     _check(runs, "lazy")
 

@@ -39,7 +39,11 @@ def batches(scenario: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(STEPS):
-        x = torch.randint(0, 10, (GLOBAL_BATCH,), generator=g) if scenario == "sparse" else torch.randn(GLOBAL_BATCH, 5, generator=g)
+        x = (
+            torch.randint(0, 10, (GLOBAL_BATCH,), generator=g)
+            if scenario == "sparse"
+            else torch.randn(GLOBAL_BATCH, 5, generator=g)
+        )
         out.append((x, torch.randn(GLOBAL_BATCH, 4, generator=g)))
     return out
 

@@ -92,4 +92,3 @@ def variable_without_gradient(strategy, ctx):
     assert all(used == central_replica for used, _ in seen), seen
     assert_close(float(model.unused.detach()), 2.0, "unused")
     assert_close(float(model.used.detach()), {1: 0.062, 2: -0.54}[ctx.n], "used", tol=1e-5)
-

@@ -32,8 +32,10 @@ import sysconfig
 import threading
 import warnings
 from types import FrameType
+from typing import Callable
 
 _INSTALLED = False
+_SEVERAL_PROCESSES: list[Callable[[], bool]] = []  # set by install(): whether a live job spans processes
 _LOCK = threading.Lock()
 _WARNED: set[tuple[str, str, int]] = set()
 _LIBRARY_ROOTS = tuple(
@@ -49,13 +51,19 @@ class ProcessHazardWarning(UserWarning):
     """A line every replica runs that behaves differently when every replica is a process."""
 
 
-def install() -> None:
-    """Adds the audit hook (once per process; called by a strategy spanning several processes)."""
+def install(several_processes: Callable[[], bool]) -> None:
+    """Adds the audit hook (once per process; called by a strategy spanning several processes).
+
+    Args:
+        several_processes: whether this process is now part of a job of several processes (a live
+            strategy spans them); the hook does nothing while it says no.
+    """
     global _INSTALLED
     with _LOCK:
         if _INSTALLED:
             return
         _INSTALLED = True
+        _SEVERAL_PROCESSES[:] = [several_processes]
     sys.addaudithook(_audit)
 
 
@@ -69,9 +77,7 @@ def _audit(event: str, args: tuple) -> None:
 
 
 def _several_processes() -> bool:
-    from phalanx.core.process import num_processes  # here: process imports strategy, which imports this
-
-    return num_processes() > 1
+    return bool(_SEVERAL_PROCESSES) and _SEVERAL_PROCESSES[0]()
 
 
 def _check(event: str, args: tuple) -> None:

@@ -561,6 +561,11 @@ def live_strategies() -> "list[Strategy]":
     return [s for s in found if s is not None and not s._closed]
 
 
+def _spans_processes() -> bool:
+    """Whether a strategy this process built and has not closed spans several processes."""
+    return any(getattr(s.extended, "num_processes", 1) > 1 for s in live_strategies())
+
+
 ScopeEnterHook = Callable[["Strategy"], None]
 _SCOPE_ENTER_HOOKS: list[ScopeEnterHook] = []
 _SCOPE_HOOKS_LOCK = threading.Lock()
@@ -625,7 +630,7 @@ class Strategy:
             with _LIVE_LOCK:
                 _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
             if getattr(extended, "num_processes", 1) > 1:
-                hazards.install()  # lines every replica runs that race (os.makedirs), input()
+                hazards.install(_spans_processes)  # lines every replica runs that race (os.makedirs), input()
 
     # ---------------------------------------------------------------- properties
     @property
