@@ -292,10 +292,11 @@ def variable_run_argument(strategy, ctx):
         net.build((None, 1))
     features = next(iter(strategy.experimental_distribute_dataset(loader(np.ones((2, 1), np.float32), batch_size=2))))
     kinds = []
+    variable_type = type(net.trainable_variables[0])  # Keras 3.6's torch variables are no keras.Variable
 
     def replica_step(trainable_variables, features):
         # TF: the variables passed to run() stay variables (TPUStrategy used to make them tensors).
-        kinds.append(all(isinstance(v, keras.Variable) for v in trainable_variables))
+        kinds.append(all(type(v) is variable_type for v in trainable_variables))
         net_out = net(features, training=True)
         loss = ((net_out - 1.0) * (net_out - 1.0)).sum()
         net.zero_grad()

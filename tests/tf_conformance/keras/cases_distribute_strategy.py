@@ -321,25 +321,31 @@ def _with_cpu_model(strategy, make, compile_args):
 
 def _evaluate_partial_batch(strategy, batch_size, dataset):
     seed()
-    metrics = ["mae", keras.metrics.CategoricalAccuracy()]
-    model, cpu_model = _with_cpu_model(strategy, get_model, (_sgd(), "mse", metrics))
+    with strategy.scope():
+        model = get_model()
+        model.compile(_sgd(), "mse", metrics=["mae", keras.metrics.CategoricalAccuracy()])
+    cpu_model = get_model()
     cpu_model.compile(_sgd(), "mse", metrics=["mae", keras.metrics.CategoricalAccuracy()])
-    model.compile(_sgd(), "mse", metrics=["mae", keras.metrics.CategoricalAccuracy()])
+    cpu_model.set_weights(model.get_weights())
     x = np.random.random((10, 3)).astype("float32")
     y = np.random.random((10, 4)).astype("float32")
     steps = int(np.ceil(10.0 / batch_size))
+    # Keras 3.6 builds a model's metrics on the first batch of a first evaluate given `steps`, and
+    # that batch is then not evaluated (with or without a strategy): the calls without `steps`
+    # (TF's second check) come first here, so each model is built before the calls with `steps`.
     if dataset:
-        got = model.evaluate(loader(x, y, batch_size=batch_size), steps=steps, verbose=0)
-        expected = cpu_model.evaluate(loader(x, y, batch_size=batch_size), steps=steps, verbose=0)
-        all_close(got[1:], expected[1:], 1e-5, 1e-5, "with steps")
+        expected = cpu_model.evaluate(loader(x, y, batch_size=batch_size), verbose=0)
         got = model.evaluate(loader(x, y, batch_size=batch_size), verbose=0)
+        all_close(got[1:], expected[1:], 1e-5, 1e-5, "steps inferred")
+        expected = cpu_model.evaluate(loader(x, y, batch_size=batch_size), steps=steps, verbose=0)
+        got = model.evaluate(loader(x, y, batch_size=batch_size), steps=steps, verbose=0)
     else:
         expected = cpu_model.evaluate(x, y, verbose=0)
-        got = model.evaluate(x, y, batch_size=batch_size, steps=steps, verbose=0)
-        all_close(got[1:], expected[1:], 1e-5, 1e-5, "with steps")
         got = model.evaluate(x, y, batch_size=batch_size, verbose=0)
+        all_close(got[1:], expected[1:], 1e-5, 1e-5, "steps inferred")
+        got = model.evaluate(x, y, batch_size=batch_size, steps=steps, verbose=0)
     # TF leaves the loss out: the last partial batch weighs more in its running mean.
-    all_close(got[1:], expected[1:], 1e-5, 1e-5, "steps inferred")
+    all_close(got[1:], expected[1:], 1e-5, 1e-5, "with steps")
 
 
 for _batch in (4, 6):
@@ -660,7 +666,9 @@ def dataset_wrong_input_shape(strategy, ctx):
         model = get_model()
         model.compile(_sgd(), "mse")
     dataset = loader(np.zeros((10, 5), np.float32), np.zeros((10, 4), np.float32), batch_size=10)
-    with raises(ValueError, match="is incompatible with"):
+    # Keras 3.6 wraps the ValueError in a RuntimeError ("Unable to automatically build the model"),
+    # with or without a strategy; Keras 3.15 raises it as TF does.
+    with raises(ValueError, RuntimeError, match="is incompatible with"):
         model.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
 
 
@@ -728,12 +736,26 @@ def match_model_input_matches_with_dataset_tensors(strategy, ctx):
         "a_input_sorted_first": np.random.rand(32, 32).astype(np.float32),
     }
     dataset = loader(input_dict, np.ones((32, 2), dtype=np.float32), batch_size=4, drop_last=True)
+    # Keras 3.6 itself cannot feed a dict to a model of listed inputs ("Unable to automatically build
+    # the model"); where Keras refuses it without a strategy, it must be refused the same way under one.
+    input_a, input_b, output = make()
+    try:
+        plain = keras.Model(inputs=[input_a, input_b], outputs=output)
+        plain.compile("sgd", "mse")
+        plain.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0)
+        keras_refuses = None
+    except Exception as e:  # noqa: BLE001 - what Keras raises is the expectation
+        keras_refuses = type(e)
     with strategy.scope():
         input_a, input_b, output = make()
         array_model = keras.Model(inputs=[input_a, input_b], outputs=output)
         array_model.compile("sgd", "mse")
         model_weights = array_model.get_weights()
-        array_fit = array_model.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0).history
+        if keras_refuses is not None:
+            with raises(keras_refuses):
+                array_model.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0)
+        else:
+            array_fit = array_model.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0).history
         input_a, input_b, output = make()
         dict_model = keras.Model(
             inputs={"z_input_sorted_last": input_a, "a_input_sorted_first": input_b}, outputs=output
@@ -741,14 +763,30 @@ def match_model_input_matches_with_dataset_tensors(strategy, ctx):
         dict_model.compile("sgd", "mse")
         dict_model.set_weights(model_weights)
         dict_fit = dict_model.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0).history
-    all_close(dict_fit, array_fit, 1e-4, 1e-4)
+    if keras_refuses is None:
+        all_close(dict_fit, array_fit, 1e-4, 1e-4)
+    else:  # the dict model against one device's
+        input_a, input_b, output = make()
+        reference = keras.Model(
+            inputs={"z_input_sorted_last": input_a, "a_input_sorted_first": input_b}, outputs=output
+        )
+        reference.compile("sgd", "mse")
+        reference.set_weights(model_weights)
+        all_close(dict_fit, reference.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0).history, 1e-4, 1e-4)
+
+
+class IdentityRegularizer(keras.regularizers.Regularizer):
+    """TF's ``TestRegularizerLoss.IdentityRegularizer``."""
+
+    def __call__(self, x):
+        return x
 
 
 class AddLayer(keras.layers.Layer):
     """TF's ``TestRegularizerLoss.AddLayer``: x + v, v regularised by the identity."""
 
     def build(self, _):
-        self.v = self.add_weight(name="v", shape=(), initializer="ones", regularizer=lambda x: x)
+        self.v = self.add_weight(name="v", shape=(), initializer="ones", regularizer=IdentityRegularizer())
 
     def call(self, inputs):
         return inputs + self.v
@@ -811,24 +849,23 @@ class CBCounter(keras.callbacks.Callback):
         self.test_batches += 1
 
 
-def _fit_distributed(strategy, ds, val_ds):
+def _fit_counts(model, ds, val_ds):
+    cb_counter = CBCounter()
+    model.fit(
+        ds, steps_per_epoch=10, validation_data=val_ds, validation_steps=5, epochs=2, callbacks=[cb_counter], verbose=0
+    )
+    return cb_counter.train_batches, cb_counter.test_batches, cb_counter.epochs
+
+
+def _fit_distributed(strategy, ds, val_ds, expected=(20, 10, 2)):
     with strategy.scope():
         # TF builds this Sequential at the first fit; phalanx finds a model in the scope by what it
         # registers there, which a Sequential without an input shape does not (docs/keras.md; the
         # case model_captures_strategy_fit_and_evaluate is that difference): given its input shape.
         model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
-        cb_counter = CBCounter()
-        model.fit(
-            ds,
-            steps_per_epoch=10,
-            validation_data=val_ds,
-            validation_steps=5,
-            epochs=2,
-            callbacks=[cb_counter],
-            verbose=0,
-        )
-    assert (cb_counter.train_batches, cb_counter.test_batches, cb_counter.epochs) == (20, 10, 2), vars(cb_counter)
+        counts = _fit_counts(model, ds, val_ds)
+    assert counts == expected, f"(train batches, test batches, epochs) = {counts}, expected {expected}"
     if strategy.num_replicas_in_sync > 1:
         with raises(ValueError, match="distributed dataset, you must specify"):
             model.fit(ds, epochs=2, verbose=0)
@@ -837,11 +874,17 @@ def _fit_distributed(strategy, ds, val_ds):
 @case(f"{SRC} {MODELS}.test_distributed_dataset")
 def distributed_dataset(strategy, ctx):
     x, y = np.ones((100, 10), np.float32), np.ones((100, 1), np.float32)
-    ds = strategy.experimental_distribute_dataset(
-        loader(np.concatenate([x] * 2), np.concatenate([y] * 2), batch_size=10)
-    )
-    val_ds = strategy.experimental_distribute_dataset(loader(x, y, batch_size=20))
-    _fit_distributed(strategy, ds, val_ds)
+    train = loader(np.concatenate([x] * 2), np.concatenate([y] * 2), batch_size=10)
+    validation = loader(x, y, batch_size=20)
+    # TF: (20, 10, 2). Keras 3.15 gives them on one device with the same global batches; Keras 3.6
+    # spends a batch building the model and does not restart a finished validation iterator (19, 5,
+    # 2): the strategy gives what Keras gives on one device.
+    reference = keras.Sequential([keras.Input((10,)), keras.layers.Dense(1)])
+    reference.compile("sgd", "mse")
+    expected = _fit_counts(reference, train, validation)
+    ds = strategy.experimental_distribute_dataset(train)
+    val_ds = strategy.experimental_distribute_dataset(validation)
+    _fit_distributed(strategy, ds, val_ds, expected)
 
 
 @case(f"{SRC} {MODELS}.test_distributed_datasets_from_function")

@@ -9,8 +9,9 @@ profile too, on phalanx's TensorBoard, where TF profiles every worker); ``EarlyS
 every worker. TF runs these on MultiWorkerMirrored with two workers; they run on every strategy
 here (a replica is a process). TF's MNIST model (``multi_worker_testing_utils.get_mnist_model``,
 a Conv2D, BatchNormalization and a softmax Dense) takes 10x10 images here instead of 28x28; the
-synthetic dataset is TF's: ones, labels 1, batches of 64, 2 steps per epoch. Keras 3 writes
-``.keras`` (TF: ``tf``) and ``.h5`` files; its weights-only files end in ``.weights.h5``.
+synthetic dataset is TF's: ones, labels 1, batches of 64, 2 steps per epoch. Keras 3 writes whole
+models as ``.keras`` files (TF: ``tf`` and ``h5``) and weights as ``.weights.h5``; TF's ``tf``
+weights-only checkpoint has no Keras 3 twin.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def get_mnist_model(strategy):
 
 FORMATS = {  # TF's (file_format, save_weights_only) -> Keras 3's file name
     ("h5", True): "checkpoint.weights.h5",
-    ("h5", False): "checkpoint.h5",
+    # Keras 3 writes whole models in its .keras format (Keras 3.6's ModelCheckpoint refuses .h5).
+    ("h5", False): "checkpoint_h5.keras",
     ("tf", False): "checkpoint.keras",
 }
 
