@@ -154,6 +154,8 @@ def test_keras_shims_in_a_keras_process():
         "for _ in range(3):\n    ck.count_optimizer_step(acc)\n"
         "assert int(acc.iterations) == 1 and int(opt.iterations) == 0\n"
         "ck.count_optimizer_step(opt)\nassert int(opt.iterations) == 1\n"
+        "assert ck.optimizer_variables(opt) == []\nopt.build(m.trainable_variables)\n"
+        "assert [v.path for v in ck.optimizer_variables(opt)] == [v.path for v in m.trainable_variables]\n"
         "import torch\nassert torch.device(ck.current_device()).type == ('cuda' if torch.cuda.is_available() else 'cpu')\n"
         "with keras.device('meta'):\n    assert str(ck.current_device()) == 'meta'\n"
     )

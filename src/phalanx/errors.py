@@ -350,6 +350,18 @@ class KerasIntegrationError(PhalanxError, RuntimeError):
         )
 
 
+class UnsupportedLayerError(PhalanxError, ValueError):
+    """A layer that cannot be distributed by the strategy whose scope built or adapted its model.
+
+    Raised where TF raises for the same layer (a stateful RNN under a strategy with more than one
+    replica: ``ValueError: Stateful RNNs ... are not yet supported with tf.distribute.Strategy``).
+    """
+
+    def __init__(self, layer: Any, reason: str, *, hint: str | None = None) -> None:
+        self.layer = layer
+        super().__init__(f"{reason} (layer {getattr(layer, 'name', type(layer).__name__)!r})", hint=hint)
+
+
 class ShardingError(PhalanxError, ValueError):
     """FullyShardedStrategy cannot shard what it was given.
 

@@ -139,6 +139,30 @@ def assign_mirrored_var_replica_context_with_sum(strategy, ctx):
         strategy.run(lambda: v.assign(5.0))
 
 
+@case(
+    f"{SRC} MirroredVariableUpdateTest.testAssignMirroredVarReplicaContextWithSum (TF 2.21 behaviour: assign_add "
+    "of Python numbers that differ between replicas)",
+    MULTI,
+)
+def assign_add_differing_numbers_to_sum_var(strategy, ctx):
+    with strategy.scope():
+        v = px.Variable(1.0, name="foo", aggregation=px.VariableAggregation.SUM)
+    messages = []
+
+    def step():
+        # TF 2.21 CPU refuses them too: AttributeError "'float' object has no attribute 'device'"
+        # (its regroup makes a per-replica value of Python floats, which its all-reduce cannot take).
+        try:
+            v.assign_add(float(px.get_replica_context().replica_id_in_sync_group) + 1.0)
+        except (ValueError, AttributeError) as e:
+            messages.append(str(e))
+
+    strategy.run(step)
+    assert messages, "assign_add of differing Python numbers into a SUM variable was accepted"
+    assert "same on every replica" not in messages[0], f"the numbers differ, the error says otherwise: {messages[0]}"
+    assert_equal(v, 1.0)
+
+
 @case(f"{SRC} MirroredVariableUpdateTest.testAssignMirroredVarCrossDeviceContext")
 def assign_mirrored_var_cross_device(strategy, ctx):
     with strategy.scope():

@@ -7,6 +7,7 @@ written for ``n`` replicas.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import phalanx as px
@@ -183,6 +184,18 @@ def compute_average_loss_float_global_batch_size(strategy, ctx):
     def step():
         with raises(TypeError):
             px.nn.compute_average_loss(torch.tensor([1.0, 2.0]), global_batch_size=4.0)
+
+    strategy.run(step)
+
+
+@case(f"{SRC} (TF 2.21 behaviour) compute_average_loss with a global_batch_size that is not a scalar")
+def compute_average_loss_non_scalar_global_batch_size(strategy, ctx):
+    # TF 2.21 CPU raises ValueError "global_batch_size must be scalar. Expected scalar shape, saw
+    # shape: (1,)" for [10], (10,), np.array([10]) and [[10]] (shape (1, 1)).
+    def step():
+        for bad in ([10], (10,), np.array([10]), [[10]]):
+            with raises(ValueError, match="scalar"):
+                px.nn.compute_average_loss(torch.tensor([1.0, 2.0]), global_batch_size=bad)
 
     strategy.run(step)
 

@@ -21,6 +21,9 @@ ALL = (ONE_DEVICE, MIRRORED, CENTRAL_STORAGE, MULTI_WORKER)
 MULTI = (MIRRORED, CENTRAL_STORAGE, MULTI_WORKER)
 #: One worker holding every replica (TF's single-host strategies).
 SINGLE_WORKER = (ONE_DEVICE, MIRRORED, CENTRAL_STORAGE)
+#: The suites: TF's tensorflow/python/distribute tests (``cases_*.py``) and tf_keras/distribute's
+#: (``keras/cases_*.py``). Each suite runs in jobs of its own.
+SUITES = ("tf", "keras")
 
 
 @dataclass(frozen=True)
@@ -28,16 +31,19 @@ class Case:
     """One translated TF test.
 
     Attributes:
-        id: ``<module>.<function>``, e.g. ``strategy_common.reduce_host_tensor``.
+        id: ``<module>.<function>``, e.g. ``strategy_common.reduce_host_tensor``; a case of the Keras
+            suite (``tf_conformance/keras/``) is ``keras.<module>.<function>``.
         fn: the case itself, ``fn(strategy, ctx)``.
         source: TF's file and test, e.g. ``strategy_common_test.py StrategyReduceTest.testReduceHostTensor``.
         strategies: the configurations it applies to (as TF's ``combinations`` say).
+        suite: ``tf`` (tensorflow/python/distribute's tests) or ``keras`` (tf_keras/distribute's tests).
     """
 
     id: str
     fn: Callable[[Any, "Ctx"], None]
     source: str
     strategies: tuple[str, ...]
+    suite: str = "tf"
 
 
 CASES: list[Case] = []
@@ -48,13 +54,14 @@ def case(source: str, strategies: tuple[str, ...] = ALL) -> Callable[[Callable],
 
     def register(fn: Callable) -> Callable:
         module = fn.__module__.rsplit(".", 1)[-1].removeprefix("cases_")
-        case_id = f"{module}.{fn.__name__}"
+        suite = "keras" if ".keras." in fn.__module__ else "tf"
+        case_id = f"keras.{module}.{fn.__name__}" if suite == "keras" else f"{module}.{fn.__name__}"
         if any(c.id == case_id for c in CASES):
             raise ValueError(f"case {case_id} is registered twice")
         unknown = set(strategies) - set(ALL)
         if unknown:
             raise ValueError(f"case {case_id}: unknown strategies {sorted(unknown)}")
-        CASES.append(Case(case_id, fn, source, tuple(strategies)))
+        CASES.append(Case(case_id, fn, source, tuple(strategies), suite))
         return fn
 
     return register

@@ -1,8 +1,9 @@
 """Runs every conformance case under one strategy, on every process of the job (SPMD).
 
-Usage: python runner.py STRATEGY OUT_DIR [START [ATTEMPT]]
+Usage: python runner.py STRATEGY OUT_DIR [START [ATTEMPT [SUITE]]]
 
-STRATEGY is one of registry.ALL. Each process appends one JSON line per case to
+STRATEGY is one of registry.ALL; SUITE is ``tf`` (the default: TF's tensorflow/python/distribute
+tests, ``cases_*.py``) or ``keras`` (tf_keras/distribute's tests, ``keras/cases_*.py``). Each process appends one JSON line per case to
 OUT_DIR/results_<rank>.jsonl: ``{"idx", "id", "status": passed|failed|error, "text"}``. After each
 case the processes meet at a barrier made of files (OUT_DIR/sync/<attempt>/<idx>_<rank>.json),
 outside the communicator: a case that raised on one process while another waits in a collective
@@ -25,20 +26,25 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+# Run as a script, this folder is sys.path[0]: its keras/ (the Keras suite) would shadow Keras itself.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 RESTART = 3  # exit status: the communicator is unusable; start again at the next case
 
 
-def load_cases() -> list:
-    """Imports every ``cases_*`` module of the suite (sorted) and returns the registry's cases."""
+def load_cases(suite: str = "tf") -> list:
+    """Imports every ``cases_*`` module of ``suite`` (sorted) and returns its cases, in that order."""
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     from tf_conformance import registry
 
-    package = importlib.import_module("tf_conformance")
+    if suite not in registry.SUITES:
+        raise ValueError(f"unknown conformance suite {suite!r}; expected one of {registry.SUITES}")
+    name = "tf_conformance" if suite == "tf" else "tf_conformance.keras"
+    package = importlib.import_module(name)
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if info.name.startswith("cases_"):
-            importlib.import_module(f"tf_conformance.{info.name}")
-    return registry.CASES
+            importlib.import_module(f"{name}.{info.name}")
+    return [c for c in registry.CASES if c.suite == suite]
 
 
 def _record(error: BaseException | None) -> dict:
@@ -99,8 +105,9 @@ def main() -> int:
     name, out = sys.argv[1], Path(sys.argv[2])
     start = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     attempt = sys.argv[4] if len(sys.argv) > 4 else "0"
+    suite = sys.argv[5] if len(sys.argv) > 5 else "tf"
     os.environ.setdefault("KERAS_BACKEND", "torch")
-    cases = load_cases()
+    cases = load_cases(suite)
     from tf_conformance import registry
 
     import strategies  # tests/strategies.py: the matrix's factories

@@ -16,6 +16,7 @@ __all__ = [
     "initial_epoch",
     "is_uninitialized",
     "learning_rate",
+    "optimizer_variables",
     "set_initial_epoch",
     "set_initializer",
     "store_elsewhere",
@@ -40,6 +41,15 @@ def count_optimizer_step(optimizer: Any) -> None:
     is a tensor, the number of updates made (``_iterations // gradient_accumulation_steps``).
     """
     getattr(optimizer, "_iterations", optimizer.iterations).assign_add(1)
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """The trainable variables ``optimizer.apply(grads)`` updates when given none (``[]`` before it is built).
+
+    ``optimizer._trainable_variables`` (Keras 3.0 to 3.15): what ``apply`` falls back to; Keras has
+    no public name for it.
+    """
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
 
 
 def initial_epoch(model: Any) -> int | None:

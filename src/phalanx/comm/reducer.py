@@ -1,11 +1,28 @@
 """Gradient synchronisation during backward: buckets launched as they fill, as DDP does.
 
 Parameters are grouped into buckets in reverse creation order (roughly the order backward
-produces their gradients). When every gradient of a bucket is ready, and every earlier bucket has
-been launched, its all-reduce starts while backward goes on. A callback queued on the autograd
-engine launches whatever is left and waits for all buckets. Buckets are always launched in index
-order, so every replica issues the same collectives in the same order whatever order its
-gradients arrive in.
+produces their gradients). Each parameter has one hook, run just before autograd accumulates its
+gradient: it points ``.grad`` at the parameter's place in its bucket's flat buffer (zeroed when the
+bucket's first gradient of a synchronisation arrives), so autograd adds the gradient there itself,
+and counts the parameter ready. When every gradient of a bucket is ready, and every earlier bucket
+has been launched, the bucket's all-reduce starts at the next hook (by then autograd has
+accumulated the last gradient: a device's hooks and accumulations run one after the other on one
+thread) while backward goes on. A callback queued on the autograd engine launches whatever is left
+and waits for all buckets. Buckets are always launched in index order, so every replica issues the
+same collectives in the same order whatever order its gradients arrive in. Per parameter that is
+one Python call and no kernel: DDP's C++ reducer copies each gradient into its bucket (and, by
+default, back). ``torch.autograd.grad`` runs the hooks too but accumulates nothing: a run is told
+apart at its first hook (``_compat.torch.will_accumulate``) and left alone.
+
+Gradients live in the buckets (DDP's ``gradient_as_bucket_view``): the all-reduce works on the
+buffer itself and its sum *is* ``.grad``: no flattening copy, no copy back, and passes under
+``no_sync`` accumulate in place. Parameters that are not contiguous (channels_last), and sparse
+gradients, keep autograd's layout: the former are copied in and out; the latter are summed apart,
+by gathering every replica's indices and values (TF's ``IndexedSlices``).
+
+The sum, not the mean, is written back: :func:`phalanx.nn.compute_average_loss` has already
+divided each replica's loss by the global batch size, so the sum equals the gradient of the
+global batch on one device.
 
 Unused parameters. A parameter this replica's pass did not reach adds zeros to the sum, and each
 bucket carries one flag per parameter after its gradients (1: used here), summed with them. A
@@ -13,32 +30,23 @@ parameter that no replica used (flag sum 0) keeps the ``.grad`` it had, None aft
 ``zero_grad()``, as on one device, under DDP with ``find_unused_parameters`` and in TF: an
 optimizer then skips it, where a zero gradient would let momentum or weight decay move it. One
 used by some replicas only gets the sum. The flags are read back only where this replica left a
-parameter unused, so the usual pass never waits for them on a GPU.
-
-Gradients live in the buckets (DDP's ``gradient_as_bucket_view``). Each bucket has one flat buffer,
-kept from pass to pass; as a gradient arrives it is moved into its place there and ``.grad``
-becomes a view of it, so the all-reduce works on the buffer itself and its sum *is* ``.grad``: no
-flattening copy, no copy back, and passes under ``no_sync`` accumulate in place. Parameters that
-are not contiguous (channels_last) keep autograd's layout: their gradients are copied in and out.
-
-The sum, not the mean, is written back: :func:`phalanx.nn.compute_average_loss` has already
-divided each replica's loss by the global batch size, so the sum equals the gradient of the
-global batch on one device.
+parameter unused, so the usual pass never waits for them on a GPU. A parameter that begins to
+train inside the pass (thawed in the step) joins in a bucket of its own at its end (``late``).
 
 Accumulation. Only what *this* backward pass (and any passes under :meth:`GradientReducer.no_sync`
 since the last synchronisation) added to ``.grad`` is summed across replicas; whatever ``.grad``
-held before (the already summed gradient of an earlier micro-batch) is kept aside and added back
-once. So K backward passes without ``zero_grad()`` give the same ``.grad`` as K passes on one
-device over the same global batches. A tensor hook on each parameter, run just before autograd
-accumulates into ``.grad``, moves the earlier value aside (no copy).
+held before (the already summed gradient of an earlier micro-batch) is kept aside by the hook and
+added back once. So K backward passes without ``zero_grad()`` give the same ``.grad`` as K passes on
+one device over the same global batches.
 
-Consistency. An optional guard (:class:`phalanx.comm.guard.ReplicaGuard`) appends every replica's
-step, batch and parameter fingerprint to the first bucket of each pass and checks them after the
-sum, so replicas that drifted apart raise :class:`~phalanx.errors.ReplicaDivergenceError`. It needs
-a collective that gives every replica the sum: an all-reduce (MirroredStrategy, and CentralStorage
-on the same-host shared-memory transport, whose other replicas drop the sum). Where only one
-replica gets it (CentralStorage's gloo reduce to replica 0), ``guard_collective`` runs the guard in
-a small all-reduce of its own just before the first bucket.
+Consistency. An optional guard (:class:`phalanx.comm.guard.ReplicaGuard`) writes every replica's
+step, batch and, now and then, parameter fingerprint into room after the first bucket's flags and
+checks them after the sum (on a GPU one pass later, without waiting), so replicas that drifted
+apart raise :class:`~phalanx.errors.ReplicaDivergenceError`. It needs a collective that gives
+every replica the sum: an all-reduce (MirroredStrategy, and CentralStorage on the same-host
+shared-memory transport, whose other replicas drop the sum). Where only one replica gets it
+(CentralStorage's gloo reduce to replica 0), ``guard_collective`` runs the guard in a small
+all-reduce of its own just before the first bucket.
 """
 
 from __future__ import annotations

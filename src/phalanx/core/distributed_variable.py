@@ -9,8 +9,9 @@ behaves as TF's ``MirroredVariable`` (``synchronization`` AUTO / ON_WRITE) or ``
   this one tensor; ONLY_FIRST_REPLICA: replica 0's value, one broadcast), then apply the result on
   every replica, so the copies stay identical. NONE applies the value when every replica gives the
   same one and raises :class:`AggregationError` (a ValueError) on every replica when they differ
-  (TF lets the copies drift apart there). A Python number is the same on every replica (TF's
-  "non-distributed value"): SUM refuses it, as TF does, and MEAN / ONLY_FIRST_REPLICA apply it.
+  (TF lets the copies drift apart there). A Python number is TF's "non-distributed value": SUM
+  refuses it, as TF does (whether the replicas' numbers agree or not), and MEAN / ONLY_FIRST_REPLICA
+  apply it.
 * **ON_WRITE, cross-replica context** (``scope()``, outside ``run``, ``merge_call``'s function):
   every process runs the same program, so each applies the update to its own copy.
 * **ON_READ** (sync-on-read): updates in replica context stay local (a replica's own count). Reading
@@ -477,8 +478,9 @@ def aggregate_update(
         extended: the strategy's ``extended``.
         aggregation: the variable's aggregation.
         value: this replica's value (or delta), of the variable's dtype and shape.
-        python_value: the value as given, if it was a Python number: the same on every replica
-            (TF's non-distributed value), so MEAN gives it and SUM refuses it (zero excepted).
+        python_value: the value as given, if it was a Python number: TF's non-distributed value, so
+            MEAN gives it and SUM refuses it (zero excepted), saying whether the replicas' numbers
+            agreed (one more collective, on that error path only).
         name: the variable's name, for errors.
 
     Raises:
@@ -493,9 +495,24 @@ def aggregate_update(
         return first
     number = isinstance(python_value, numbers.Number) and not isinstance(python_value, bool)
     if number and aggregation is VariableAggregation.SUM and python_value != 0:
+        # TF refuses a Python number here whether the replicas' numbers agree (ValueError: a
+        # non-DistributedValues value cannot be SUM-reduced) or not (TF 2.21 fails inside its
+        # all-reduce). Which it is decides the message: one collective, on the error path only.
+        first = value.clone()
+        extended.broadcast([first], 0)
+        differ = torch.zeros(1, dtype=torch.int64, device=value.device) + int(not bool((first == value).all()))
+        if int(extended.all_reduce([differ], ReduceOp.SUM)[0]) > 0:
+            raise AggregationError(
+                f"Python numbers that differ between replicas (this replica's: {python_value!r}) cannot be "
+                f"SUM-aggregated into variable {name!r}: a Python number is not a per-replica value, and TF "
+                "refuses to sum one (TF 2.21 fails inside its all-reduce: 'float' object has no attribute 'device').",
+                variable=name,
+                hint="give each replica's value as a tensor (torch.tensor(...)): tensors are summed",
+            )
         raise AggregationError(
             f"A value that is not per-replica ({python_value!r}) cannot be SUM-aggregated into variable "
-            f"{name!r}: it is the same on every replica.",
+            f"{name!r}: every replica gave the same Python number, which TF takes as one value for all "
+            "replicas and refuses to sum (ValueError: a non-DistributedValues value cannot be reduced).",
             variable=name,
             hint="give a tensor computed by the replica (torch.tensor(...)), or aggregation=MEAN",
         )

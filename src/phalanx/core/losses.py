@@ -29,6 +29,7 @@ import numbers
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from phalanx.core import context, global_batch
@@ -78,10 +79,19 @@ def _require_replica_context(name: str) -> None:
 
 
 def _check_global_batch_size(value: Any) -> int:
-    # TF asserts a scalar integer (TypeError otherwise) that is not negative; 0 is allowed and
-    # gives a 0 loss (div_no_nan). Integer tensors and numpy integers are integers too.
+    # TF asserts a scalar (ValueError otherwise: a list, a tuple or an array of any shape but ()),
+    # then an integer (TypeError otherwise), not negative; 0 is allowed and gives a 0 loss
+    # (div_no_nan). Integer tensors and numpy integers are integers too.
     if type(value) is int and value >= 0:
         return value  # the usual case, first: this runs on every step
+    shape = np.shape(value) if isinstance(value, (list, tuple, np.ndarray)) else ()
+    if shape != ():
+        raise ValueError(
+            f"global_batch_size must be a scalar; received {value!r} of shape {shape} "
+            "(TF: 'global_batch_size must be scalar')"
+        )
+    if isinstance(value, np.ndarray):
+        value = value.item()
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"global_batch_size must be a scalar; received a tensor of shape {tuple(value.shape)}")

@@ -36,7 +36,7 @@ from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.flight_recorder import recording
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
-from phalanx.core import compiled, context, global_batch, integrations
+from phalanx.core import compiled, context, global_batch, hazards, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
 from phalanx.core.gradient_sync import AllReduce, GradientSync
@@ -53,6 +53,9 @@ from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_result
 
 # Called as ``observe(strategy, fn)`` before each ``run``; phalanx.keras adds one for metrics.
 RUN_OBSERVERS: list[Callable[[Any, Callable[..., Any]], None]] = []
+# Called as ``observe(strategy, args, kwargs)`` before each ``run`` with what ``fn`` is given
+# (phalanx.keras adapts a Keras optimizer passed to the step function, as it does one ``fn`` names).
+RUN_ARGUMENT_OBSERVERS: list[Callable[[Any, tuple, dict], None]] = []
 
 
 def tf_device_name(device: LogicalDevice, task: str = "/job:localhost/replica:0/task:0") -> str:
@@ -575,6 +578,11 @@ def live_strategies() -> "list[Strategy]":
     return [s for s in found if s is not None and not s._closed]
 
 
+def _spans_processes() -> bool:
+    """Whether a strategy this process built and has not closed spans several processes."""
+    return any(getattr(s.extended, "num_processes", 1) > 1 for s in live_strategies())
+
+
 ScopeEnterHook = Callable[["Strategy"], None]
 _SCOPE_ENTER_HOOKS: list[ScopeEnterHook] = []
 _SCOPE_HOOKS_LOCK = threading.Lock()
@@ -638,6 +646,8 @@ class Strategy:
         if not self._is_default:
             with _LIVE_LOCK:
                 _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
+            if getattr(extended, "num_processes", 1) > 1:
+                hazards.install(_spans_processes)  # lines every replica runs that race (os.makedirs), input()
 
     # ---------------------------------------------------------------- properties
     @property
@@ -699,6 +709,8 @@ class Strategy:
         _interactive.before_step()  # an interrupted notebook stops every replica at the same step
         for observe in RUN_OBSERVERS:
             observe(self, fn)
+        for observe_arguments in RUN_ARGUMENT_OBSERVERS:
+            observe_arguments(self, args, kwargs or {})
         result = self._extended.call_for_each_replica(fn, args, kwargs)
         return self._wrap_local(result)
 

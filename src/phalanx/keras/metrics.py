@@ -11,8 +11,10 @@ the result from it, and leaves each replica's own state as it was, so ``update_s
 
 How a metric is found: the function given to ``run`` names it, directly or through functions it
 calls by name (module globals or closure cells, two calls deep), which is how TF's tutorials and
-most custom loops use metrics. ``result()`` in cross-replica context is then a collective: call it
-on every replica (as ``strategy.reduce``), not only on the chief.
+most custom loops use metrics; or it is the function itself (``strategy.run(metric, args=...)``);
+or a Keras layer the function names tracks it (a layer that updates its own metrics in ``call``).
+``result()`` in cross-replica context is then a collective: call it on every replica (as
+``strategy.reduce``), not only on the chief.
 
 Under ParameterServerStrategy the metric's variables live on the parameter servers (as TF's do),
 placed when a scheduled function first uses the metric: each worker adds its updates there (the
@@ -61,8 +63,19 @@ class UnsupportedMetricError(PhalanxError, TypeError):
 
 
 def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
-    """The Keras metrics ``fn`` names (globals, closure), following called functions ``_DEPTH`` deep."""
-    return objects_used_by(fn, keras.metrics.Metric)
+    """The Keras metrics ``fn`` uses: ``fn`` itself (``strategy.run(metric, args=...)``, or one of its
+    methods), those it names (globals, closure, following called functions ``_DEPTH`` deep), and
+    those the Keras layers it names track (a layer updating its own metrics in ``call``; a model's
+    are left to ``fit``, which merges them itself)."""
+    found = {id(m): m for m in objects_used_by(fn, keras.metrics.Metric)}
+    owner = getattr(fn, "__self__", fn)
+    if isinstance(owner, keras.metrics.Metric):
+        found.setdefault(id(owner), owner)
+    for layer in objects_used_by(fn, keras.layers.Layer):
+        if not isinstance(layer, keras.Model):
+            for metric in layer.metrics:
+                found.setdefault(id(metric), metric)
+    return list(found.values())
 
 
 def objects_used_by(fn: Callable[..., Any], kind: type) -> list[Any]:

@@ -20,12 +20,15 @@ What the adaptation is, on that instance only:
   Keras makes. Each step receives the *global* batch Keras sliced from the input; the wrapper
   gives this replica its part (``torch.tensor_split`` bounds, as ``experimental_distribute_dataset``
   does) and runs Keras' step inside ``strategy.run``.
-* The model's optimizer gets an ``apply`` that, on a replica left without gradients because
-  its strategy reduced them to the chief (CentralStorageStrategy: the chief alone updates the one
-  copy of the variables), skips the update instead of raising, and counts the step. So does a
-  Keras optimizer a custom training loop uses in ``strategy.run`` (found as metrics are, by the
-  names the step function uses: :func:`optimizers_used_by`); its slot variables then exist on
-  the chief only, next to the one copy of the variables, as a torch optimizer's state does.
+* The model's optimizer gets an ``apply`` that behaves as TF's ``apply_gradients`` in replica
+  context (:func:`adapt_optimizer`): gradients it is given that no ``backward()`` summed
+  (``torch.autograd.grad``, hand-made) are summed across replicas first; and on a replica left
+  without gradients because its strategy reduced them to the chief (CentralStorageStrategy: the
+  chief alone updates the one copy of the variables) it skips the update instead of raising, and
+  counts the step. So does a Keras optimizer a custom training loop uses in ``strategy.run``
+  (found as metrics are, by the names the step function uses: :func:`optimizers_used_by`); its
+  slot variables then exist on the chief only under CentralStorage, next to the one copy of the
+  variables, as a torch optimizer's state does.
 
 Semantics (tf.keras under tf.distribute):
 
@@ -66,19 +69,24 @@ import numpy as np
 import torch
 
 from phalanx import hooks, nest
-from phalanx._compat.keras import count_optimizer_step
+from phalanx._compat.keras import count_optimizer_step, optimizer_variables
 from phalanx._compat.keras import current_device as keras_device
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
-from phalanx.core import context
+from phalanx.core import context, global_batch
 from phalanx.core.losses import mark_loss_scaled
-from phalanx.core.strategy import RUN_OBSERVERS, register_device_context, register_scope_enter_hook
-from phalanx.errors import InputMismatchError, StrategyScopeError, WriteError
+from phalanx.core.strategy import (
+    RUN_ARGUMENT_OBSERVERS,
+    RUN_OBSERVERS,
+    register_device_context,
+    register_scope_enter_hook,
+)
+from phalanx.errors import InputMismatchError, StrategyScopeError, UnsupportedLayerError, WriteError
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery, sharding
 from phalanx.keras.discovery import distributed_model
-from phalanx.values import ReduceOp
+from phalanx.values import ReduceOp, local_results
 
 if TYPE_CHECKING:
     from phalanx.core.strategy import Strategy
@@ -207,14 +215,52 @@ def _update_is_the_chiefs(strategy: Any) -> bool:
     return bool(getattr(ext, "updates_on_chief_only", False)) and ext.process_index != 0
 
 
-def adapt_optimizer(optimizer: Any) -> None:
-    """Lets a replica whose strategy sent its gradients to the chief skip the optimizer update.
+def _sums_in_apply(strategy: Any) -> bool:
+    """Whether a Keras optimizer's ``apply`` called now must sum the gradients it is given (TF's
+    ``apply_gradients`` in replica context): inside ``run`` of a synchronous strategy of several
+    replicas that does not shard the model (sharded gradients are reduce-scattered by FSDP)."""
+    return (
+        strategy.num_replicas_in_sync > 1
+        and not strategy.extended.is_asynchronous
+        and context.get_replica_context() is not None
+        and not sharding.shards_models(strategy)
+    )
 
-    A strategy that keeps one copy of the variables (CentralStorageStrategy) reduces the
-    gradients to the chief, which alone updates that copy; the other replicas are left without
-    gradients, where Keras' ``optimizer.apply`` would raise. On those replicas the update is
-    skipped and only the step is counted, as on the chief, so ``optimizer.iterations`` reads the
-    same everywhere. Idempotent; on any other strategy (or none) ``apply`` is Keras' own.
+
+def _sum_unsummed(strategy: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
+    """Sums across replicas the gradients whose variable has no ``.grad``: those ``backward()`` did
+    not produce (``torch.autograd.grad``, or made by hand). A gradient ``backward()`` produced was
+    summed by the strategy already (the variable's ``.grad`` holds the sum), and so was anything
+    derived from it in this step (clipped, scaled): summing those again would count them twice.
+    Every replica takes the same decision (after ``backward()`` the replicas' ``.grad`` are set or
+    unset alike), so the collective meets on every replica."""
+    picked = [
+        i
+        for i, (g, v) in enumerate(zip(grads, variables))
+        if g is not None and getattr(getattr(v, "value", v), "grad", None) is None
+    ]
+    if not picked:
+        return grads
+    summed = strategy.extended.all_reduce([torch.as_tensor(grads[i]) for i in picked], ReduceOp.SUM)
+    out = list(grads)
+    for i, value in zip(picked, summed):
+        out[i] = value
+    return out
+
+
+def adapt_optimizer(optimizer: Any) -> None:
+    """Gives a Keras optimizer TF's ``apply_gradients`` under a synchronous strategy of several replicas.
+
+    * **Gradients are summed across replicas**, as TF's ``apply_gradients`` all-reduces the
+      gradients it is given in replica context: a gradient computed with ``torch.autograd.grad``
+      (TF's ``tape.gradient``) or made by hand is summed before the update (:func:`_sum_unsummed`);
+      one ``backward()`` produced is summed already.
+    * **Only the chief updates** where the strategy keeps one copy of the variables
+      (CentralStorageStrategy): the chief alone receives the summed gradients and updates that
+      copy; another replica skips the update and only counts the step, so ``optimizer.iterations``
+      reads the same everywhere (Keras' own ``apply`` would raise on its missing gradients).
+
+    Idempotent; on any other strategy (or none) ``apply`` is Keras' own.
     """
     if optimizer is None or optimizer in _ORIGINAL_APPLY:
         return
@@ -222,7 +268,14 @@ def adapt_optimizer(optimizer: Any) -> None:
 
     def apply(grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
-        if grads and all(g is None for g in grads) and _update_is_the_chiefs(context.get_strategy()):
+        strategy = context.get_strategy()
+        if _sums_in_apply(strategy):
+            variables = list(trainable_variables) if trainable_variables is not None else None
+            grads = _sum_unsummed(strategy, grads, optimizer_variables(optimizer) if variables is None else variables)
+            trainable_variables = variables
+        if _update_is_the_chiefs(strategy) and (
+            context.get_replica_context() is not None or all(g is None for g in grads)
+        ):
             count_optimizer_step(optimizer)  # the chief's accumulates (gradient_accumulation_steps) and updates
             return None
         return original(grads, trainable_variables)
@@ -282,23 +335,59 @@ def optimizers_used_by(fn: Callable[..., Any]) -> list[Any]:
     return list(found.values())
 
 
+_SEARCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # step functions whose optimizers were adapted
+_OWN_STEPS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # fit's own replica functions: adapted in _prepare
+
+
 def _observe_run(strategy: Any, fn: Callable[..., Any]) -> None:
-    """Run observer: adapts the Keras optimizers ``fn`` uses, where the chief alone updates, or
-    where the strategy shards Keras models (their slots are cut to the shards)."""
+    """Run observer: adapts the Keras optimizers ``fn`` uses under a synchronous strategy of several
+    replicas (:func:`adapt_optimizer`), and where the strategy shards Keras models (their slots are
+    cut to the shards)."""
+    if strategy.num_replicas_in_sync == 1 or strategy.extended.is_asynchronous or fn in _OWN_STEPS:
+        return
     chief_only = getattr(strategy.extended, "updates_on_chief_only", False)
     shards = sharding.shards_models(strategy)
     if not (chief_only or shards):
-        return  # nothing to do, and nothing to search, under every other strategy
-    # Searched at every run (a few microseconds): a global may be rebound to a new optimizer.
+        # Once per step function (a custom loop gives run the same one every step).
+        try:
+            if fn in _SEARCHED:
+                return
+            _SEARCHED.add(fn)
+        except TypeError:  # not weak-referenceable: searched every time
+            pass
+    # Otherwise searched at every run (a few microseconds): a global may be rebound to a new optimizer.
     for optimizer in optimizers_used_by(fn):
-        if chief_only:
-            adapt_optimizer(optimizer)
         if shards:
             sharding.adapt_optimizer(optimizer)
+        else:
+            adapt_optimizer(optimizer)
+
+
+def _observe_arguments(strategy: Any, args: tuple, kwargs: dict) -> None:
+    """Run argument observer: adapts a Keras optimizer given to the step function (directly, in a
+    list, tuple or dict, or as a compiled model's), as :func:`_observe_run` adapts one it names."""
+    if strategy.num_replicas_in_sync == 1 or strategy.extended.is_asynchronous:
+        return
+    shards = None
+    for value in (*args, *kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if len(items) > _MAX_ITEMS:
+            continue
+        for item in items:
+            if isinstance(item, keras.Model):
+                item = getattr(item, "optimizer", None)
+            if isinstance(item, keras.optimizers.Optimizer):
+                shards = sharding.shards_models(strategy) if shards is None else shards
+                if shards:
+                    sharding.adapt_optimizer(item)
+                else:
+                    adapt_optimizer(item)
 
 
 if _observe_run not in RUN_OBSERVERS:
     RUN_OBSERVERS.append(_observe_run)
+if _observe_arguments not in RUN_ARGUMENT_OBSERVERS:
+    RUN_ARGUMENT_OBSERVERS.append(_observe_arguments)
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -332,6 +421,72 @@ class _Step:
         # A replica past the end of a short final batch computes on a stand-in row, weight 0.
         self.local = _rows(batch, 0, 1) if self.empty else _rows(batch, start, end)
         self.share = 0.0 if self.empty else (end - start) / self.global_size
+
+    @classmethod
+    def local(cls, batch: Any, global_size: int) -> "_Step":
+        """A step on a batch that is already this replica's part of a global batch of ``global_size``."""
+        step = cls.__new__(cls)
+        step.global_size = global_size
+        rows = _batch_size(batch)
+        step.empty = rows == 0
+        step.local = _stand_in(batch) if step.empty else batch
+        step.share = 0.0 if step.empty else rows / global_size
+        return step
+
+
+def _stand_in(batch: Any) -> Any:
+    """One row of zeros shaped as ``batch``'s rows: the stand-in of a replica whose part is empty."""
+
+    def row(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.new_zeros((1, *leaf.shape[1:]))
+        if isinstance(leaf, np.ndarray) and leaf.ndim > 0:
+            return np.zeros((1, *leaf.shape[1:]), leaf.dtype)
+        return leaf
+
+    return nest.map_structure(row, batch)
+
+
+def _is_distributed_input(value: Any) -> bool:
+    from phalanx.input.distributed_dataset import DatasetFromFunction, DistributedDataset
+
+    return isinstance(value, (DistributedDataset, DatasetFromFunction))
+
+
+class _LocalBatches(torch.utils.data.IterableDataset):
+    """A distributed dataset's batches for this replica, each tagged with its global batch's size.
+
+    Each ``iter()`` starts a pass of the distributed dataset (a collective: every replica starts
+    it). Keras keeps its iterator across epochs when given the number of steps and starts a new
+    one after as many batches as the dataset has, which is TF's Keras's way with a distributed
+    dataset: ``fit`` goes on from where the last epoch stopped.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        super().__init__()
+        self._dataset = dataset
+
+    def __iter__(self) -> Any:
+        for batch in self._dataset:
+            info = global_batch.find((batch,), {})
+            local = nest.map_structure(lambda v: local_results(v)[0], batch)
+            if info is not None:
+                global_batch.tag(local, info)
+            yield local
+
+
+class _SizedLocalBatches(_LocalBatches):
+    """A :class:`_LocalBatches` of a dataset of known length (a DistributedDataset of a sized loader)."""
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+
+class _LocalLoader(torch.utils.data.DataLoader):
+    """A :class:`_LocalBatches` as Keras takes it: a DataLoader of ready batches."""
+
+    def __init__(self, batches: "_LocalBatches") -> None:
+        super().__init__(batches, batch_size=None)
 
 
 # ---------------------------------------------------------------------------------- the adapter
@@ -458,7 +613,7 @@ class DistributedModel:
         params = inspect.signature(method).parameters
 
         def call(arguments: dict) -> Any:
-            for name in ("callbacks", "verbose"):
+            for name in ("callbacks", "verbose", "x", "validation_data"):
                 if name in arguments and name in params:
                     bound.arguments[name] = arguments[name]
             return method(*bound.args, **bound.kwargs)
@@ -496,6 +651,10 @@ class SyncAdapter(DistributedModel):
         self._checks_left = 0
         self._stat_vars: list[Any] | None = None  # non-trainable variables a training step updates
         self._sharded = False  # FullyShardedStrategy split the model's weights
+        # Per step function: whether its batches come from a distributed dataset (already this
+        # replica's part of the global batch) rather than whole global batches.
+        self._local_input = {kind: False for kind in _KINDS}
+        self._summed_loss = False  # the compiled loss is a sum over the batch (reduction="sum")
         super().__init__(model, strategy)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -515,12 +674,47 @@ class SyncAdapter(DistributedModel):
             ]
         if not self.is_chief:
             arguments["verbose"] = 0
+        arguments["x"] = self._local_batches(arguments.get("x"), arguments.get("steps_per_epoch"), "steps_per_epoch")
+        validation = arguments.get("validation_data")
+        if _is_distributed_input(validation):
+            arguments["validation_data"] = self._local_batches(
+                validation, arguments.get("validation_steps"), "validation_steps"
+            )
         self._prepare()
         if self._sharded:
             sharding.check_callbacks(user)
         self._stat_vars = None
-        with self._on_replica_device():
+        with self._on_replica_device(), self._reading("train", arguments["x"]):
             return call(arguments)
+
+    def _local_batches(self, value: Any, steps: Any, steps_name: str) -> Any:
+        """A distributed dataset as ``fit`` / ``evaluate`` / ``predict`` take it (TF's Keras takes
+        one): this replica's batches, each tagged with the size of its global batch; anything
+        else as it is. TF's rule: the number of steps must be given, and the iterator is not
+        restarted at each epoch (repeat the dataset as needed)."""
+        if not _is_distributed_input(value):
+            return value
+        if steps is None:
+            raise ValueError(
+                f"When providing a distributed dataset, you must specify the number of steps to run: {steps_name} "
+                f"is None for a {type(value).__name__}. Its batches are the replicas' parts of global batches, "
+                "so Keras cannot count them; TF's Keras asks the same (repeat the dataset as needed)"
+            )
+        try:
+            len(value)
+        except TypeError:  # a DatasetFromFunction, or a DistributedDataset of an unsized iterable
+            return _LocalLoader(_LocalBatches(value))
+        return _LocalLoader(_SizedLocalBatches(value))
+
+    @contextlib.contextmanager
+    def _reading(self, kind: str, x: Any) -> Any:
+        """Notes, for the duration of a call, whether the ``kind`` steps get this replica's batches."""
+        before = self._local_input[kind]
+        self._local_input[kind] = isinstance(x, _LocalLoader)
+        try:
+            yield
+        finally:
+            self._local_input[kind] = before
 
     def _on_replica_device(self) -> Any:
         """Keras' device scope for the replica's device, around fit, evaluate and predict (the
@@ -535,19 +729,28 @@ class SyncAdapter(DistributedModel):
                 arguments["callbacks"] = px_callbacks.for_replica(_flat_callbacks(passed), self.is_chief)
             if not self.is_chief:
                 arguments["verbose"] = 0
+        arguments["x"] = self._local_batches(arguments.get("x"), arguments.get("steps"), "steps")
+        kind = "predict" if method.__name__ == "predict" else "test"
         self._prepare()
-        with self._on_replica_device():
+        with self._on_replica_device(), self._reading(kind, arguments.get("x")):
             return call(arguments)
 
     # ------------------------------------------------------------------------------ step functions
     def _prepare(self) -> None:
         """Wraps the step functions Keras made (again after ``compile`` reset them)."""
         model = self.model
+        _refuse_stateful_rnn(model, self.strategy)
+        self._summed_loss = _summed_loss(model, self.strategy)
         self._checks_left = 2  # look for lazily built variables at the first two steps
-        adapt_optimizer(getattr(model, "optimizer", None))
+        # The compiled optimizer, and any other a custom train_step uses (TF's WideDeepModel trains
+        # each half with its own): every Keras optimizer the model holds as an attribute.
+        optimizers = _held_optimizers(model)
+        for optimizer in optimizers:
+            adapt_optimizer(optimizer)
         self._sharded = any(sharding.is_sharded(v) for v in model.trainable_weights)
         if self._sharded:
-            sharding.adapt_optimizer(getattr(model, "optimizer", None))
+            for optimizer in optimizers:
+                sharding.adapt_optimizer(optimizer)
         for kind in _KINDS:
             current = getattr(model, f"{kind}_function", None)
             if current is not None and current in _RAW_STEP:
@@ -573,19 +776,32 @@ class SyncAdapter(DistributedModel):
             finally:
                 self._grad_scale.value = 1.0
 
+        _OWN_STEPS.add(replica_fn)
         self.strategy.run(replica_fn)
         return out["result"]
 
-    def _begin(self, data: Any) -> _Step:
+    def _begin(self, data: Any, kind: str) -> _Step:
         if self._checks_left > 0:
             self._checks_left -= 1
             self._sync_new_variables()
+        if self._local_input[kind]:
+            # Counted by the distributed dataset that cut it (the job report's samples per second).
+            return _Step.local(data[0], self._global_size_of(data[0]))
         step = _Step(data[0], self._num_replicas, self._rank)
         self._ext.stats.add_samples(step.global_size)  # the job report's samples per second
         return step
 
+    def _global_size_of(self, batch: Any) -> int:
+        """The size of the global batch this replica's ``batch`` was cut from (its tag, or the sum
+        of the replicas' sizes where Keras copied the tensors)."""
+        info = global_batch.find((batch,), {})
+        if info is not None:
+            return info.global_size
+        size = torch.tensor([float(_batch_size(batch))], dtype=torch.float64)
+        return round(float(self._ext.all_reduce([size], ReduceOp.SUM)[0][0]))
+
     def _train_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
-        step = self._begin(data)
+        step = self._begin(data, "train")
         model = self.model
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
@@ -593,7 +809,10 @@ class SyncAdapter(DistributedModel):
         if self._stat_vars is None and self._num_replicas > 1:
             candidates = [v for v in model.non_trainable_weights if _is_float(v)]
             versions = [version_counter(v.value) for v in candidates]
-        logs = self._run_local(raw, step, step.share)
+        # A mean over the replica's rows is scaled by its share of the global batch; a sum over
+        # them (reduction="sum") is already its part of the global sum (a stand-in row: 0).
+        scale = (0.0 if step.empty else 1.0) if self._summed_loss else step.share
+        logs = self._run_local(raw, step, scale)
         if versions is not None:
             changed = torch.tensor(
                 [float(version_counter(v.value) != before) for v, before in zip(candidates, versions)]
@@ -610,7 +829,7 @@ class SyncAdapter(DistributedModel):
         return self._global_logs(logs, step)
 
     def _test_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
-        step = self._begin(data)
+        step = self._begin(data, "test")
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
         logs = self._run_local(raw, step, 1.0)
@@ -621,7 +840,7 @@ class SyncAdapter(DistributedModel):
 
     def _predict_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
         first = self._checks_left > 0
-        step = self._begin(data)
+        step = self._begin(data, "predict")
         outputs = self._run_local(raw, step, 1.0)
         if first and self._num_replicas > 1 and self._has_unsynced_variables():
             # predict() does not build the model first: it was built by this very step, with each
@@ -648,6 +867,11 @@ class SyncAdapter(DistributedModel):
                 seen.setdefault(id(v), v)
         return list(seen.values())
 
+    def _loss_totals(self, metric_vars: list[Any]) -> list[int]:
+        """Where the loss tracker's running total is in ``metric_vars``."""
+        totals = {id(v) for m in self.model.metrics if m.name == "loss" for v in m.variables if v.name == "total"}
+        return [i for i, v in enumerate(metric_vars) if id(v) in totals]
+
     def _zero(self, variables: list[Any]) -> list[torch.Tensor]:
         """Saves the (global) metric state and zeroes it, so the step leaves only its contribution."""
         if self._num_replicas == 1:
@@ -668,6 +892,11 @@ class SyncAdapter(DistributedModel):
         if self._num_replicas == 1:
             return extra
         contributions = [torch.zeros_like(v.value) if step.empty else v.value.detach().clone() for v in metric_vars]
+        if self._summed_loss and not step.empty:
+            # The loss tracker averages each replica's loss weighted by its rows; a summed loss is a
+            # part of the global sum, so the replica's total counts 1/share times: the result is the sum.
+            for i in self._loss_totals(metric_vars):
+                contributions[i] = contributions[i] / step.share
         header = torch.tensor([float(step.global_size)], dtype=torch.float32)
         reduced = self._ext.all_reduce([header, *contributions, *extra], ReduceOp.SUM)
         if round(float(reduced[0][0])) != step.global_size * self._num_replicas:
@@ -746,6 +975,77 @@ class SyncAdapter(DistributedModel):
             if v.path.endswith("seed_generator_state") and not _is_float(v):
                 offset = torch.tensor([self._rank * 1_000_003, 0], dtype=v.value.dtype)
                 v.assign(v.value + offset)
+
+
+def _summed_loss(model: Any, strategy: "Strategy") -> bool:
+    """Whether ``model``'s compiled loss sums over the batch (``reduction="sum"``) rather than
+    averaging: its replicas' gradients then add up without scaling, as TF sums them (its Keras
+    scales only mean reductions by the number of replicas).
+
+    Raises:
+        ValueError: under several replicas, a sum mixed with means (several losses), or a sum
+            with losses the model adds itself (regularisers, ``add_loss``): one scale per step
+            cannot serve both.
+    """
+    losses = [loss for loss in nest.flatten(getattr(model, "loss", None)) if loss is not None]
+    summed = [getattr(loss, "reduction", None) == "sum" for loss in losses]
+    if not any(summed) or strategy.num_replicas_in_sync == 1:
+        return False
+    if not all(summed) or len(losses) > 1 or model.losses:
+        raise ValueError(
+            f"The model's loss sums over the batch (reduction='sum') beside other losses "
+            f"({len(losses)} compiled, {len(model.losses)} added by the model); under "
+            f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replicas phalanx scales a step's "
+            "gradients once, so it cannot sum one loss and average the others. Use "
+            "reduction='sum_over_batch_size' (and a learning rate times the batch size), or one summed loss alone"
+        )
+    return True
+
+
+def _held_optimizers(model: Any) -> list[Any]:
+    """The Keras optimizers ``model`` holds: its compiled one, and those in its attributes (directly,
+    or in a list, tuple or dict)."""
+    found: dict[int, Any] = {}
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None:
+        found[id(compiled)] = compiled
+    for value in vars(model).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if len(items) > _MAX_ITEMS:
+            continue
+        for item in items:
+            if isinstance(item, keras.optimizers.Optimizer):
+                found.setdefault(id(item), item)
+    return list(found.values())
+
+
+def _refuse_stateful_rnn(model: Any, strategy: "Strategy") -> None:
+    """A stateful RNN keeps one state row per row of the batch it was built for; on several replicas
+    each replica sees another part of every batch, so the states would be mixed up. tf_keras refuses
+    such a layer in a strategy's scope (``base_rnn.py``): so does phalanx, when the model joins a
+    strategy of more than one replica and at each ``fit``/``evaluate``/``predict``."""
+    if strategy.num_replicas_in_sync == 1:
+        return
+    for layer in _all_layers(model):
+        if getattr(layer, "stateful", False) is True:  # RNN layers and their wrappers (Bidirectional)
+            raise UnsupportedLayerError(
+                layer,
+                "Stateful RNNs (created with `stateful=True`) are not yet supported with tf.distribute.Strategy, "
+                f"nor under {type(strategy).__name__} with {strategy.num_replicas_in_sync} replicas: each replica "
+                "computes on its own part of every batch, so the layer's states would not follow the rows",
+                hint="train a stateful RNN on one replica (OneDeviceStrategy), or make it stateless "
+                "(stateful=False) and pass the states explicitly",
+            )
+
+
+def _all_layers(model: Any) -> list[Any]:
+    """Every layer of ``model``, nested models' layers included."""
+    out: list[Any] = []
+    for layer in getattr(model, "layers", []):
+        out.append(layer)
+        if isinstance(layer, keras.Model):
+            out.extend(_all_layers(layer))
+    return out
 
 
 def _in_chief_only_callback(depth: int = 12) -> bool:
