@@ -57,6 +57,33 @@ def test_will_accumulate_tells_backward_from_autograd_grad():
     assert compat_torch.tracing() is False
 
 
+def test_fsdp_parameters_pairs_each_shard_with_the_parameter_autograd_accumulates_into():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # FSDP2's first pass sets it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        pairs = compat_torch.fsdp_parameters(model)
+        assert [s for s, _ in pairs] == list(model.parameters())  # the sharded ones, in order
+        assert all(g is None for _, g in pairs)  # nothing gathered before the first forward
+        seen = []
+        model(torch.ones(1, 3)).sum().backward()
+        pairs = compat_torch.fsdp_parameters(model)
+        assert [tuple(g.shape) for _, g in pairs] == [(2, 3), (2,)]  # whole, gathered
+        for _, g in pairs:
+            g.register_post_accumulate_grad_hook(lambda t: seen.append(t))
+        model(torch.ones(1, 3)).sum().backward()
+        assert [id(t) for t in seen] == [id(g) for _, g in reversed(pairs)]  # the same objects, kept
+    finally:
+        dist.destroy_process_group()
+        if cache_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
 def test_pytree_walks_nested_structures():
     leaves, spec = compat_torch.pytree.tree_flatten({"a": (1, 2), "b": [3]})
     assert leaves == [1, 2, 3] and compat_torch.pytree.tree_unflatten(leaves, spec) == {"a": (1, 2), "b": [3]}

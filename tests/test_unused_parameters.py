@@ -23,7 +23,13 @@ from conftest import jobs_on_first_use
 SCRIPT = Path(__file__).parent / "scripts" / "unused_params.py"
 OPTIMIZERS = ("sgd_momentum", "adam", "adamw")
 # Every synchronous strategy that all-reduces gradients, with the replicas each one has.
-CASES = {"mirrored_cpu_2": 2, "central_storage_cpu_2": 2, "multi_worker_2": 2, "mirrored_cpu_3": 3}
+CASES = {
+    "mirrored_cpu_2": 2,
+    "central_storage_cpu_2": 2,
+    "multi_worker_2": 2,
+    "mirrored_cpu_3": 3,
+    "fully_sharded_cpu_2": 2,
+}
 
 
 def _script():

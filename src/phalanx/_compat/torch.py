@@ -83,6 +83,22 @@ def will_accumulate(node: Any) -> bool:
         return False
 
 
+def fsdp_parameters(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(sharded parameter, gathered parameter) for each parameter of ``module``'s own FSDP2 group.
+
+    The gathered one is the ``nn.Parameter`` FSDP2 swaps in for forward and backward (created at the
+    group's first all-gather and kept; None before it): autograd accumulates into it. Private
+    (``FSDPState._fsdp_param_groups``, a list in recent torch, one ``_fsdp_param_group`` before;
+    ``FSDPParam.sharded_param`` and ``_unsharded_param``, torch 2.4 to 2.15).
+    """
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for g in groups for fp in g.fsdp_params]
+
+
 def tracing() -> bool:
     """Whether torch.compile is tracing the calling code (False, cheaply, until ``torch._dynamo`` is loaded)."""
     return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
