@@ -21,6 +21,7 @@ None where someone else did.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from phalanx.launch.env import ReplicaEnv
@@ -41,14 +42,61 @@ class Launcher(Protocol):
         the job, raising a replica's failure)."""
 
 
+@dataclass(frozen=True)
+class Engine:
+    """A cluster engine that started this process as one of a job's (Ray Train's worker group).
+
+    Attributes:
+        name: the engine, as messages name it (``"Ray Train"``).
+        env: this process's replica identity in the engine's job.
+        local_key, local_value: where the engine says how many of the job's processes run on this
+            host, and what it says: the value a strategy's device list must match.
+        hint: how to give the engine that many processes per host.
+    """
+
+    name: str
+    env: ReplicaEnv
+    local_key: str
+    local_value: str
+    hint: str
+
+
+def engine() -> Engine | None:
+    """The engine that started this process as a replica of its job, or None.
+
+    A Ray Train worker (``train_loop_per_worker`` of a ``TorchTrainer``) is one replica of the
+    Ray job: ``MirroredStrategy()`` there runs one replica per worker, as under ``phalanx run``.
+    """
+    from phalanx.cluster.ray_train import RayTrainClusterResolver, ray_train_context
+
+    if ray_train_context() is None:
+        return None
+    p = RayTrainClusterResolver().placement()
+    env = ReplicaEnv(
+        p.rank, p.world_size, p.local_rank, p.local_world_size, p.master_addr, p.master_port, p.node_rank, p.num_nodes
+    )
+    return Engine(
+        "Ray Train",
+        env,
+        "ray.train.get_context().get_local_world_size()",
+        str(p.local_world_size),
+        "give each node as many Ray Train workers as the strategy has devices (ScalingConfig(num_workers=...), "
+        "resources_per_worker), or make the strategy without a device list: one replica per worker",
+    )
+
+
 def job_env() -> ReplicaEnv | None:
-    """This process's replica identity: from its launcher, or as replica 0 of the replicas it started."""
+    """This process's replica identity: from its launcher, as replica 0 of the replicas it started,
+    or from the engine whose job it belongs to (:func:`engine`)."""
     env = ReplicaEnv.from_environ()
     if env is None:
         from phalanx.launch.self_launch import current_job
 
         job = current_job()
         env = job.env if job is not None else None
+    if env is None:
+        found = engine()
+        env = found.env if found is not None else None
     return env
 
 
