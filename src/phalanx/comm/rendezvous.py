@@ -335,12 +335,16 @@ def joined_prefix(master_addr: str, master_port: int) -> str:
 
 def _agent_serves(master_addr: str, master_port: int) -> bool:
     """Whether torchrun's agent serves the store this job's master address names
-    (``TORCHELASTIC_USE_AGENT_STORE``, set by torchrun for its workers since torch 1.9)."""
+    (``TORCHELASTIC_USE_AGENT_STORE``, set by torchrun for its workers since torch 1.9).
+
+    The address is compared as a host, not as text: across nodes torchrun's ``MASTER_ADDR`` is node
+    0's name (Kubeflow Trainer's ``<job>-node-0-0.<job>``), which phalanx has resolved by now.
+    """
     env = os.environ
     return (
         env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and env.get("MASTER_ADDR") == master_addr
         and env.get("MASTER_PORT") == str(master_port)
+        and _same_host(env.get("MASTER_ADDR", ""), master_addr)
     )
 
 
