@@ -44,7 +44,7 @@ class Launcher(Protocol):
 
 @dataclass(frozen=True)
 class Engine:
-    """A cluster engine that started this process as one of a job's (Ray Train's worker group).
+    """A cluster engine that started this process as one of a job's (Ray Train's worker group, a Slurm step).
 
     Attributes:
         name: the engine, as messages name it (``"Ray Train"``).
@@ -65,24 +65,36 @@ def engine() -> Engine | None:
     """The engine that started this process as a replica of its job, or None.
 
     A Ray Train worker (``train_loop_per_worker`` of a ``TorchTrainer``) is one replica of the
-    Ray job: ``MirroredStrategy()`` there runs one replica per worker, as under ``phalanx run``.
+    Ray job, and so is each task of a Slurm step of several tasks (``srun``): ``MirroredStrategy()``
+    there runs one replica per worker or task, as under ``phalanx run``, instead of starting
+    replicas of its own in each (separate jobs that would never meet).
     """
     from phalanx.cluster.ray_train import RayTrainClusterResolver, ray_train_context
 
-    if ray_train_context() is None:
-        return None
-    p = RayTrainClusterResolver().placement()
+    if ray_train_context() is not None:
+        p = RayTrainClusterResolver().placement()
+        name, key = "Ray Train", "ray.train.get_context().get_local_world_size()"
+        hint = (
+            "give each node as many Ray Train workers as the strategy has devices (ScalingConfig(num_workers=...), "
+            "resources_per_worker), or make the strategy without a device list: one replica per worker"
+        )
+    else:
+        from phalanx.cluster.detect import resolve_from_environment
+        from phalanx.cluster.slurm import SlurmClusterResolver
+
+        resolver = resolve_from_environment()  # a Slurm step of one task (srun --pty) is no engine's job
+        if not isinstance(resolver, SlurmClusterResolver):
+            return None
+        p = resolver.placement()
+        name, key = "Slurm", "SLURM_NTASKS_PER_NODE"
+        hint = (
+            "run as many tasks per node as the strategy has devices (srun --ntasks-per-node=<devices>), or make "
+            "the strategy without a device list: one replica per task"
+        )
     env = ReplicaEnv(
         p.rank, p.world_size, p.local_rank, p.local_world_size, p.master_addr, p.master_port, p.node_rank, p.num_nodes
     )
-    return Engine(
-        "Ray Train",
-        env,
-        "ray.train.get_context().get_local_world_size()",
-        str(p.local_world_size),
-        "give each node as many Ray Train workers as the strategy has devices (ScalingConfig(num_workers=...), "
-        "resources_per_worker), or make the strategy without a device list: one replica per worker",
-    )
+    return Engine(name, env, key, str(p.local_world_size), hint)
 
 
 def job_env() -> ReplicaEnv | None:
