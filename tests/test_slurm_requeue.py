@@ -34,7 +34,7 @@ from phalanx.checkpoint import Checkpoint, CheckpointManager, PreemptionCheckpoi
 from phalanx.checkpoint.errors import CheckpointNotFoundError
 from phalanx.errors import ClusterSpecError
 
-from conftest import free_ports
+from conftest import free_ports, run_jobs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy"
 _DONE = re.compile(r"done: task (\S+), (\d+) replicas, final loss (\S+), parameters (\w+)")
@@ -284,3 +284,31 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_ends_where_an_
     resumed = re.findall(r"task (\S+): resumed at step (\d+)", output)
     assert len(resumed) >= 2 and all(int(step) > 0 for _, step in resumed), output
     assert _done(output) == reference, output  # bitwise: the checkpoint carries every value on
+
+
+def test_mirrored_strategy_in_a_slurm_step_runs_one_replica_per_task(tmp_path):
+    """2 tasks of one node, as srun starts them: one job of 2 replicas (before: two jobs of 2 each)."""
+    (port,) = free_ports(1)
+    host = socket.gethostname()
+    env = {
+        "SLURM_JOB_ID": "4243",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_TASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": host,
+        "SLURM_STEP_NODELIST": host,
+        "SLURM_NODEID": "0",
+        "SLURMD_NODENAME": host,
+        "MASTER_PORT": str(port),
+        "KERAS_BACKEND": "torch",
+    }
+    script = Path(__file__).parent / "scripts" / "slurm_mirrored.py"
+    jobs = [([sys.executable, str(script)], {**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
+    results = run_jobs(jobs, timeout=90, cwd=tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.logs()
+    assert sorted(r.output.strip().splitlines()[-1] for r in results) == [
+        "replicas 2, process 0, sum 3",
+        "replicas 2, process 1, sum 3",
+    ], [r.output for r in results]
