@@ -23,6 +23,9 @@ pytest.importorskip("ray.train", reason='Ray Train is not installed: pip install
 from conftest import run_job  # noqa: E402
 
 DRIVER = Path(__file__).parent / "scripts" / "ray_train_job.py"
+# The first test runs the driver (one Ray cluster, every case: about 2 to 3 minutes on 2 busy
+# cores), which the suite's 300 s per test would cut short; the driver's own limit is 420 s.
+pytestmark = pytest.mark.timeout(480)
 CASES = ("multi_worker", "mirrored", "keras", "failure")
 
 

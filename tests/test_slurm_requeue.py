@@ -265,7 +265,7 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_ends_where_an_
     one_node = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
     steps = ["--steps", "200"]
     plain = slurm.run("sbatch", "--parsable", *one_node, "slurm-requeue.sbatch", *steps, cwd=work).strip()
-    assert slurm.wait(plain, timeout=180)["JobState"] == "COMPLETED", slurm.logs()
+    assert slurm.wait(plain, timeout=150)["JobState"] == "COMPLETED", slurm.logs()
     reference = _done((work / f"phalanx-train-{plain}.out").read_text())
     assert len(reference) == 2 and len(set(reference)) == 1, reference
 
@@ -277,7 +277,7 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_ends_where_an_
     job = slurm.run(
         "sbatch", "--parsable", *one_node, *limited, "slurm-requeue.sbatch", *steps, "--step-seconds", "0.5", cwd=work
     ).strip()
-    fields = slurm.wait(job, timeout=420)
+    fields = slurm.wait(job, timeout=360)
     output = (work / f"phalanx-train-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) >= 1, f"{fields}\n{output}"
     assert "termination notice received here; all processes stopped after step" in output, output
