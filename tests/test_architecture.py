@@ -128,7 +128,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("core", "input"),
     3: ("checkpoint", "summary", "trackers", "report", "profiler", "progress_bar"),
     4: ("strategies", "ps"),
-    5: ("keras",),
+    5: ("keras", "ray_train"),
     6: ("phalanx", "experimental", "nn", "coordinator", "cluster_resolver", "cli", "demo", "server"),
 }
 

@@ -100,6 +100,39 @@ def pytorchjob_pods(manifest: dict) -> tuple[list[Pod], dict[str, int]]:
     return pods, names
 
 
+def trainjob_pods(documents: list[dict]) -> tuple[list[Pod], dict[str, int]]:
+    """What Kubeflow Trainer v2 gives each node of a TrainJob run on a ClusterTrainingRuntime.
+
+    The JobSet's replicated job ``node`` runs one pod per node, ``<job>-node-0-<index>``, under the
+    headless service ``<job>``; the torch plugin sets the ``PET_*`` variables that ``torchrun``
+    reads as its flags. The TrainJob's ``trainer`` overrides the runtime's node count, processes
+    per node and command.
+    """
+    by_kind = {d["kind"]: d for d in documents}
+    runtime, job = by_kind["ClusterTrainingRuntime"], by_kind["TrainJob"]
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"], (job["spec"], runtime["metadata"])
+    policy, trainer = runtime["spec"]["mlPolicy"], job["spec"].get("trainer", {})
+    (node_job,) = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "node"]
+    container = next(c for c in node_job["template"]["spec"]["template"]["spec"]["containers"] if c["name"] == "node")
+    name = job["metadata"]["name"]
+    nnodes = int(trainer.get("numNodes", policy.get("numNodes", 1)))
+    nproc = str(trainer.get("numProcPerNode", policy.get("torch", {}).get("numProcPerNode", "auto")))
+    command = trainer.get("command", container["command"]) + trainer.get("args", container.get("args", []))
+    pods, names = [], {}
+    for node in range(nnodes):
+        env = {
+            "PET_NNODES": str(nnodes),
+            "PET_NPROC_PER_NODE": nproc,
+            "PET_NODE_RANK": str(node),
+            "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+            "PET_MASTER_PORT": "29500",  # the plugin's trainer port (ContainerTrainerPort)
+            "PYTHONUNBUFFERED": "1",
+        }
+        pods.append(Pod(f"{name}-node-0-{node}", env, command, container.get("workingDir", "")))
+        names[f"{name}-node-0-{node}.{name}"] = node
+    return pods, names
+
+
 def slurm_pods(script: str, job_id: int = 4242) -> tuple[list[Pod], dict[str, int]]:
     """What ``sbatch`` + ``srun`` give each task of the batch script, on nodes pxnode1..N."""
     directives = dict(re.findall(r"^#SBATCH\s+--([\w-]+)=(\S+)", script, re.M))
@@ -216,6 +249,14 @@ def test_pytorchjob_manifest(tmp_path, two_hosts):  # noqa: F811
     _run_on_two_hosts(tmp_path, two_hosts, pods, names)
 
 
+def test_trainjob_manifest(tmp_path, two_hosts):  # noqa: F811
+    pods, names = trainjob_pods(list(yaml.safe_load_all((DEPLOY / "trainjob.yaml").read_text())))
+    # phalanx reads what torchrun makes of the PET_* variables, not the variables themselves.
+    assert [resolve_from_environment(pod.env) for pod in pods] == [None, None]
+    done = _run_on_two_hosts(tmp_path, two_hosts, pods, names)
+    assert [d["task"] for d in done] == ["worker:0", "worker:1"]
+
+
 def test_slurm_batch_script(tmp_path, two_hosts):  # noqa: F811
     pods, names = slurm_pods((DEPLOY / "slurm.sbatch").read_text())
     for rank, pod in enumerate(pods):
@@ -242,6 +283,12 @@ def test_recipes_parse_without_a_cluster():
         ("0", "localhost"),
         ("1", "phalanx-train-master-0"),
     ]
+    tj_pods, _ = trainjob_pods(list(yaml.safe_load_all((DEPLOY / "trainjob.yaml").read_text())))
+    assert [(p.hostname, p.env["PET_NODE_RANK"], p.env["PET_MASTER_ADDR"], p.env["PET_NNODES"]) for p in tj_pods] == [
+        ("phalanx-train-node-0-0", "0", "phalanx-train-node-0-0.phalanx-train", "2"),
+        ("phalanx-train-node-0-1", "1", "phalanx-train-node-0-0.phalanx-train", "2"),
+    ]
+    assert tj_pods[0].command == ["torchrun", "train.py", "--steps", "30"]
     slurm, _ = slurm_pods((DEPLOY / "slurm.sbatch").read_text())
     assert [p.command for p in slurm] == [["python", "train.py", "--steps", "30"]] * 2
     for pod in [*tf_pods, *pt_pods[1:], *slurm]:

@@ -34,12 +34,57 @@ def user_stacklevel() -> int:
     return level
 
 
-class PhalanxError(Exception):
-    """Base class of every error raised by phalanx."""
+class FieldsPickled:
+    """Mixin of an exception that is pickled with its message and every field.
+
+    Python unpickles an exception by calling its class with its ``args``, the message alone here:
+    a constructor that takes fields (``ClusterSpecError(key, value, problem)``) then fails, and the
+    receiver (Ray's driver, a ``concurrent.futures`` caller) sees a ``TypeError`` instead of the
+    error. An exception with this mixin is rebuilt without its constructor instead, from its
+    message and its fields, those set after construction included (a diagnosis).
+    """
+
+    def __reduce__(self) -> tuple:
+        return (_unpickle, (type(self), self.args), exception_state(self))  # type: ignore[attr-defined]
+
+
+class PhalanxError(FieldsPickled, Exception):
+    """Base class of every error raised by phalanx.
+
+    Every phalanx error survives pickling (Ray, multiprocessing, ``concurrent.futures`` and torch's
+    elastic agent carry a worker's exception to the caller that way) with its message and its
+    fields: see :class:`FieldsPickled`.
+    """
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         self.hint = hint
         super().__init__(f"{message} HINT: {hint}" if hint else message)
+
+
+def exception_state(error: BaseException) -> dict[str, Any]:
+    """What pickling ``error`` carries besides its args: its fields, and an ``OSError``'s own.
+
+    Example:
+        >>> import pickle
+        >>> e = pickle.loads(pickle.dumps(ClusterSpecError("MASTER_PORT", "47075", "is taken")))
+        >>> e.key, e.value, str(e)
+        ('MASTER_PORT', '47075', "Invalid cluster configuration: MASTER_PORT='47075': is taken.")
+    """
+    state = dict(vars(error))
+    if isinstance(error, OSError):  # slots of OSError, not in __dict__; one left unset stays unset (str reads it)
+        own = {"errno": error.errno, "strerror": error.strerror, "filename": error.filename}
+        state.update({k: v for k, v in own.items() if v is not None})
+    return state
+
+
+def _unpickle(cls: type[BaseException], args: tuple) -> BaseException:
+    """An exception of ``cls`` with ``args``, its constructor not called (its fields follow as state)."""
+    # The builtin base whose memory layout the class has: OSError's (a DiskFullError) or the plain one.
+    # Its __init__ sets args (OSError's __new__ leaves them to __init__ in a class with its own).
+    base: Any = OSError if issubclass(cls, OSError) else BaseException
+    error = base.__new__(cls, *args)
+    base.__init__(error, *args)
+    return error
 
 
 class ConfigurationError(PhalanxError):
@@ -282,19 +327,9 @@ class PeerUnavailableError(DistributedRuntimeError):
             "(phalanx run --max-restarts K) and resume from the last checkpoint",
         )
 
-    def __reduce__(self) -> tuple:
-        # The constructor's arguments, not the message: pickled across processes (Ray, multiprocessing).
-        kwargs = {"step": self.step, "operation": self.operation, "cause": self.cause, "hint": self.hint}
-        return (_rebuild, (type(self), (self.peers,), kwargs))
-
 
 class CollectiveTimeoutError(PeerUnavailableError):
     """A collective did not complete within its timeout (a stalled peer)."""
-
-
-def _rebuild(cls: type, args: tuple, kwargs: dict[str, Any]) -> BaseException:
-    """Unpickles an error whose constructor takes keyword arguments (``__reduce__``)."""
-    return cls(*args, **kwargs)
 
 
 class KerasIntegrationError(PhalanxError, RuntimeError):

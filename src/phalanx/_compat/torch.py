@@ -20,6 +20,8 @@ __all__ = [
     "accumulation_node",
     "compile_falls_back_per_frame",
     "current_graph_task_id",
+    "default_group_store",
+    "default_store_address",
     "gloo_options",
     "nccl_options",
     "pytree",
@@ -154,3 +156,28 @@ def compile_falls_back_per_frame() -> Any:
     on the ``torch._dynamo.convert_frame`` logger (at WARNING), which phalanx.function reads.
     """
     return torch._dynamo.config.patch(suppress_errors=True)
+
+
+def default_group_store() -> Any | None:
+    """The store torch's default process group was made from, its ``default_pg`` prefix removed
+    (``distributed_c10d._get_default_store``, torch 1.x to 2.15); None without a default group.
+
+    What an engine's rendezvous left (Ray Train, a program's ``init_process_group``): phalanx joins
+    it rather than listening on the port it already holds.
+    """
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):  # init_process_group wraps its store in PrefixStore("default_pg")
+        store = store.underlying_store
+    return store
+
+
+def default_store_address() -> tuple[str, int] | None:
+    """``(host, port)`` of the TCP store behind torch's default group, or None (no group, no TCP store)."""
+    store = default_group_store()
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return str(store.host), int(store.port)

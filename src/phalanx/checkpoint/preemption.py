@@ -12,6 +12,14 @@ and the loop continues from that step.
 Only terminations with notice are handled; a process that is killed outright (SIGKILL, power
 loss) is recovered from the last regular ``CheckpointManager.save``.
 
+Under Slurm the notice is also SIGUSR1, the signal a job asks for before its time limit
+(``sbatch --signal=USR1@120``: Slurm sends it to every task of the job's steps 120 s before the
+end), unless the program handles SIGUSR1 itself or chose it for stack dumps
+(``PHALANX_STACK_SIGNAL``). The batch script requeues the job when the step exits with 42
+(``docs/deploy/slurm-requeue.sbatch``), and the requeued job (``SLURM_RESTART_COUNT`` > 0) must
+find the checkpoint: a requeued job that finds none is a :class:`CheckpointNotFoundError` (the
+directory is not on storage every node shares, or was removed), not a silent start from step 0.
+
 Example (``train.py``, run with ``phalanx run -n 2 --max-restarts 3 train.py``)::
 
     strategy = phalanx.MultiWorkerMirroredStrategy()
@@ -28,6 +36,7 @@ Example (``train.py``, run with ``phalanx run -n 2 --max-restarts 3 train.py``):
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -35,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from phalanx.checkpoint.checkpoint import Checkpoint
+from phalanx.checkpoint.errors import CheckpointNotFoundError
 from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.state import Counter
 
@@ -73,10 +83,13 @@ class PreemptionCheckpointHandler:
         termination_config: :class:`TerminationConfig`.
 
     The handler restores the latest checkpoint of the manager's directory, if there is one,
-    when it is created. It handles SIGTERM from then on (create it in the main thread).
+    when it is created. It handles SIGTERM from then on (create it in the main thread), and under
+    Slurm SIGUSR1 too (see the module's description).
 
     Raises:
         ValueError: a Checkpoint without ``checkpoint_dir``, or created outside the main thread.
+        CheckpointNotFoundError: Slurm requeued the job (``SLURM_RESTART_COUNT`` > 0) and the
+            directory holds no checkpoint; names the directory and the restart count.
     """
 
     def __init__(
@@ -112,9 +125,21 @@ class PreemptionCheckpointHandler:
         self._run_calls = Counter(0)
         checkpoint._track(_RUN_COUNTER, self._run_calls)
         self._noticed = threading.Event()
-        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_signal)}
+        warning = _slurm_warning_signal()
+        if warning is not None:
+            self._previous[warning] = signal.signal(warning, self._on_signal)
         self._closed = False
-        self._manager.restore_or_initialize()
+        restored = self._manager.restore_or_initialize()
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+        if restored is None and restarts.isdigit() and int(restarts) > 0:
+            self.close()
+            raise CheckpointNotFoundError(
+                self._manager.directory,
+                hint=f"SLURM_RESTART_COUNT={restarts}: Slurm requeued this job, but its checkpoint directory holds "
+                "no checkpoint to resume from; put it on storage every node shares and that outlives the job (or, "
+                "to start over on purpose, `unset SLURM_RESTART_COUNT` before srun)",
+            )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only note it: the step in progress finishes, then every process agrees to stop.
@@ -162,9 +187,10 @@ class PreemptionCheckpointHandler:
         yield
 
     def close(self) -> None:
-        """Puts back the SIGTERM handler that was there before."""
+        """Puts back the signal handlers that were there before."""
         if not self._closed:
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
             self._closed = True
 
     def __enter__(self) -> "PreemptionCheckpointHandler":
@@ -172,3 +198,16 @@ class PreemptionCheckpointHandler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _slurm_warning_signal() -> signal.Signals | None:
+    """SIGUSR1 in a Slurm job, where it is free: the signal ``sbatch --signal=USR1@N`` sends before
+    the time limit. None outside Slurm, where the program handles SIGUSR1 itself (its handler is
+    kept), or where SIGUSR1 is phalanx's stack-dump signal (``PHALANX_STACK_SIGNAL``)."""
+    from phalanx.config import stack_signal
+
+    if "SLURM_JOB_ID" not in os.environ or not hasattr(signal, "SIGUSR1"):
+        return None
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None) or stack_signal() == signal.SIGUSR1:
+        return None
+    return signal.SIGUSR1

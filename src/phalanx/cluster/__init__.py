@@ -13,6 +13,7 @@ from phalanx.cluster.placement import (
     compare_fingerprints,
     own_address_for,
 )
+from phalanx.cluster.ray_train import RayTrainClusterResolver
 from phalanx.cluster.simple import SimpleClusterResolver
 from phalanx.cluster.slurm import SlurmClusterResolver, expand_hostlist
 from phalanx.cluster.spec import ClusterSpec
@@ -23,6 +24,7 @@ from phalanx.cluster.validation import parse_tf_config, validate_cluster
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "RayTrainClusterResolver",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",

@@ -420,6 +420,7 @@ class ProcessGroupCommunicator:
             (self.spec.master_addr, self.spec.master_port),
             self.world_size,
             HEARTBEAT_INTERVAL,
+            prefix=rendezvous.joined_prefix(self.spec.master_addr, self.spec.master_port) + self.spec.store_prefix,
         )
 
     @contextlib.contextmanager
@@ -480,7 +481,8 @@ class ProcessGroupCommunicator:
             datetime.timedelta(seconds=2),
             wait_for_workers=False,
         )
-        return dist.PrefixStore(self.spec.store_prefix, client) if self.spec.store_prefix else client
+        prefix = rendezvous.joined_prefix(self.spec.master_addr, self.spec.master_port) + self.spec.store_prefix
+        return dist.PrefixStore(prefix, client) if prefix else client
 
     def diagnose(self, *, trigger: dict[str, Any] | None = None, live: bool = False) -> dict[str, Any]:
         """Asks every replica where it is (through the job's store) and puts the answers side by side.

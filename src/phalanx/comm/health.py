@@ -113,6 +113,8 @@ def unresponsive_peers(
     master: tuple[str, int],
     world_size: int,
     interval: float = HEARTBEAT_INTERVAL,
+    *,
+    prefix: str = "",
 ) -> list[int]:
     """Ranks that are dead or stopped: /proc for peers on this host, heartbeats for the rest.
 
@@ -123,6 +125,7 @@ def unresponsive_peers(
         master: the store's address, for a fresh client (the communicator's may be broken).
         world_size: the job's size.
         interval: the heartbeat interval.
+        prefix: the communicator's keys' prefix in that store (a shared store, a later strategy's).
     """
     local = [r for r, info in peers.items() if r != rank and info["host"] == host]
     remote = [r for r in peers if r != rank and r not in local]
@@ -138,6 +141,8 @@ def unresponsive_peers(
             client = dist.TCPStore(
                 master[0], master[1], world_size, False, datetime.timedelta(seconds=2), wait_for_workers=False
             )
+            if prefix:
+                client = dist.PrefixStore(prefix, client)
 
             def beats() -> dict[int, bytes]:
                 return {r: client.get(f"hb/{r}") if client.check([f"hb/{r}"]) else b"" for r in remote}

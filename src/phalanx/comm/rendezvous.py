@@ -44,6 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx._compat import torch as compat_torch
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.cluster.placement import compare_fingerprints
 from phalanx.errors import ClusterSpecError, ClusterSpecMismatchError, RendezvousTimeoutError
@@ -221,14 +222,129 @@ def check_bind_address(host: str, task: str = "task", address: str = "") -> None
     listen_socket(host, 0, task, configured=int(port) if port.isdigit() else None).close()
 
 
+# The keys phalanx writes into a store it shares with someone else (torchrun's agent, the store of
+# the default group an engine made) live under this prefix.
+JOINED_PREFIX = "phalanx/"
+# Backends of a default group phalanx may join: gloo, NCCL, or both by device ("cpu:gloo,cuda:nccl").
+JOINABLE_BACKENDS = frozenset(("gloo", "nccl"))
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two host names or addresses name the same host (as written, or resolved)."""
+    if a == b:
+        return True
+
+    def addresses(host: str) -> set[str]:
+        try:
+            return {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            return set()
+
+    return bool(addresses(a) & addresses(b))
+
+
+def check_joinable_backend(backend: str, gpus: int) -> None:
+    """Raises unless a strategy can run on a default group of ``backend`` with ``gpus`` visible GPUs.
+
+    phalanx builds its own gloo and NCCL groups; a default group on another backend (MPI, an
+    accelerator's: ``hccl``, ``xla``) means devices phalanx does not drive, and an NCCL one with no
+    GPU means the engine was told the workers have GPUs that this one does not see: training would
+    silently run on CPUs.
+
+    Raises:
+        ClusterSpecError: naming the backend.
+
+    Example:
+        >>> check_joinable_backend("cpu:gloo,cuda:nccl", gpus=1)
+        >>> check_joinable_backend("mpi", gpus=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        phalanx.errors.ClusterSpecError: ...torch.distributed backend='mpi'...
+    """
+    parts = [part.split(":")[-1].strip().lower() for part in backend.split(",") if part.strip()]
+    unknown = sorted(set(parts) - JOINABLE_BACKENDS)
+    if unknown or not parts:
+        raise ClusterSpecError(
+            "torch.distributed backend",
+            backend,
+            f"the job's process group runs on {', '.join(unknown) or 'no backend'}, which phalanx's strategies "
+            "cannot use (they run on gloo for CPUs and NCCL for GPUs)",
+            hint="make the group with backend 'gloo' (CPU workers) or 'nccl' (GPU workers); under Ray Train: "
+            "TorchTrainer(..., torch_config=TorchConfig(backend='gloo'))",
+        )
+    if "nccl" in parts and "gloo" not in parts and gpus == 0:
+        raise ClusterSpecError(
+            "torch.distributed backend",
+            backend,
+            "the job's process group runs on NCCL, but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+            hint="give each worker a GPU (Ray Train: ScalingConfig(use_gpu=True)), or use backend 'gloo' on CPU "
+            "workers (TorchConfig(backend='gloo'))",
+        )
+
+
+def default_group_store(master_addr: str, master_port: int, rank: int, world_size: int) -> Any | None:
+    """The store of torch's default process group, when that group is this job's rendezvous.
+
+    An engine that made the group before the program ran (Ray Train's ``TorchTrainer``), or a
+    program that called ``init_process_group`` first, serves its store at ``MASTER_ADDR:MASTER_PORT``;
+    listening there again would fail (the port is taken). phalanx joins that store instead, its keys
+    under :data:`JOINED_PREFIX`, and builds its own groups from it. None when there is no default
+    group, or when it met elsewhere (then this job's rendezvous is phalanx's own).
+
+    Raises:
+        ClusterSpecError: the default group met at this job's address but this process's rank or
+            the world size differ from the job's, or its backend is one no strategy can use.
+    """
+    if not dist.is_initialized():
+        return None
+    found = compat_torch.default_store_address()
+    if found is not None and (found[1] != master_port or not _same_host(found[0], master_addr)):
+        return None  # it met elsewhere: not this job's rendezvous
+    same_job = (dist.get_rank(), dist.get_world_size()) == (rank, world_size)
+    if found is None and not same_job:
+        return None  # torch does not say where it met (not a TCP store), and it is not this job's layout
+    if not same_job:
+        raise ClusterSpecError(
+            "torch.distributed default group",
+            f"rank {dist.get_rank()} of {dist.get_world_size()}",
+            f"it met at {master_addr}:{master_port}, where this strategy's replica is rank {rank} of {world_size}",
+            hint="give the strategy the same processes as the default group, or call dist.destroy_process_group() "
+            "first",
+        )
+    import torch
+
+    # A group of this job's layout whose store torch does not show (a backend registered from
+    # Python wraps it) is still the engine's: its backend is checked before phalanx builds on it.
+    check_joinable_backend(str(dist.get_backend()), torch.cuda.device_count())
+    if found is None:
+        return None
+    return compat_torch.default_group_store()
+
+
+def joined_prefix(master_addr: str, master_port: int) -> str:
+    """The prefix of phalanx's keys in the job's store at ``master_addr:master_port`` ("" when the
+    store is phalanx's own): what a fresh client of that store (a diagnosis) must read under."""
+    found = compat_torch.default_store_address()
+    if _agent_serves(master_addr, master_port) or (
+        found is not None and found[1] == master_port and _same_host(found[0], master_addr)
+    ):
+        return JOINED_PREFIX
+    return ""
+
+
 def _agent_serves(master_addr: str, master_port: int) -> bool:
     """Whether torchrun's agent serves the store this job's master address names
-    (``TORCHELASTIC_USE_AGENT_STORE``, set by torchrun for its workers since torch 1.9)."""
+    (``TORCHELASTIC_USE_AGENT_STORE``, set by torchrun for its workers since torch 1.9).
+
+    The address is compared as a host, not as text: across nodes torchrun's ``MASTER_ADDR`` is node
+    0's name (Kubeflow Trainer's ``<job>-node-0-0.<job>``), which phalanx has resolved by now.
+    """
     env = os.environ
     return (
         env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and env.get("MASTER_ADDR") == master_addr
         and env.get("MASTER_PORT") == str(master_port)
+        and _same_host(env.get("MASTER_ADDR", ""), master_addr)
     )
 
 
@@ -246,6 +362,10 @@ def connect_store(
 ) -> dist.TCPStore:
     """Rank 0 serves the store on the master address; the others connect, within ``timeout``.
 
+    Where torch's default group already met at the master address (Ray Train made it before the
+    program ran), every rank joins its store instead (:func:`default_group_store`): no second
+    rendezvous on a port that is taken.
+
     ``notice`` names the master task (with its address) once the connection has taken that long.
 
     Raises:
@@ -254,11 +374,17 @@ def connect_store(
             (nobody listening, or another program holding the port); names the port and task.
     """
     delta = datetime.timedelta(seconds=timeout)
+    # An engine's default group met at this address already (Ray Train): its store is the job's.
+    joined = default_group_store(master_addr, master_port, rank, world_size)
+    if joined is not None:
+        return dist.PrefixStore(JOINED_PREFIX, joined)
     # torchrun's agent may already serve a store at MASTER_ADDR:MASTER_PORT (as for torch's own
     # env:// groups): then rank 0 connects to it like the others, and phalanx's keys get a prefix
     # of their own beside the agent's.
     agent = _agent_serves(master_addr, master_port)
-    wrap: Callable[[Any], Any] = (lambda store: dist.PrefixStore("phalanx/", store)) if agent else (lambda store: store)
+    wrap: Callable[[Any], Any] = (
+        (lambda store: dist.PrefixStore(JOINED_PREFIX, store)) if agent else (lambda store: store)
+    )
     if rank == 0 and not agent:
         sock = listen_socket(bind_addr or master_addr, master_port, task)
         with helper_threads_ignore_stop_signals():  # the store's server thread: a Ctrl-C is for the main one

@@ -21,6 +21,7 @@ None where someone else did.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from phalanx.launch.env import ReplicaEnv
@@ -41,14 +42,73 @@ class Launcher(Protocol):
         the job, raising a replica's failure)."""
 
 
+@dataclass(frozen=True)
+class Engine:
+    """A cluster engine that started this process as one of a job's (Ray Train's worker group, a Slurm step).
+
+    Attributes:
+        name: the engine, as messages name it (``"Ray Train"``).
+        env: this process's replica identity in the engine's job.
+        local_key, local_value: where the engine says how many of the job's processes run on this
+            host, and what it says: the value a strategy's device list must match.
+        hint: how to give the engine that many processes per host.
+    """
+
+    name: str
+    env: ReplicaEnv
+    local_key: str
+    local_value: str
+    hint: str
+
+
+def engine() -> Engine | None:
+    """The engine that started this process as a replica of its job, or None.
+
+    A Ray Train worker (``train_loop_per_worker`` of a ``TorchTrainer``) is one replica of the
+    Ray job, and so is each task of a Slurm step of several tasks (``srun``): ``MirroredStrategy()``
+    there runs one replica per worker or task, as under ``phalanx run``, instead of starting
+    replicas of its own in each (separate jobs that would never meet).
+    """
+    from phalanx.cluster.ray_train import RayTrainClusterResolver, ray_train_context
+
+    if ray_train_context() is not None:
+        p = RayTrainClusterResolver().placement()
+        name, key = "Ray Train", "ray.train.get_context().get_local_world_size()"
+        hint = (
+            "give each node as many Ray Train workers as the strategy has devices (ScalingConfig(num_workers=...), "
+            "resources_per_worker), or make the strategy without a device list: one replica per worker"
+        )
+    else:
+        from phalanx.cluster.detect import resolve_from_environment
+        from phalanx.cluster.slurm import SlurmClusterResolver
+
+        resolver = resolve_from_environment()  # a Slurm step of one task (srun --pty) is no engine's job
+        if not isinstance(resolver, SlurmClusterResolver):
+            return None
+        p = resolver.placement()
+        name, key = "Slurm", "SLURM_NTASKS_PER_NODE"
+        hint = (
+            "run as many tasks per node as the strategy has devices (srun --ntasks-per-node=<devices>), or make "
+            "the strategy without a device list: one replica per task"
+        )
+    env = ReplicaEnv(
+        p.rank, p.world_size, p.local_rank, p.local_world_size, p.master_addr, p.master_port, p.node_rank, p.num_nodes
+    )
+    return Engine(name, env, key, str(p.local_world_size), hint)
+
+
 def job_env() -> ReplicaEnv | None:
-    """This process's replica identity: from its launcher, or as replica 0 of the replicas it started."""
+    """This process's replica identity: from its launcher, as replica 0 of the replicas it started,
+    or from the engine whose job it belongs to (:func:`engine`)."""
     env = ReplicaEnv.from_environ()
     if env is None:
         from phalanx.launch.self_launch import current_job
 
         job = current_job()
         env = job.env if job is not None else None
+    if env is None:
+        found = engine()
+        env = found.env if found is not None else None
     return env
 
 

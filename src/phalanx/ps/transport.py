@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from phalanx.cluster.validation import split_address
+from phalanx.errors import FieldsPickled
 from phalanx.ps.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("phalanx.ps")
@@ -61,7 +62,7 @@ _GRPC_OPTIONS = [
 ]
 
 
-class ServiceError(Exception):
+class ServiceError(FieldsPickled, Exception):
     """Raised by a service's handler: the call is answered with this status and detail."""
 
     def __init__(self, code: str, detail: str) -> None:
@@ -70,7 +71,7 @@ class ServiceError(Exception):
         super().__init__(f"{code}: {detail}")
 
 
-class TransportError(Exception):
+class TransportError(FieldsPickled, Exception):
     """A call failed. ``code``: unavailable, deadline, exhausted, cancelled, unauthenticated,
     unimplemented, invalid, not_found or internal."""
 

@@ -24,7 +24,7 @@ from phalanx.core.strategy import StrategyExtended
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
-from phalanx.launch.api import Launcher, replicas
+from phalanx.launch.api import Launcher, engine, replicas
 from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv, free_port
 
@@ -109,6 +109,15 @@ class SyncExtended(StrategyExtended):
             self, len(devices), before_start=lambda: _warn_if_cpu_oversubscribed(name, devices)
         )
         if env is not None and env.local_world_size != len(devices):
+            started_by = engine()
+            if started_by is not None and started_by.env == env:
+                raise ClusterSpecError(
+                    started_by.local_key,
+                    started_by.local_value,
+                    f"{started_by.name} runs {env.local_world_size} of this job's processes on this host, one replica "
+                    f"each, but {name} was given {len(devices)} devices {[str(d) for d in devices]}",
+                    hint=started_by.hint,
+                )
             raise ClusterSpecError(
                 what,
                 [str(d) for d in devices],
