@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import os
 import pathlib
 import sys
@@ -81,10 +80,19 @@ def _several_processes() -> bool:
 
 
 def _check(event: str, args: tuple) -> None:
-    frame = inspect.currentframe()
-    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # _audit's caller
-    if caller is None or not _several_processes():
+    if not _several_processes():
         return
+    # _audit's caller, without holding this frame: ``frame = inspect.currentframe()`` would make a
+    # cycle through this frame that keeps the whole calling stack (a thread's, often) alive until
+    # a garbage collection, and a replica forked meanwhile that collects it crashed (SIGSEGV).
+    caller: FrameType | None = sys._getframe(2)
+    try:
+        _check_from(event, args, caller)
+    finally:
+        del caller
+
+
+def _check_from(event: str, args: tuple, caller: FrameType | None) -> None:
     if event == "os.mkdir":
         caller = _past_exist_ok_callers(caller)
         if caller is None or _in_library(caller):
