@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import sys
@@ -36,7 +37,7 @@ from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.flight_recorder import recording
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
-from phalanx.core import compiled, context, global_batch, hazards, integrations
+from phalanx.core import compiled, context, hazards, integrations
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
 from phalanx.core.gradient_sync import AllReduce, GradientSync
@@ -48,6 +49,7 @@ from phalanx.errors import (
     ContextError,
     NotCallableError,
 )
+from phalanx.input import global_batch
 from phalanx.interactive import hooks as _interactive
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results, mean_dtype
 
@@ -600,11 +602,6 @@ def register_scope_enter_hook(hook: ScopeEnterHook) -> None:
             _SCOPE_ENTER_HOOKS.append(hook)
 
 
-def scope_enter_hooks() -> tuple[ScopeEnterHook, ...]:
-    """The registered scope-enter hooks, in order."""
-    return tuple(_SCOPE_ENTER_HOOKS)
-
-
 DeviceContext = Callable[["Strategy"], "contextlib.AbstractContextManager[Any] | None"]
 _DEVICE_CONTEXTS: list[DeviceContext] = []
 
@@ -932,3 +929,26 @@ def default_strategy() -> DefaultStrategy:
 
 
 context.set_default_strategy_factory(default_strategy)
+
+
+def close_at_exit(owner: Any) -> None:
+    """Calls ``owner``'s close when the interpreter exits, unless ``owner`` is gone by then.
+
+    Every strategy that starts machinery calls it once (``SyncExtended``, the parameter-server
+    strategy); it lives beside :class:`Strategy` so both wings reach it downward.
+    ``owner`` is a Strategy, or a StrategyExtended (whose strategy's ``close`` is called if it
+    still exists, so that the strategy counts as closed).
+    """
+    ref = weakref.ref(owner)
+
+    def _close() -> None:
+        o = ref()
+        if o is None:
+            return
+        strategy = o.container_strategy if isinstance(o, StrategyExtended) else o
+        if strategy is not None:
+            strategy.close()
+        else:
+            o._close()
+
+    atexit.register(_close)

@@ -42,7 +42,6 @@ import select
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -55,6 +54,7 @@ from phalanx.interactive.control import Control
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica, ipython_shell
 from phalanx.launch import host
 from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.settings import log_root
 from phalanx.launch.supervisor import Running, Supervisor, Task, new_run_id
 
 START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
@@ -105,12 +105,6 @@ def start_method() -> str:
         return raw
     torch = sys.modules.get("torch")
     return "spawn" if torch is not None and torch.cuda.is_initialized() else "fork"
-
-
-def log_root() -> str:
-    from phalanx import config
-
-    return config.settings().log_root or os.path.join(tempfile.gettempdir(), "phalanx-logs")
 
 
 class _Replica:

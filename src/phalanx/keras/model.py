@@ -73,7 +73,7 @@ from phalanx._compat.keras import count_optimizer_step, optimizer_variables
 from phalanx._compat.keras import current_device as keras_device
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
-from phalanx.core import context, global_batch
+from phalanx.core import context
 from phalanx.core.losses import mark_loss_scaled
 from phalanx.core.strategy import (
     RUN_ARGUMENT_OBSERVERS,
@@ -82,6 +82,7 @@ from phalanx.core.strategy import (
     register_scope_enter_hook,
 )
 from phalanx.errors import InputMismatchError, StrategyScopeError, UnsupportedLayerError, WriteError
+from phalanx.input import global_batch
 from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.keras import callbacks as px_callbacks
 from phalanx.keras import discovery, sharding

@@ -12,15 +12,14 @@ A strategy over N local devices needs N processes, this one among them. They com
 * **a parameter-server cluster** is started from outside, task by task (``phalanx run --ps``,
   :mod:`phalanx.ps.launcher`), so a task finds its identity in its environment as in the first case.
 
-:func:`replicas` chooses among them; every strategy asks it, and nothing else starts replicas
-(torch elastic's agent has one ``PContext``, Lightning one ``_Launcher`` per strategy). What a
-strategy then holds is a :class:`Launcher`: the object that started (and watches) its peers, or
-None where someone else did.
+:func:`phalanx.strategies.launchers.replicas` chooses among them, above what it chooses (as
+Lightning's strategy configures its launcher); every strategy asks it, and nothing else starts
+replicas (torch elastic's agent has one ``PContext``). What a strategy then holds is a
+:class:`Launcher`: the object that started (and watches) its peers, or None where someone else did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from phalanx.launch.env import ReplicaEnv
@@ -50,43 +49,3 @@ def job_env() -> ReplicaEnv | None:
         job = current_job()
         env = job.env if job is not None else None
     return env
-
-
-def replicas(
-    strategy: Any, world_size: int, *, before_start: Callable[[], None] = lambda: None
-) -> tuple[Launcher | None, ReplicaEnv | None]:
-    """The launcher and the identity of this process for ``strategy`` over ``world_size`` local replicas.
-
-    Starts the other replicas when nobody has (``before_start`` runs just before, once per start):
-    a notebook session for an interactive main, self-launch for a script. Returns ``(None, None)``
-    for a single replica that nobody launched.
-
-    Raises:
-        LaunchError: the replicas cannot be started from here (inside pytest, an R console, ...).
-    """
-    from phalanx.interactive import hooks, interactive_main
-
-    if hooks.session is not None:  # a notebook's session: a new process group on its replicas
-        if world_size == 1:
-            return None, None
-        from phalanx.interactive.session import start
-
-        return start(strategy, world_size)
-    env = job_env()
-    if env is not None:
-        from phalanx.launch.self_launch import current_job
-
-        job = current_job()
-        # Replica 0 of a self-launched job holds its launcher, for every strategy of the program.
-        return (job if job is not None and env is job.env else None), env
-    if world_size == 1:
-        return None, None
-    before_start()
-    if interactive_main():  # a notebook, the REPL, -c, stdin: no script to start again
-        from phalanx.interactive.session import start
-
-        return start(strategy, world_size)
-    from phalanx.launch.self_launch import launch
-
-    job = launch(world_size)  # once per program: later strategies run on the same replicas
-    return job, job.env
