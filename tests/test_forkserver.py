@@ -20,7 +20,8 @@ import pytest
 from phalanx.errors import ClusterSpecError
 from phalanx.launch import settings
 from phalanx.launch.forkserver import ForkServer, forkable, preload_for
-from phalanx.launch.supervisor import Supervisor, Task
+from phalanx.launch.root_cause import Task
+from phalanx.launch.supervisor import Supervisor
 
 from conftest import run_job, shared_fork_server
 

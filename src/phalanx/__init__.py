@@ -35,10 +35,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         in_cross_replica_context,
     )
     from phalanx.core.distributed_variable import Variable, VariableAggregation, VariableSynchronization
+    from phalanx.core.extended import StrategyExtended
     from phalanx.core.global_strategy import experimental_set_strategy
     from phalanx.core.options import RunOptions
     from phalanx.core.process import barrier, is_chief, num_processes, process_index, wait_for_chief
-    from phalanx.core.strategy import Strategy, StrategyExtended
+    from phalanx.core.strategy import Strategy
     from phalanx.input import (
         AutoShardPolicy,
         DistributedDataset,
@@ -113,7 +114,7 @@ _ATTRIBUTES = {
     "ParameterServerStrategy": "phalanx.ps.strategy",
     "TPUStrategy": "phalanx.strategies.tpu",
     "Strategy": "phalanx.core.strategy",
-    "StrategyExtended": "phalanx.core.strategy",
+    "StrategyExtended": "phalanx.core.extended",
     "DistributedValues": "phalanx.values",
     "Mirrored": "phalanx.values",
     "PerReplica": "phalanx.values",

@@ -54,8 +54,10 @@ from phalanx.interactive.control import Control
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica, ipython_shell
 from phalanx.launch import host
 from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.root_cause import Running, Task
+from phalanx.launch.run_dir import new_run_id
 from phalanx.launch.settings import log_root
-from phalanx.launch.supervisor import Running, Supervisor, Task, new_run_id
+from phalanx.launch.supervisor import Supervisor
 
 START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
 FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves

@@ -23,16 +23,10 @@ from dataclasses import dataclass
 
 from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import (
-    Exit,
-    Interrupted,
-    RunDirectory,
-    Supervisor,
-    Task,
-    forwarded_signals,
-    stop_on_signal,
-    wait_for_the_rest,
-)
+from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
+from phalanx.launch.root_cause import Exit, Task
+from phalanx.launch.run_dir import RunDirectory
+from phalanx.launch.supervisor import Supervisor
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
 MAX_PREEMPTION_RESTARTS = 100

@@ -43,16 +43,11 @@ from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError, ReplicaFailedError
 from phalanx.launch import forkserver, host, settings
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.job_end import wait_for_the_rest
+from phalanx.launch.root_cause import Task, format_failure, root_cause
+from phalanx.launch.run_dir import RunDirectory
 from phalanx.launch.stdio import fill_closed, flush_quietly
-from phalanx.launch.supervisor import (
-    CAUSE_WAIT_S,
-    RunDirectory,
-    Supervisor,
-    Task,
-    format_failure,
-    root_cause,
-    wait_for_the_rest,
-)
+from phalanx.launch.supervisor import CAUSE_WAIT_S, Supervisor
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
 _job: ReplicaLauncher | None = None

@@ -60,7 +60,8 @@ from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.rendezvous import WaitNotice
-from phalanx.core.strategy import Strategy, StrategyExtended, close_at_exit
+from phalanx.core.extended import StrategyExtended
+from phalanx.core.strategy import Strategy, close_at_exit
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
 from phalanx.launch import replica_hooks

@@ -18,7 +18,8 @@ import torch
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator, ProcessGroupCommunicator
-from phalanx.core.strategy import StrategyExtended, close_at_exit
+from phalanx.core.extended import StrategyExtended
+from phalanx.core.strategy import close_at_exit
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks

@@ -54,8 +54,9 @@ from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
 from phalanx.comm.flight_recorder import recording
 from phalanx.core import context, variables
+from phalanx.core.extended import StrategyExtended
 from phalanx.core.gradient_sync import AllReduce, GradientSync
-from phalanx.core.strategy import Strategy, StrategyExtended
+from phalanx.core.strategy import Strategy
 from phalanx.errors import ClusterSpecError, ShardingError
 from phalanx.strategies.mirrored import MirroredExtended
 from phalanx.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended
