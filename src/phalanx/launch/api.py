@@ -20,13 +20,28 @@ replicas (torch elastic's agent has one ``PContext``). What a strategy then hold
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.launch.env import ReplicaEnv
 
+if TYPE_CHECKING:
+    from phalanx.launch.lifecycle import JobState
+
 
 class Launcher(Protocol):
-    """What started this process's local replicas and watches them, as a strategy uses it."""
+    """What started this process's local replicas and watches them, as a strategy uses it.
+
+    One implementation per route, each over the one :class:`~phalanx.launch.supervisor.Supervisor`:
+    :class:`~phalanx.launch.self_launch.ReplicaLauncher` (self-launch, and an embedding R host),
+    :class:`~phalanx.launch.runner.ScriptLauncher` (``phalanx run``; it runs the job rather than
+    serving a strategy), and a notebook's :class:`~phalanx.interactive.session.Session` over its
+    :class:`~phalanx.launch.notebook.NotebookLauncher` (a notebook replica's
+    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there).
+    """
+
+    @property
+    def state(self) -> JobState:
+        """Where the replicas are (:mod:`phalanx.launch.lifecycle`)."""
 
     def check_peers(self) -> None:
         """Raises a local replica's failure if one is known to have died (a rendezvous calls it

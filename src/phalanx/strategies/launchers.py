@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.interactive import hooks, interactive_main, session
-from phalanx.launch import self_launch
-from phalanx.launch.api import Launcher, job_env
+from phalanx.interactive import session
+from phalanx.launch import mode, self_launch
+from phalanx.launch.api import Launcher
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.mode import JobMode
 
 
 def replicas(
@@ -22,26 +23,26 @@ def replicas(
 ) -> tuple[Launcher | None, ReplicaEnv | None]:
     """The launcher and the identity of this process for ``strategy`` over ``world_size`` local replicas.
 
-    Starts the other replicas when nobody has (``before_start`` runs just before, once per start):
-    a notebook session for an interactive main, self-launch for a script. Returns ``(None, None)``
-    for a single replica that nobody launched.
+    Reads how this process runs (:func:`phalanx.launch.mode.current`). Starts the other replicas
+    when nobody has (``before_start`` runs just before, once per start): a notebook session for an
+    interactive main, self-launch for a script (or an embedding host's program). Returns
+    ``(None, None)`` for a single replica that nobody launched.
 
     Raises:
         LaunchError: the replicas cannot be started from here (inside pytest, an R console, ...).
     """
-    if hooks.session is not None:  # a notebook's session: a new process group on its replicas
+    role = mode.current()
+    if role.mode.notebook:  # a notebook's session: a new process group on its replicas
         if world_size == 1:
             return None, None
         return session.start(strategy, world_size)
-    env = job_env()
-    if env is not None:
-        job = self_launch.current_job()
+    if role.env is not None:
         # Replica 0 of a self-launched job holds its launcher, for every strategy of the program.
-        return (job if job is not None and env is job.env else None), env
+        return role.launcher, role.env
     if world_size == 1:
         return None, None
     before_start()
-    if interactive_main():  # a notebook, the REPL, -c, stdin: no script to start again
+    if mode.starting_mode() is JobMode.NOTEBOOK_SESSION:
         return session.start(strategy, world_size)
     job = self_launch.launch(world_size)  # once per program: later strategies run on the same replicas
     return job, job.env
