@@ -325,7 +325,7 @@ def test_modules_imported_by_a_computed_name_are_the_documented_ones():
     # integrations joined when their library is loaded (an upward import by design, as entry points
     # are), the fork server's preloads (third-party modules named on the command line), and a PS
     # worker loading the integration that registered a reference kind (named in a signed message).
-    allowed = {"phalanx._lazy", "phalanx.core.integrations", "phalanx.launch.forkserver", "phalanx.ps.pickling"}
+    allowed = {"phalanx._lazy", "phalanx.core.integrations", "phalanx.launch.forkserver_process", "phalanx.ps.pickling"}
     found = set()
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -2,7 +2,8 @@
 
 In a Jupyter/IPython kernel, IPython's terminal, the plain REPL, ``python -c`` or ``python -``,
 there is no script to start again, so constructing a multi-replica strategy starts a
-:class:`Session`. It makes N-1 replica processes:
+:class:`Session`. Its :class:`~phalanx.launch.notebook.NotebookLauncher` makes N-1 replica
+processes (and reaps and stops them); the session keeps the cells, the interrupts and the console:
 
 * **fork** (default): each child is a copy of the interactive process at the moment the strategy
   is constructed, so every variable defined before (data, a model built without a strategy)
@@ -28,8 +29,9 @@ asked is not a failure of the cell: replica 0 is stopping too, and the others ge
 before they are interrupted anywhere.
 
 Ending. ``strategy.close()`` of the last strategy, the kernel's shutdown or restart, and the end
-of the REPL stop the replicas (``exit``, then SIGKILL after :data:`EXIT_GRACE_S`); a replica also
-dies with its parent (``PR_SET_PDEATHSIG``) and leaves no shared-memory segment.
+of the REPL stop the replicas (``exit``, then SIGKILL after
+:data:`~phalanx.launch.notebook.EXIT_GRACE_S`); a replica also dies with its parent
+(``PR_SET_PDEATHSIG``) and leaves no shared-memory segment.
 """
 
 from __future__ import annotations

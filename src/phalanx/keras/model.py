@@ -4,14 +4,14 @@ Keras 3 has no distribution hook for its torch backend, so phalanx adapts the *m
 created under ``strategy.scope()``, and nothing else: no Keras or torch class is changed.
 
 How a model is found. Keras-on-torch layers are ``torch.nn.Module`` s. ``phalanx.keras`` joins the
-core's scope-enter hooks (:func:`phalanx.core.strategy.register_scope_enter_hook`); from the first
+core's scope-enter hooks (:func:`phalanx.core.extension_points.register_scope_enter_hook`); from the first
 scope on, torch's module-registration hook (a public torch extension point) reports every Keras
 ``Model`` that registers a sub-module: a model built in scope registers its parameter dict, a
 subclassed model its layers. Each such model gets a :class:`~phalanx.keras.adapter.DistributedModel`
 attached (:func:`adapter_for`: :class:`~phalanx.keras.sync_adapter.SyncAdapter`, or the
 parameter-server strategy's :class:`~phalanx.keras.adapter.PsAdapter`). The pieces live beside
 this module: the base adapter (``adapter.py``), the synchronous one (``sync_adapter.py``), a
-step's batch (``batches.py``) and the optimizer's ``apply`` (``optimizers.py``).
+step's batch (``batches.py``) and the optimizer's ``apply`` (``optimizer_adapter.py``).
 
 What the adaptation is, on that instance only:
 
@@ -25,13 +25,13 @@ What the adaptation is, on that instance only:
   gives this replica its part (``torch.tensor_split`` bounds, as ``experimental_distribute_dataset``
   does) and runs Keras' step inside ``strategy.run``.
 * The model's optimizer gets an ``apply`` that behaves as TF's ``apply_gradients`` in replica
-  context (:func:`~phalanx.keras.optimizers.adapt_optimizer`): gradients it is given that no
+  context (:func:`~phalanx.keras.optimizer_adapter.adapt_optimizer`): gradients it is given that no
   ``backward()`` summed (``torch.autograd.grad``, hand-made) are summed across replicas first; and
   on a replica left without gradients because its strategy reduced them to the chief
   (CentralStorageStrategy: the chief alone updates the one copy of the variables) it skips the
   update instead of raising, and counts the step. So does a Keras optimizer a custom training loop
   uses in ``strategy.run`` (found as metrics are, by the names the step function uses:
-  :func:`~phalanx.keras.optimizers.optimizers_used_by`); its slot variables then exist on the chief
+  :func:`~phalanx.keras.optimizer_adapter.optimizers_used_by`); its slot variables then exist on the chief
   only under CentralStorage, next to the one copy of the variables, as a torch optimizer's state
   does.
 

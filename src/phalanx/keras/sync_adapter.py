@@ -42,7 +42,7 @@ from phalanx.keras.batches import (
     _SizedLocalBatches,
     _Step,
 )
-from phalanx.keras.optimizers import _MAX_ITEMS, _OWN_STEPS, adapt_optimizer
+from phalanx.keras.optimizer_adapter import _MAX_ITEMS, _OWN_STEPS, adapt_optimizer
 
 
 class _GradScale:

@@ -39,8 +39,9 @@ Example::
     >>> sup.wait(run, timeout=30)
     0
 
-The concerns around the loop live beside it: run directories and logs
-(:mod:`phalanx.launch.run_dir`), the task records and the root cause
+The concerns around the loop live beside it: how a task's process is made
+(:mod:`phalanx.launch.starter`: spawned or forked, its environment and output), run directories
+and logs (:mod:`phalanx.launch.run_dir`), the task records and the root cause
 (:mod:`phalanx.launch.root_cause`), and how a launcher's job ends on a signal or after replica 0
 (:mod:`phalanx.launch.job_end`).
 """
@@ -48,7 +49,6 @@ The concerns around the loop live beside it: run directories and logs
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -56,22 +56,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO
 
 from phalanx.comm import diagnosis
-from phalanx.errors import LaunchError
 from phalanx.launch import settings
-from phalanx.launch.forkserver import (
-    INHERIT_VARIABLE,
-    ForkedProcess,
-    ForkServer,
-    ProcessHandle,
-    die_with_parent,
-    forkable,
-    inherited_server,
-    preload_for,
-)
+from phalanx.launch.forkserver import ForkServer
 from phalanx.launch.root_cause import (
     Exit,
     Running,
@@ -82,8 +72,9 @@ from phalanx.launch.root_cause import (
     read_error,
     root_cause,
 )
+from phalanx.launch.starter import ChildProcess, TaskStarter
 
-__all__ = ["CAUSE_WAIT_S", "ChildProcess", "Supervisor"]
+__all__ = ["CAUSE_WAIT_S", "Supervisor"]
 
 FAILING_GRACE_S = 0.5  # a task that recorded its error gets this long to finish exiting by itself
 # A failure that is only a consequence waits at most this long for the one it followed to show: the
@@ -97,46 +88,6 @@ DIAGNOSIS_SETTLE_S = 0.3
 
 
 # ----------------------------------------------------------------------------- the supervisor
-class ChildProcess(ProcessHandle):
-    """A child this process forked itself: the part of :class:`subprocess.Popen` a supervisor uses.
-
-    Reaped once, under a lock: the supervisor's watcher and the program's main thread may both
-    poll, and the second to ask would otherwise see "no such child" and lose the status.
-
-    Attributes:
-        pid: its process id.
-        returncode: its exit code once it has ended (``-N`` when killed by signal N), else None;
-            -1 if something else in this process reaped it first.
-    """
-
-    stdout = None
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._lock = threading.Lock()
-
-    def poll(self) -> int | None:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped elsewhere: its status is lost
-                    self.returncode = -1
-                else:
-                    if pid != 0:
-                        self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-
-    def _pause(self, seconds: float) -> None:
-        time.sleep(min(seconds, 0.01))  # no one reports its end: poll often
-
-
-def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
-    # Its own process group: a Ctrl-C at the terminal reaches the supervisor, which forwards it once.
-    die_with_parent(parent, own_group=True)
-
-
 class Supervisor:
     """Starts tasks, watches them and stops them; the three launchers are configurations of it.
 
@@ -163,10 +114,6 @@ class Supervisor:
     ) -> None:
         if start_method not in ("spawn", "fork"):
             raise ValueError(f"start_method must be 'spawn' or 'fork', not {start_method!r}")
-        self.tee = tee
-        self.start_method = start_method
-        self.preload = tuple(preload)
-        self._fork_server: ForkServer | None = None
         self._out = out
         self._runs: list[Running] = []
         self._exits: list[Exit] = []
@@ -175,7 +122,18 @@ class Supervisor:
         self.run_dir = run_dir
         self._attempt_started = time.time()
         self._lock = threading.Lock()
-        self._tee_lock = threading.Lock()
+        # How a task's process comes to exist (spawned, or forked from a server; its output).
+        self._starter = TaskStarter(start_method, tuple(preload), tee, run_dir, self.say)
+
+    @property
+    def start_method(self) -> str:
+        """``spawn`` or ``fork``; ``spawn`` from the moment a fork server could not start."""
+        return self._starter.start_method
+
+    @property
+    def fork_server(self) -> ForkServer | None:
+        """The server this supervisor forks its tasks from, once one was needed."""
+        return self._starter.fork_server
 
     # ------------------------------------------------------------------ messages
     def say(self, text: str) -> None:
@@ -188,60 +146,7 @@ class Supervisor:
     # ------------------------------------------------------------------ starting
     def start(self, task: Task) -> Running:
         """Starts ``task`` (again, for a restart) and returns its handle."""
-        inherited = {k: v for k, v in os.environ.items() if k not in task.unset}
-        env = {**inherited, **task.env, "PHALANX_PARENT_PID": str(os.getpid())}  # see env.SUPERVISOR_VARIABLES
-        env.pop(INHERIT_VARIABLE, None)  # this process's connection, not the task's
-        if task.error_path:
-            with contextlib.suppress(OSError):
-                os.unlink(task.error_path)
-            env["TORCHELASTIC_ERROR_FILE"] = task.error_path
-        if task.done_path:
-            with contextlib.suppress(OSError):
-                os.unlink(task.done_path)
-            env["PHALANX_DONE_FILE"] = task.done_path
-        if self.run_dir:  # this supervisor prints the diagnosis a replica writes there: it need not
-            env["PHALANX_DIAGNOSIS_DIR"] = self.run_dir
-        piped = task.log_path is not None and self.tee
-        log = None
-        if task.log_path is not None:
-            env["PYTHONUNBUFFERED"] = "1"  # a log read while the job runs (or after a kill) is complete
-            log = open(task.log_path, "ab")  # noqa: SIM115 - the child owns it from here
-        stdout = subprocess.PIPE if piped else log
-        stderr = subprocess.STDOUT if log is not None else None
-        try:
-            server = self._server_for(task, env)
-            popen: subprocess.Popen | ForkedProcess
-            if server is not None:
-                env["PHALANX_PARENT_PID"] = str(server.pid)  # its parent, which it watches
-                popen = server.spawn(
-                    task.command,
-                    env=env,
-                    stdout=subprocess.PIPE if piped else (log.fileno() if log is not None else None),
-                    stderr=stderr,
-                )
-            else:
-                popen = subprocess.Popen(
-                    list(task.command),
-                    env=env,
-                    stdout=stdout,
-                    stderr=stderr,
-                    stdin=subprocess.DEVNULL,
-                    # Not thread-safe in general (PLW1509); this one calls only
-                    # async-signal-safe functions, resolved before the fork.
-                    preexec_fn=functools.partial(_child_setup, os.getpid()),
-                )  # noqa: PLW1509
-        except BaseException:
-            if log is not None:
-                log.close()
-            raise
-        run = Running(task, popen, time.monotonic())
-        if piped:
-            run.pump = threading.Thread(
-                target=self._pump, args=(popen.stdout, log, task.name), name=f"phalanx-tee-{task.name}", daemon=True
-            )
-            run.pump.start()
-        elif log is not None:
-            log.close()
+        run = self._starter.start(task)
         with self._lock:
             self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
         return run
@@ -258,76 +163,9 @@ class Supervisor:
             self._runs = [r for r in self._runs if r.task.name != task.name] + [run]
         return run
 
-    def _server_for(self, task: Task, env: Mapping[str, str]) -> ForkServer | None:
-        """The fork server to start ``task`` from, or None to spawn it (see ``start_method``)."""
-        if self.start_method != "fork":
-            return None
-        if self._fork_server is None or not self._fork_server.alive:  # first, or killed by someone
-            preload = preload_for(task.command, extra=self.preload)
-            self._fork_server = inherited_server()
-            if self._fork_server is not None and not set(preload) <= set(self._fork_server.preload):
-                self._fork_server.close()  # it lacks what these tasks import: one server that has it
-                self._fork_server = None
-            if self._fork_server is None:
-                self._fork_server = ForkServer(preload, env=os.environ)
-        why = forkable(task.command, env, self._fork_server.env)
-        if why is not None:
-            self.say(f"{task.name} starts a fresh interpreter ({why})")
-            return None
-        try:
-            self._fork_server.start()
-        except LaunchError as e:  # a job never fails for want of its fork server: start fresh
-            self.say(f"{e}; replicas start fresh from here on")
-            self.start_method = "spawn"
-            return None
-        return self._fork_server
-
     def close(self) -> None:
         """Ends the fork server, if one was started (call once every task has ended)."""
-        if self._fork_server is not None:
-            self._fork_server.close()
-            self._fork_server = None
-
-    def _pump(self, pipe: IO[bytes], log: IO[bytes] | None, name: str) -> None:
-        """``--tee``: copies a task's output to its log, and line by line, prefixed, to stdout.
-
-        The task's pipe is read to its end whatever happens to stdout: a reader that went away
-        (``| head -1``) ends the copy to stdout only, never the task (which would get
-        ``BrokenPipeError`` from a closed pipe, or block on a full one) nor its log.
-        """
-        prefix, partial = f"[{name}] ".encode(), b""
-        out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-
-        def show(data: bytes) -> None:
-            nonlocal out
-            if out is None:
-                return
-            with self._tee_lock:
-                try:
-                    out.write(data)
-                    out.flush()
-                except (OSError, ValueError):
-                    out = None  # stdout is gone: the log alone from here
-
-        try:
-            while True:
-                chunk = os.read(pipe.fileno(), 65536)
-                if not chunk:
-                    break
-                if log is not None:
-                    log.write(chunk)
-                    log.flush()
-                *lines, partial = (partial + chunk).split(b"\n")
-                if lines:
-                    show(b"".join(prefix + line + b"\n" for line in lines))
-            if partial:
-                show(prefix + partial + b"\n")
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
-            if log is not None:
-                log.close()
+        self._starter.close()
 
     # ------------------------------------------------------------------ watching
     @property

@@ -73,11 +73,6 @@ from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO
 
 log = logging.getLogger("phalanx.ps")
 
-# The values live in phalanx.config; the names stay for code that imported them from here.
-DEFAULT_RPC_TIMEOUT = config.RPC_TIMEOUT
-DEFAULT_ORPHAN_TIMEOUT = config.ORPHAN_TIMEOUT
-DEFAULT_WORKER_RECOVERY_TIMEOUT = config.WORKER_RECOVERY_TIMEOUT
-
 
 class ParameterServerExtended(StrategyExtended):
     """The machinery of :class:`ParameterServerStrategy` (variables, servers, the chief's copies)."""
