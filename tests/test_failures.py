@@ -233,8 +233,8 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
     about every second run; four clean runs in a row make the check meaningful.
     """
     job = script("""
-        import phalanx.comm.communicator as communicator
-        communicator.HEARTBEAT_INTERVAL = 0.0001
+        import phalanx.comm.group_communicator as group_communicator
+        group_communicator.HEARTBEAT_INTERVAL = 0.0001
         import phalanx as px, torch
 
         def train():

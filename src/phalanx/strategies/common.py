@@ -17,7 +17,8 @@ import torch
 
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
-from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator, ProcessGroupCommunicator
+from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator
+from phalanx.comm.group_communicator import ProcessGroupCommunicator
 from phalanx.core.extended import StrategyExtended
 from phalanx.core.strategy import close_at_exit
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
