@@ -39,7 +39,7 @@ class _Diag:
     core (``/proc/<pid>/task/*/schedstat``), its session and autogroup (the unit the scheduler
     shares CPU among when autogroup is on), the CPUs its main thread was seen on (sampled every
     step, ``/proc/self/stat`` field 39) and its step times; a phalanx replica also its
-    shared-memory waits (`phalanx.comm.shm.record_wait_stats`). Off, it costs nothing.
+    shared-memory waits (`phalanx.comm.wait_stats.record_wait_stats`). Off, it costs nothing.
     """
 
     def __init__(self) -> None:
@@ -151,7 +151,7 @@ def run_phalanx(kind: str, model_name: str, seconds: float, device: str = "cpu")
     import phalanx as px
 
     if DIAG.dir:  # every replica runs this before its strategy builds the shared-memory all-reduce
-        from phalanx.comm.shm import record_wait_stats
+        from phalanx.comm.wait_stats import record_wait_stats
 
         record_wait_stats(DIAG.dir)
 

@@ -169,6 +169,51 @@ def test_imports_point_down():
     assert not upward, "imports that point up a layer:\n  " + "\n  ".join(upward)
 
 
+def folder_of(module: str) -> str:
+    """The folder (or root module) ``phalanx.x.y`` lives in: ``x``; the package's ``__init__`` is ``phalanx``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "phalanx"
+
+
+def folds(graph: dict[str, set[str]]) -> list[str]:
+    """Every pair of folders of one layer that import each other, as ``"a <-> b (Ln): a.m -> b.n, b.o -> a.p"``.
+
+    The layer rule lets a folder import its own layer; two folders that both do so fold the import
+    graph back up, and which one sits below is no longer true of the code.
+    """
+    edges: dict[tuple[str, str], list[str]] = {}
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            fa, fb = folder_of(a), folder_of(b)
+            if fa != fb and layer_of(a) is not None and layer_of(a) == layer_of(b):
+                edges.setdefault((fa, fb), []).append(f"{a} -> {b}")
+    return [
+        f"{fa} <-> {fb} (L{layer_of('phalanx.' + fa)}): {edges[fa, fb][0]}, {edges[fb, fa][0]}"
+        for fa, fb in sorted(edges)
+        if fa < fb and (fb, fa) in edges
+    ]
+
+
+def test_the_fold_check_can_fail():
+    planted = {
+        "phalanx.core.strategy": {"phalanx.input.distributed_dataset"},
+        "phalanx.input.distributed_dataset": {"phalanx.core.global_batch"},
+        "phalanx.launch.api": {"phalanx.comm.communicator"},  # one way only: no fold
+    }
+    assert folds(planted) == [
+        "core <-> input (L2): phalanx.core.strategy -> phalanx.input.distributed_dataset, "
+        "phalanx.input.distributed_dataset -> phalanx.core.global_batch"
+    ]
+
+
+def test_no_two_folders_of_one_layer_import_each_other():
+    """Type-only imports included, as for the layers."""
+    found = folds(import_graph(type_only=True))
+    assert not found, "folders of one layer that import each other (one of them belongs lower):\n  " + "\n  ".join(
+        found
+    )
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of ``graph`` as a list of modules (first == last), or None."""
     WHITE, GREY, BLACK = 0, 1, 2
@@ -280,7 +325,7 @@ def test_modules_imported_by_a_computed_name_are_the_documented_ones():
     # integrations joined when their library is loaded (an upward import by design, as entry points
     # are), the fork server's preloads (third-party modules named on the command line), and a PS
     # worker loading the integration that registered a reference kind (named in a signed message).
-    allowed = {"phalanx._lazy", "phalanx.core.integrations", "phalanx.launch.forkserver", "phalanx.ps.pickling"}
+    allowed = {"phalanx._lazy", "phalanx.core.integrations", "phalanx.launch.forkserver_process", "phalanx.ps.pickling"}
     found = set()
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -15,11 +15,13 @@ import torch
 
 import phalanx as px
 from phalanx.comm.threaded import per_rank_errors, run_threaded
-from phalanx.core import global_batch, losses
-from phalanx.core.global_batch import BatchInfo, tag
-from phalanx.core.strategy import Strategy, StrategyExtended
+from phalanx.core import losses
+from phalanx.core.extended import StrategyExtended
+from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ReplicaDivergenceError, UnsynchronizedParameterError
+from phalanx.input import global_batch
+from phalanx.input.global_batch import BatchInfo, tag
 
 GLOBAL, FEATURES = 12, 6
 

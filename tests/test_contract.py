@@ -12,7 +12,7 @@ import torch
 import phalanx as px
 from phalanx import hooks
 from phalanx._sidetable import IdentityTable
-from phalanx.core.strategy import InputSharding
+from phalanx.core.extended import InputSharding
 from phalanx.core.variable_sync import owner_of
 from phalanx.ps import pickling
 

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from phalanx.errors import DiskFullError, WriteError
-from phalanx.launch.supervisor import Exit, Supervisor, Task, root_cause
+from phalanx.launch.root_cause import Exit, Task, root_cause
+from phalanx.launch.supervisor import Supervisor
 
 from conftest import free_ports, run_job, run_jobs, tf_config
 

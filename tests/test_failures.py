@@ -233,8 +233,8 @@ def test_clean_exit_after_the_strategy_is_dropped(tmp_path, script):
     about every second run; four clean runs in a row make the check meaningful.
     """
     job = script("""
-        import phalanx.comm.communicator as communicator
-        communicator.HEARTBEAT_INTERVAL = 0.0001
+        import phalanx.comm.group_communicator as group_communicator
+        group_communicator.HEARTBEAT_INTERVAL = 0.0001
         import phalanx as px, torch
 
         def train():
@@ -260,7 +260,7 @@ def test_root_cause_prefers_the_replica_that_died_over_one_that_saw_it_die():
     """A replica whose error is only "my peer is gone", or that the supervisor stopped with SIGTERM
     after another exited, is not the root cause (pure logic, no processes; reproduced under load: a
     preempted job was reported as "killed by signal SIGTERM" and lost its free restart)."""
-    from phalanx.launch.supervisor import Exit, Task, format_failure, root_cause
+    from phalanx.launch.root_cause import Exit, Task, format_failure, root_cause
 
     def failure(local_rank, exitcode, message="", pid=1, order=0, timestamp=1700000000, stopped=False):
         task = Task(name=f"replica {local_rank}", command=("train.py",), info=f"node 0, local rank {local_rank}")

@@ -20,7 +20,8 @@ import pytest
 from phalanx.errors import ClusterSpecError
 from phalanx.launch import settings
 from phalanx.launch.forkserver import ForkServer, forkable, preload_for
-from phalanx.launch.supervisor import Supervisor, Task
+from phalanx.launch.root_cause import Task
+from phalanx.launch.supervisor import Supervisor
 
 from conftest import run_job, shared_fork_server
 
@@ -171,7 +172,7 @@ def test_the_supervisor_forks_what_it_can_and_spawns_the_rest(tmp_path, capsys):
         )
         assert sup.wait(forked, 60) == 0 and sup.wait(spawned, 60) == 0
         parent, preloaded = (tmp_path / "a.log").read_text().split()
-        assert int(parent) == sup._fork_server.pid and preloaded == "True"
+        assert int(parent) == sup.fork_server.pid and preloaded == "True"
         parent, preloaded = (tmp_path / "b.log").read_text().split()
         assert int(parent) == os.getpid() and preloaded == "False"
         assert "spawned starts a fresh interpreter (PYTHONPATH differs" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from conftest import run_job  # noqa: E402
 
 keras = pytest.importorskip("keras")
 
-from phalanx.keras.model import optimizers_used_by  # noqa: E402
+from phalanx.keras.optimizer_adapter import optimizers_used_by  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "keras_custom_loop_central.py"
 K = 4  # the script's steps

@@ -76,33 +76,25 @@ def test_unknown_name_is_an_attribute_error_naming_it():
     assert not hasattr(phalanx, "nope")
 
 
-def test_core_modules_moved_into_core_keep_their_old_names():
-    """The core API moved from the package root into phalanx.core: code, pickles and patches that
-    name an old path (``phalanx.strategy``) get the same module, with a warning naming the new one."""
+def test_phalanx_compiled_is_the_core_module_and_the_old_core_paths_are_gone():
+    """``phalanx.compiled`` is a public path (``px.compiled.CompileFallbackWarning``): the same module
+    as phalanx.core.compiled, without a warning. The pre-0.1.0 root paths (``phalanx.strategy``) are gone."""
     code = """
-import pickle, sys, warnings
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import phalanx.strategy as old
-    from phalanx.distributed_variable import VariableAggregation
-import phalanx.core.strategy as new
-assert old is new and sys.modules["phalanx.strategy"] is new, (old, new)
-assert new.__spec__.name == "phalanx.core.strategy", new.__spec__
-assert VariableAggregation is sys.modules["phalanx.core.distributed_variable"].VariableAggregation
-messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
-assert messages == [
-    "phalanx.strategy moved to phalanx.core.strategy; import it from there",
-    "phalanx.distributed_variable moved to phalanx.core.distributed_variable; import it from there",
-], messages
-assert all(w.filename == "<string>" for w in caught), [w.filename for w in caught]
-# phalanx.compiled is also a public name (px.compiled.CompileFallbackWarning): no warning.
+import sys, warnings
 with warnings.catch_warnings():
     warnings.simplefilter("error")
     from phalanx.compiled import CompileFallbackWarning
+    import phalanx.compiled
 assert CompileFallbackWarning is sys.modules["phalanx.core.compiled"].CompileFallbackWarning
-# A pickle written before the move names the class by its old module.
-old_pickle = pickle.dumps(VariableAggregation.SUM, protocol=0).replace(b"phalanx.core.distributed_variable", b"phalanx.distributed_variable")
-assert b"phalanx.distributed_variable" in old_pickle and pickle.loads(old_pickle) is VariableAggregation.SUM
+assert phalanx.compiled is sys.modules["phalanx.core.compiled"]
+assert phalanx.compiled.__spec__.name == "phalanx.core.compiled", phalanx.compiled.__spec__
+for old in ("phalanx.strategy", "phalanx.distributed_variable", "phalanx.strategies.parameter_server"):
+    try:
+        __import__(old)
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError(old + " still imports")
 print("moved ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

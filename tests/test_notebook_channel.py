@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from phalanx.errors import LaunchError
-from phalanx.interactive.channel import MAX_MESSAGE, Channel, accept_authenticated
+from phalanx.launch.channel import MAX_MESSAGE, Channel, accept_authenticated
 
 
 def test_roundtrip_and_closed_peer():
@@ -65,7 +65,7 @@ def test_only_a_peer_with_the_secret_is_accepted():
 
 def test_start_method_setting(monkeypatch):
     from phalanx.errors import ClusterSpecError
-    from phalanx.interactive.session import start_method
+    from phalanx.launch.notebook import start_method
 
     monkeypatch.delenv("PHALANX_INTERACTIVE_START", raising=False)
     assert start_method() == "fork"  # no CUDA initialised in this process

@@ -18,7 +18,7 @@ pytest.importorskip("grpc")
 pytest.importorskip("cloudpickle")
 pytest.importorskip("cryptography")
 
-from phalanx.ps import pickling, wire  # noqa: E402
+from phalanx.ps import frame_mac, pickling, wire  # noqa: E402
 from phalanx.ps.errors import AuthenticationError  # noqa: E402
 from phalanx.ps.server import ParameterServerService  # noqa: E402
 from phalanx.ps.service import RefusalLog  # noqa: E402
@@ -109,7 +109,7 @@ def test_bodies_tagged_in_one_call_or_streamed_in_slices_get_the_same_tag(monkey
     w = torch.randn(2000)  # over _SMALL_BODY: GMAC
     in_one_call = wire.Signer(SECRET).encode("assign", {"keys": ["w"]}, [w], [b"blob"]).to_bytes()
     with monkeypatch.context() as m:
-        m.setattr(wire, "_ONE_SHOT_MAX", 7)
+        m.setattr(frame_mac, "_ONE_SHOT_MAX", 7)
         streamed = list(wire.Signer(SECRET).encode("assign", {"keys": ["w"]}, [w], [b"blob"]).chunks(61))
         assert torch.equal(wire.Verifier(SECRET).decode("assign", streamed).tensors[0], w)
         assert torch.equal(wire.Verifier(SECRET).decode("assign", [in_one_call]).tensors[0], w)

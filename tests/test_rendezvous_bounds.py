@@ -9,7 +9,8 @@ import time
 import pytest
 
 from phalanx.cluster.validation import validate_cluster
-from phalanx.comm.communicator import GroupSpec, ProcessGroupCommunicator
+from phalanx.comm.communicator import GroupSpec
+from phalanx.comm.group_communicator import ProcessGroupCommunicator
 from phalanx.errors import ClusterSpecError, RendezvousTimeoutError
 
 from conftest import free_ports

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch.forkserver import ForkServer, _recv, _send
-from phalanx.launch.supervisor import CAUSE_WAIT_S, Supervisor, Task
+from phalanx.launch.root_cause import Task
+from phalanx.launch.supervisor import CAUSE_WAIT_S, Supervisor
 
 from conftest import run_jobs
 

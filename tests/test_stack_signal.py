@@ -18,7 +18,8 @@ import pytest
 
 from phalanx.config import Settings, stack_signal
 from phalanx.errors import ClusterSpecError
-from phalanx.launch.supervisor import Supervisor, Task
+from phalanx.launch.root_cause import Task
+from phalanx.launch.supervisor import Supervisor
 
 from conftest import PRELUDE, run_job
 

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from phalanx.errors import ClusterSpecError
-from phalanx.launch.supervisor import Exit, RunDirectory, Task, format_failure, root_cause, run_owner
+from phalanx.launch.root_cause import Exit, Task, format_failure, root_cause
+from phalanx.launch.run_dir import RunDirectory, run_owner
 
 from conftest import _session_processes, fork_server_pids, run_job
 

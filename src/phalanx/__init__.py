@@ -11,7 +11,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from phalanx._lazy import attach, moved_modules
+from phalanx._lazy import alias_modules, attach
 
 # The facade is lazy (phalanx._lazy): a name is imported on first use, so `phalanx run`'s
 # supervisor, which imports phalanx.launch only, does not import torch.
@@ -35,10 +35,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         in_cross_replica_context,
     )
     from phalanx.core.distributed_variable import Variable, VariableAggregation, VariableSynchronization
+    from phalanx.core.extended import StrategyExtended
     from phalanx.core.global_strategy import experimental_set_strategy
     from phalanx.core.options import RunOptions
     from phalanx.core.process import barrier, is_chief, num_processes, process_index, wait_for_chief
-    from phalanx.core.strategy import Strategy, StrategyExtended
+    from phalanx.core.strategy import Strategy
     from phalanx.input import (
         AutoShardPolicy,
         DistributedDataset,
@@ -113,7 +114,7 @@ _ATTRIBUTES = {
     "ParameterServerStrategy": "phalanx.ps.strategy",
     "TPUStrategy": "phalanx.strategies.tpu",
     "Strategy": "phalanx.core.strategy",
-    "StrategyExtended": "phalanx.core.strategy",
+    "StrategyExtended": "phalanx.core.extended",
     "DistributedValues": "phalanx.values",
     "Mirrored": "phalanx.values",
     "PerReplica": "phalanx.values",
@@ -123,26 +124,8 @@ _ATTRIBUTES = {
 
 __getattr__, __dir__, __all__ = attach(__name__, _SUBMODULES, _ATTRIBUTES)
 
-# Where the modules of the core API lived before they moved into phalanx.core: importing an old
-# path still works (the same module object, so pickles and patches that name it too), with a
-# DeprecationWarning that names the new one.
-moved_modules(
-    {
-        f"phalanx.{old}": f"phalanx.core.{new}"
-        for old, new in {
-            "strategy": "strategy",
-            "context": "context",
-            "variables": "variables",
-            "regroup": "regroup",
-            "process": "process",
-            "distributed_variable": "distributed_variable",
-            "global_batch": "global_batch",
-            "options": "options",
-            "global_strategy": "global_strategy",
-            "_integrations": "integrations",
-        }.items()
-    }
-)
-moved_modules({"phalanx.compiled": "phalanx.core.compiled"}, warn=False)  # public as phalanx.compiled
+# `phalanx.compiled` is a public module path (`from phalanx.compiled import CompileFallbackWarning`);
+# the module lives in phalanx.core.
+alias_modules({"phalanx.compiled": "phalanx.core.compiled"})
 
 __version__ = "0.1.0"

@@ -138,19 +138,6 @@ class DuplicateDeviceError(InvalidDeviceError):
         self.device = device
 
 
-class BatchSizeError(PhalanxError, ValueError):
-    """A global batch that cannot be split across the replicas."""
-
-    def __init__(self, batch_size: int, num_replicas: int, *, hint: str | None = None) -> None:
-        self.batch_size = batch_size
-        self.num_replicas = num_replicas
-        super().__init__(
-            f"Global batch size {batch_size} is smaller than the number of replicas in sync "
-            f"({num_replicas}); every replica needs at least one example.",
-            hint=hint or f"use a global batch size of at least {num_replicas}, e.g. a multiple of it",
-        )
-
-
 class ReduceOpError(PhalanxError, ValueError):
     """An unknown reduction operation."""
 

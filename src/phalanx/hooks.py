@@ -87,9 +87,3 @@ def remove(name: str) -> bool:
         return False
     entry[1].remove()
     return True
-
-
-def remove_all() -> None:
-    """Removes every hook phalanx installed (features re-install theirs when next used)."""
-    for name in list(installed()):
-        remove(name)

@@ -27,7 +27,7 @@ import torch
 
 from phalanx import report
 from phalanx.comm.timing import marking
-from phalanx.core.strategy import RUN_OBSERVERS
+from phalanx.core.extension_points import RUN_OBSERVERS
 from phalanx.errors import ProfileError
 
 

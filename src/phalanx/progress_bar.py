@@ -176,7 +176,7 @@ class Progress:
         return self.total
 
     def __iter__(self) -> Iterator[Any]:
-        from phalanx.core import global_batch
+        from phalanx.input import global_batch
 
         self._started = self._started or time.perf_counter()
         try:

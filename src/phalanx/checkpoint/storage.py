@@ -581,14 +581,6 @@ def scan(directory: str) -> list[Entry]:
     return sorted(found, key=order)
 
 
-def list_checkpoints(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Checkpoints directly under ``directory`` with a verified manifest, oldest first: ``[(path, manifest)]``.
-
-    Their files are not checked here (:func:`choose_latest` does that, for the ones it considers).
-    """
-    return [(entry.path, entry.manifest) for entry in scan(directory) if entry.manifest is not None]
-
-
 def choose_latest(candidates: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest intact checkpoint of ``candidates`` (oldest first), and those skipped on the way.
 

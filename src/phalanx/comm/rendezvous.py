@@ -44,6 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx import config
 from phalanx._compat import torch as compat_torch
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.cluster.placement import compare_fingerprints
@@ -53,9 +54,10 @@ from phalanx.errors import ClusterSpecError, ClusterSpecMismatchError, Rendezvou
 def host_id() -> str:
     """What makes two processes "the same host" (shared memory, /proc): the hostname.
 
-    ``PHALANX_HOST_ID`` overrides it, so tests can make processes of one machine act as hosts.
+    ``PHALANX_HOST_ID`` (the setting ``host_id``) overrides it, so tests can make processes of one
+    machine act as hosts.
     """
-    return os.environ.get("PHALANX_HOST_ID") or socket.gethostname()
+    return config.settings().host_id or socket.gethostname()
 
 
 # A launcher's peer is late once it has taken twice as long as this process took to start, but

@@ -43,7 +43,6 @@ Example (run in each of the ``world_size`` processes of a job)::
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import platform
@@ -57,8 +56,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from phalanx.comm import wait_stats
 from phalanx.comm.health import alive, start_time
 from phalanx.comm.placement import Placement
+from phalanx.comm.wait_stats import WaitStats
 from phalanx.config import Settings
 from phalanx.errors import (
     CollectiveMismatchError,
@@ -68,7 +69,7 @@ from phalanx.errors import (
     RendezvousTimeoutError,
 )
 
-__all__ = ["DTYPES", "ShmAllReduce", "record_wait_stats"]
+__all__ = ["DTYPES", "ShmAllReduce"]
 
 _UFUNCS = {"sum": np.add, "mean": np.add, "product": np.multiply, "max": np.maximum, "min": np.minimum}
 _TORCH_FNS = {"sum": torch.add, "mean": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
@@ -194,83 +195,7 @@ class _Futex:
 _FUTEX = _Futex()
 
 
-class _Stats:
-    """Where a communicator's waits went; on only where asked (``stats_dir``, `record_wait_stats`).
-
-    At close (or exit) each rank writes ``shm-<pid>-rank<rank>.json`` into the directory: the
-    number of waits that found a peer missing, their wall time and this thread's CPU time during
-    them, the time spent polling/yielding within the spin budget, the waits that outlived it,
-    futex sleeps and time asleep, the longest wait, and a histogram of wait times. Off, a wait
-    pays one attribute test, and only when a peer is missing.
-    """
-
-    BOUNDS_US = (10, 100, 1000, 10_000, 100_000)  # histogram buckets: < 10 us, < 100 us, ...
-
-    def __init__(self, directory: str, rank: int, world_size: int, budget: float) -> None:
-        self.path = os.path.join(directory, f"shm-{os.getpid()}-rank{rank}.json")
-        self.data: dict[str, Any] = {
-            "rank": rank,
-            "world_size": world_size,
-            "pid": os.getpid(),
-            "spin_budget_s": budget,
-            "waits": 0,  # waits that found a peer missing (the others cost a counter read)
-            "wait_s": 0.0,
-            "wait_cpu_s": 0.0,  # this thread's CPU time while waiting (spinning, yielding, syscalls)
-            "spin_s": 0.0,  # wall time inside the spin budget
-            "past_spin": 0,  # waits that outlived the spin budget
-            "sleeps": 0,
-            "sleep_s": 0.0,
-            "longest_s": 0.0,
-            "histogram_us": [0] * (len(self.BOUNDS_US) + 1),
-        }
-        self.placement: Placement | None = None
-
-    def _placement(self) -> dict[str, Any]:
-        p = self.placement
-        if p is None:
-            return {}
-        return {"packing": p.enabled, "packs": p.packs, "packed_s": p.packed_seconds()}
-
-    def wait(self, wall: float, cpu: float, spin: float) -> None:
-        d = self.data
-        d["waits"] += 1
-        d["wait_s"] += wall
-        d["wait_cpu_s"] += cpu
-        d["spin_s"] += min(wall, spin)
-        d["past_spin"] += wall > spin
-        d["longest_s"] = max(d["longest_s"], wall)
-        us = wall * 1e6
-        d["histogram_us"][sum(us >= b for b in self.BOUNDS_US)] += 1
-
-    def sleep(self, wall: float) -> None:
-        self.data["sleeps"] += 1
-        self.data["sleep_s"] += wall
-
-    def write(self) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "w") as f:
-                json.dump({**self.data, **self._placement()}, f)
-        except OSError:  # diagnostics never fail a job
-            pass
-
-
-_STATS_DIR: list[str | None] = [None]  # set by record_wait_stats
-
-
-def record_wait_stats(directory: str | None) -> None:
-    """Makes every `ShmAllReduce` created after this in the process record where its waits go.
-
-    At close (or exit) each rank then writes ``shm-<pid>-rank<rank>.json`` into ``directory``:
-    waits that found a peer missing, their wall and CPU time, time spinning, futex sleeps and time
-    asleep, the longest wait and a histogram (the diagnosis of issue 33; ``python -m
-    benchmarks.load_diag`` turns it on in its jobs). ``None`` turns it off for later instances.
-    A wait pays one attribute test for it, and only when a peer is missing.
-    """
-    _STATS_DIR[0] = directory
-
-
-def _finish(seg: _Segment | None, stats: _Stats | None, placement: Placement | None = None) -> None:
+def _finish(seg: _Segment | None, stats: WaitStats | None, placement: Placement | None = None) -> None:
     """What closing (or exiting) does: writes the wait statistics, if on, puts the threads back on
     their own cores, and unmaps the segment."""
     if stats is not None:
@@ -299,7 +224,8 @@ class _Spin:
     50 us when more tasks were runnable than cores, 0.70x the pre-futex wait (5 rounds). Sleeping
     pays for the long waits (a peer that lost its core for a slice, or is seconds late).
 
-    `record_wait_stats` makes every communicator write where its waits went (see ``_Stats``).
+    `~phalanx.comm.wait_stats.record_wait_stats` makes every communicator write where its waits went
+    (see :class:`~phalanx.comm.wait_stats.WaitStats`).
     """
 
     def __init__(self, replicas: int) -> None:
@@ -411,7 +337,7 @@ class ShmAllReduce:
             the tensor, capped at a tuned 1 MiB (so the default 16 MiB maps 4 MiB for 2 ranks);
             larger tensors are processed in chunks of that size.
         stats_dir: a directory where, at close, this rank writes its wait statistics (see
-            `record_wait_stats`); default: the one `record_wait_stats` set, if any.
+            `~phalanx.comm.wait_stats.record_wait_stats`); default: the one it set, if any.
         packing: whether the ranks move onto one core while the host is crowded, and back when
             it calms down (see `~phalanx.comm.placement`); default: ``PHALANX_SHM_PACKING``
             (on unless set to 0).
@@ -440,7 +366,7 @@ class ShmAllReduce:
         self._step = 0
         self._tag = _NO_TAG  # the current call's tag, published beside its signature
         self._closed = False
-        self._stats: _Stats | None = None
+        self._stats: WaitStats | None = None
         self._placement = Placement(False, 1, enabled=False)
         if world_size == 1:  # nothing to exchange
             self._finalizer = weakref.finalize(self, lambda: None)
@@ -460,8 +386,8 @@ class ShmAllReduce:
         blocks = [(j + 1) * self._stride for j in range(world_size)]
         self._all_times = [(at + _RUN, at + _RUNNABLE) for at in blocks]
         self._times = self._all_times[rank]
-        where = stats_dir or _STATS_DIR[0]
-        self._stats = _Stats(where, rank, world_size, self._spin.budget) if where else None
+        where = stats_dir or wait_stats.stats_dir()
+        self._stats = WaitStats(where, rank, world_size, self._spin.budget) if where else None
         if self._stats is not None:
             self._stats.placement = self._placement
         # also runs at exit

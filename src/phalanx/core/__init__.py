@@ -5,8 +5,8 @@
 * :mod:`~phalanx.core.context`: the scope stack, ``ReplicaContext`` and ``merge_call``;
 * :mod:`~phalanx.core.variables`, :mod:`~phalanx.core.distributed_variable`: capturing the
   variables created in ``scope()``; ``phalanx.Variable`` and TF's aggregation rules;
-* :mod:`~phalanx.core.losses` (public as ``phalanx.nn``), :mod:`~phalanx.core.global_batch`,
-  :mod:`~phalanx.core.regroup`, :mod:`~phalanx.core.process`, :mod:`~phalanx.core.compiled`,
+* :mod:`~phalanx.core.losses` (public as ``phalanx.nn``), :mod:`~phalanx.core.regroup`,
+  :mod:`~phalanx.core.process`, :mod:`~phalanx.core.compiled`,
   :mod:`~phalanx.core.options`, :mod:`~phalanx.core.global_strategy`,
   :mod:`~phalanx.core.integrations`.
 
@@ -23,6 +23,5 @@ does with them is done by collaborators it holds and names:
   parameter no scope saw.
 
 The collaborators do not import :mod:`phalanx.core.strategy`: the extended passes what each needs.
-These modules lived at the package root until 27 Nov 2026; the old paths (``phalanx.strategy``)
-still import, with a ``DeprecationWarning`` (``phalanx/__init__.py``).
+``phalanx.compiled`` is a public alias of :mod:`phalanx.core.compiled` (``phalanx/__init__.py``).
 """

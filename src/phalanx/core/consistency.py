@@ -21,7 +21,8 @@ import torch
 from phalanx import config
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.guard import ReplicaGuard
-from phalanx.core import global_batch, variables
+from phalanx.core import variables
+from phalanx.input import global_batch
 
 
 class ConsistencyChecks:

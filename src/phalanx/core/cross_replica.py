@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx import nest
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.guard import digits_for
 from phalanx.core import regroup
@@ -230,11 +229,6 @@ class CrossReplicaValues:
             (s if s.is_floating_point() else s.to(mean_dtype(s.dtype))) / (workers if h else world)
             for s, h in zip(sums, host)
         ]
-
-    def all_reduce_structure(self, op: ReduceOp, structure: Any) -> Any:
-        """:meth:`all_reduce` of every leaf of a nested ``structure``, which it returns rebuilt."""
-        leaves, spec = nest.flatten_with_spec(structure)
-        return nest.unflatten(self.all_reduce([torch.as_tensor(local_results(v)[0]) for v in leaves], op), spec)
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Overwrites ``tensors`` in place with process ``src``'s values, one message per dtype and device."""

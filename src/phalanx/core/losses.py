@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from phalanx.core import context, global_batch
+from phalanx.core import context
 from phalanx.errors import ContextError, user_stacklevel
+from phalanx.input import global_batch
 from phalanx.values import mean_dtype
 
 

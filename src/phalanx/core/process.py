@@ -63,11 +63,11 @@ def identity() -> ProcessIdentity:
 
 def _from_environment() -> ProcessIdentity | None:
     from phalanx.cluster import resolve_from_environment
-    from phalanx.launch.env import ReplicaEnv
+    from phalanx.launch import mode
 
-    env = ReplicaEnv.from_environ()
-    if env is not None:
-        return ProcessIdentity(env.rank, env.world_size, env.rank == 0, "environment")
+    role = mode.current()  # how this process runs, decided in phalanx.launch.mode
+    if role.env is not None:
+        return ProcessIdentity(role.rank, role.world_size, role.rank == 0, "environment")
     resolver = resolve_from_environment()
     if resolver is None:
         return None

@@ -53,8 +53,8 @@ import torch
 
 from phalanx import nest
 from phalanx.comm.flight_recorder import recording
-from phalanx.core import global_batch
 from phalanx.errors import InputMismatchError, PhalanxError
+from phalanx.input import global_batch
 from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from phalanx.input.spec import Optional, spec_of
 from phalanx.values import local_results

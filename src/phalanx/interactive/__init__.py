@@ -13,30 +13,21 @@ Example (a notebook; two CPU replicas)::
 
 from __future__ import annotations
 
-from phalanx.interactive import hooks
-from phalanx.launch.env import ReplicaEnv
+from phalanx.launch import mode
 
 __all__ = ["replica_id", "num_replicas", "interactive_main"]
 
 
 def replica_id() -> int:
     """This process's replica index in the current session or launched job (0 when alone)."""
-    if hooks.session is not None:
-        return hooks.session.rank
-    env = ReplicaEnv.from_environ()
-    return env.rank if env is not None else 0
+    return mode.current().rank
 
 
 def num_replicas() -> int:
     """How many replica processes the current session or launched job has (1 when alone)."""
-    if hooks.session is not None:
-        return hooks.session.world_size
-    env = ReplicaEnv.from_environ()
-    return env.world_size if env is not None else 1
+    return mode.current().world_size
 
 
 def interactive_main() -> bool:
     """Whether this interpreter has no script to restart (IPython, the REPL, ``-c``, stdin)."""
-    from phalanx.interactive.session import interactive_mode
-
-    return interactive_mode() is not None
+    return mode.interactive_mode() is not None

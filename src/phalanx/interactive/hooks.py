@@ -10,8 +10,25 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._compat.python import show_traceback
+from phalanx.launch import mode
 
-session: Any = None  # the Session of this process, set while one is active
+session: Any = None  # the Session of this process, set while one is active (attach, detach)
+
+
+def attach(new: Any, as_mode: mode.JobMode) -> None:
+    """Makes ``new`` (replica 0's ``Session``, or a replica's ``ReplicaSession``) this process's
+    session, and records what the process has become (:func:`phalanx.launch.mode.record`)."""
+    global session
+    session = new
+    mode.record(as_mode, new.env, new)
+
+
+def detach(old: Any) -> None:
+    """``old`` has ended: the process has no session any more (unless another one replaced it)."""
+    global session
+    if session is old:
+        session = None
+    mode.forget(old)
 
 
 class InterruptedAtStep(KeyboardInterrupt):

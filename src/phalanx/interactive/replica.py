@@ -27,21 +27,17 @@ from typing import Any
 from phalanx._compat.python import set_traceback_printer
 from phalanx.errors import LaunchError
 from phalanx.interactive import hooks
-from phalanx.interactive.channel import Channel
 from phalanx.interactive.control import Control
+from phalanx.launch.channel import Channel
 from phalanx.launch.env import ReplicaEnv
 from phalanx.launch.forkserver import die_with_parent
+from phalanx.launch.lifecycle import JobState
+from phalanx.launch.mode import JobMode
 
 # Cell magics that start a program: run by replica 0 only.
 _SHELL_CELL_MAGICS = frozenset(
     {"bash", "sh", "script", "system", "sx", "perl", "ruby", "pypy", "python2", "python3", "writefile"}
 )
-
-
-def ipython_shell() -> Any:
-    """The running IPython shell (kernel or terminal), or None."""
-    module = sys.modules.get("IPython")
-    return module.get_ipython() if module is not None else None
 
 
 class ReplicaSession:
@@ -58,6 +54,11 @@ class ReplicaSession:
         self.replaying = False  # running the cells before the one that started the session
 
     # ------------------------------------------------------------------ used by strategies
+    @property
+    def state(self) -> JobState:
+        """A replica serves its session's cells until replica 0 ends the session: running."""
+        return JobState.RUNNING
+
     def env_for(self, strategy: Any, world_size: int) -> ReplicaEnv:
         """The identity of the next strategy this replica constructs (the order is the cells')."""
         if self.replaying:
@@ -264,7 +265,7 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         redirect_output(log_path)
-        hooks.session = session
+        hooks.attach(session, JobMode.NOTEBOOK_REPLICA)
         if session.mode == "ipython":
             quiet_shell(session.shell)
             # Replica 0 registers its own callbacks after the fork: this copy of the shell has none of them.
@@ -332,7 +333,7 @@ def main() -> None:
         shell = InteractiveShell.instance()
         quiet_shell(shell)  # IPython made its user namespace this process's __main__
     session = ReplicaSession(rank, env.world_size, channel, control, env, init["mode"], shell)
-    hooks.session = session
+    hooks.attach(session, JobMode.NOTEBOOK_REPLICA)
     session.serve()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,7 +2,8 @@
 
 In a Jupyter/IPython kernel, IPython's terminal, the plain REPL, ``python -c`` or ``python -``,
 there is no script to start again, so constructing a multi-replica strategy starts a
-:class:`Session`. It makes N-1 replica processes:
+:class:`Session`. Its :class:`~phalanx.launch.notebook.NotebookLauncher` makes N-1 replica
+processes (and reaps and stops them); the session keeps the cells, the interrupts and the console:
 
 * **fork** (default): each child is a copy of the interactive process at the moment the strategy
   is constructed, so every variable defined before (data, a model built without a strategy)
@@ -12,7 +13,7 @@ there is no script to start again, so constructing a multi-replica strategy star
   keeps them), each on its own device, and construct the strategy as replica ``k``.
 
 Then every cell replica 0 runs is shipped to the replicas first (IPython's ``pre_run_cell``
-event; the REPL is read by this module's console) and run there in order. After the cell,
+event; the REPL is read by :mod:`phalanx.interactive.console`) and run there in order. After the cell,
 replica 0 waits for every replica's outcome: a failure on any replica fails the cell with that
 replica's traceback; a dead replica is named, the others are stopped, and the notebook stays
 usable (the next cell says the strategy is gone; a new strategy starts new replicas).
@@ -28,41 +29,38 @@ asked is not a failure of the cell: replica 0 is stopping too, and the others ge
 before they are interrupted anywhere.
 
 Ending. ``strategy.close()`` of the last strategy, the kernel's shutdown or restart, and the end
-of the REPL stop the replicas (``exit``, then SIGKILL after :data:`EXIT_GRACE_S`); a replica also
-dies with its parent (``PR_SET_PDEATHSIG``) and leaves no shared-memory segment.
+of the REPL stop the replicas (``exit``, then SIGKILL after
+:data:`~phalanx.launch.notebook.EXIT_GRACE_S`); a replica also dies with its parent
+(``PR_SET_PDEATHSIG``) and leaves no shared-memory segment.
 """
 
 from __future__ import annotations
 
 import atexit
-import code
 import os
-import secrets
 import select
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from typing import Any
 
 from phalanx.errors import LaunchError, PhalanxError
-from phalanx.interactive import hooks
-from phalanx.interactive.channel import Channel, accept_authenticated
+from phalanx.interactive import console, hooks
 from phalanx.interactive.control import Control
-from phalanx.interactive.replica import ReplicaSession, become_forked_replica, ipython_shell
-from phalanx.launch import host
+from phalanx.interactive.replica import ReplicaSession, become_forked_replica
+from phalanx.launch.channel import Channel
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import Running, Supervisor, Task, new_run_id
+from phalanx.launch.lifecycle import JobState
+from phalanx.launch.mode import JobMode, interactive_mode, ipython_shell
+from phalanx.launch.notebook import SPAWN_TIMEOUT_S, NotebookLauncher, NotebookReplica, describe_end, start_method
+from phalanx.launch.run_dir import new_run_id
+from phalanx.launch.settings import log_root
 
-START_ENV = "PHALANX_INTERACTIVE_START"  # "fork" | "spawn" | unset (fork unless CUDA is initialised)
 FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
 ESCALATE_S = 1.0  # no step started for this long: the agreed stop becomes an immediate interrupt everywhere
 MAX_AGREED_STOP_S = 10.0  # steps still starting, but the stop step not reached: the same
-EXIT_GRACE_S = 2.0
-SPAWN_TIMEOUT_S = 120.0
 
 
 class ReplicaCellError(PhalanxError):
@@ -71,71 +69,6 @@ class ReplicaCellError(PhalanxError):
     def __init__(self, rank: int, what: str, detail: str) -> None:
         self.rank = rank
         super().__init__(f"replica {rank} {what}:\n{detail}".rstrip())
-
-
-def interactive_mode() -> str | None:
-    """How this interpreter runs user code: "ipython", "repl", "program" (-c, stdin), or None (a script).
-
-    None too for Python embedded in another program (R through reticulate): forking that program
-    would share its input and its exit clean-up, so its replicas are started as fresh copies of
-    the host program instead (:mod:`phalanx.launch.host`).
-    """
-    if ipython_shell() is not None:
-        return "ipython"
-    if host.embedded():
-        return None
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
-    if script and os.path.exists(script):
-        return None
-    return "repl" if hasattr(sys, "ps1") else "program"
-
-
-def start_method() -> str:
-    from phalanx import config
-
-    raw = config.settings().interactive_start or ""
-    if raw not in ("", "fork", "spawn"):
-        from phalanx.errors import ClusterSpecError
-
-        raise ClusterSpecError(
-            START_ENV, raw, "must be fork or spawn", hint="leave it unset: fork, or spawn once CUDA is initialised"
-        )
-    if raw:
-        return raw
-    torch = sys.modules.get("torch")
-    return "spawn" if torch is not None and torch.cuda.is_initialized() else "fork"
-
-
-def log_root() -> str:
-    from phalanx import config
-
-    return config.settings().log_root or os.path.join(tempfile.gettempdir(), "phalanx-logs")
-
-
-class _Replica:
-    """A replica as the session sees it: its process, which the session's Supervisor started (or
-    adopted, when forked from this process) and reaps, and its control connection."""
-
-    def __init__(self, rank: int, run: Running, channel: Channel) -> None:
-        self.rank, self.run, self.channel = rank, run, channel
-        self.pid = run.pid
-        self.exit: str | None = None  # how it ended, once it has
-
-    def poll(self) -> int | None:
-        """Its exit status if it ended (reaped), else None."""
-        return self.run.popen.poll()
-
-
-def _describe(code: int | None) -> str:
-    if code is None:
-        return "closed its control connection"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class Session:
@@ -151,8 +84,11 @@ class Session:
         os.makedirs(self.log_dir, exist_ok=True)
         self.env = ReplicaEnv.local_chief(world_size, self.run_id, self.log_dir)
         self.shell = ipython_shell() if mode == "ipython" else None
+        # Starts (fork or spawn), reaps and stops the replicas, through the one Supervisor of every
+        # launcher; this session keeps cells, interrupts and the console.
+        self.launcher = NotebookLauncher(world_size, self.method, self.log_dir)
+        self.replicas = self.launcher.replicas
         self.control = Control(world_size, os.path.join(self.log_dir, "control") if self.method == "spawn" else None)
-        self.replicas: dict[int, _Replica] = {}
         self.ports: list[int | None] = [self.env.master_port]
         self.strategies: list[weakref.ref] = []
         self.cell = 0
@@ -173,12 +109,14 @@ class Session:
         self._peer_raised = False  # that error was raised into the cell's own code (not its end)
         self._watcher: threading.Thread | None = None
         self._exit_code = 0
-        # Starts (spawn), adopts (fork), watches and stops the replicas: the one Supervisor of
-        # every launcher; this session keeps cells, interrupts and the console.
-        self.supervisor = Supervisor()
 
     def log_path(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"replica_{rank}.log")
+        return self.launcher.log_path(rank)
+
+    @property
+    def state(self) -> JobState:
+        """Where the session's replicas are (its launcher's :class:`~phalanx.launch.lifecycle.JobState`)."""
+        return self.launcher.state
 
     # ------------------------------------------------------------------ starting
     def launch(self, strategy: Any) -> tuple[Any, ReplicaEnv]:
@@ -199,7 +137,7 @@ class Session:
                 "(`ipython`, Jupyter), which replays its history",
             )
         started = time.perf_counter()
-        hooks.session = self
+        hooks.attach(self, JobMode.NOTEBOOK_SESSION)
         try:
             if self.method == "fork":
                 child = self._fork()
@@ -223,7 +161,7 @@ class Session:
             if not self.shell.custom_exceptions:  # never replace a handler the user set
                 self.shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
         elif self.mode == "repl":
-            sys.ps1 = _LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
+            sys.ps1 = console.LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
         what = "the rest of the program" if self.mode == "program" else "every cell from this one on"
         print(
             f"phalanx: started replicas 1..{self.world_size - 1} ({self.method}); they run {what}. "
@@ -238,62 +176,18 @@ class Session:
 
     def _fork(self) -> ReplicaSession | None:
         parent = os.getpid()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for rank in range(1, self.world_size):
-            ours, theirs = socket.socketpair()
-            pid = os.fork()
-            if pid == 0:
-                ours.close()
-                for replica in self.replicas.values():
-                    replica.channel.close()
-                child = ReplicaSession(
-                    rank, self.world_size, Channel(theirs), self.control, self._replica_env(rank), self.mode, self.shell
-                )
-                become_forked_replica(child, parent, self.log_path(rank))
-                return child
-            theirs.close()
-            run = self.supervisor.adopt(Task(name=f"replica {rank}", command=(), log_path=self.log_path(rank)), pid)
-            self.replicas[rank] = _Replica(rank, run, Channel(ours))
-        return None
+
+        def become(rank: int, channel: Channel) -> ReplicaSession:
+            child = ReplicaSession(
+                rank, self.world_size, channel, self.control, self._replica_env(rank), self.mode, self.shell
+            )
+            become_forked_replica(child, parent, self.log_path(rank))
+            return child
+
+        return self.launcher.fork(become)
 
     def _spawn(self) -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(self.world_size)
-        secret = secrets.token_hex(32)
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        # The kernel's own phalanx identity (a kernel started by a launcher) is not its replicas'.
-        unset = tuple(k for k in os.environ if k.startswith("PHALANX_") and k != "PHALANX_LOG_ROOT")
-        runs: dict[int, Running] = {}
-        try:
-            for rank in range(1, self.world_size):
-                env = {
-                    "PHALANX_INTERACTIVE_RANK": str(rank),
-                    "PHALANX_INTERACTIVE_ADDR": address,
-                    "PHALANX_INTERACTIVE_SECRET": secret,
-                }
-                command = (sys.executable, "-m", "phalanx.interactive.replica")
-                task = Task(name=f"replica {rank}", command=command, env=env, log_path=self.log_path(rank), unset=unset)
-                runs[rank] = self.supervisor.start(task)
-
-            def check() -> None:
-                for rank, run in runs.items():
-                    if run.popen.poll() is not None:
-                        raise LaunchError(
-                            f"Replica {rank} (pid {run.pid}) {_describe(run.popen.returncode)} "
-                            f"before it connected. Last lines of {self.log_path(rank)}:\n"
-                            f"{self._tail(rank)}"
-                        )
-
-            for _ in runs:
-                channel, rank = accept_authenticated(listener, secret, SPAWN_TIMEOUT_S, check)
-                self.replicas[rank] = _Replica(rank, runs[rank], channel)
-        except BaseException:
-            self.supervisor.kill(list(runs.values()))
-            raise
-        finally:
-            listener.close()
+        self.launcher.spawn()
         cells = self._history()
         for rank, replica in self.replicas.items():
             replica.channel.send(
@@ -332,7 +226,7 @@ class Session:
         """Called by ``strategy.close()``; the session ends after the cell once none is left."""
         self.strategies = [r for r in self.strategies if r() is not None and r() is not strategy]
 
-    def _answer_port(self, replica: _Replica, message: dict) -> None:
+    def _answer_port(self, replica: NotebookReplica, message: dict) -> None:
         index = int(message["index"])
         with self._cond:
             self._cond.wait_for(lambda: len(self.ports) > index or self.closed, timeout=SPAWN_TIMEOUT_S)
@@ -469,9 +363,7 @@ class Session:
             raise KeyboardInterrupt
 
     def _signal_replicas(self, sig: int) -> None:
-        for replica in self.replicas.values():
-            if replica.exit is None:
-                replica.run.popen.send_signal(sig)  # never a pid already reaped (and maybe reused)
+        self.launcher.signal(sig)
 
     # ------------------------------------------------------------------ cells
     def before_cell(self, source: str) -> None:
@@ -588,11 +480,7 @@ class Session:
         return None
 
     def _tail(self, rank: int, lines: int = 15) -> str:
-        try:
-            with open(self.log_path(rank), "rb") as f:
-                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return self.launcher.tail(rank, lines)
 
     def _break(self, reason: str) -> None:
         """The replicas cannot go on in step: stop them; the next cell says so."""
@@ -650,16 +538,10 @@ class Session:
                 elif message.get("op") == "port":
                     threading.Thread(target=self._answer_port, args=(replica, message), daemon=True).start()
 
-    def _on_exit(self, replica: _Replica) -> None:
-        code = None
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            code = replica.poll()
-            if code is not None:
-                break
-            time.sleep(0.01)
+    def _on_exit(self, replica: NotebookReplica) -> None:
+        code = self.launcher.reap(replica)
         with self._cond:
-            replica.exit = _describe(code)
+            replica.exit = describe_end(code)
             self._cond.notify_all()
         if self.closed or (self.mode == "program" and code in (0, None)):
             return  # a replica at the end of the program; _finish_program reads its status
@@ -699,19 +581,7 @@ class Session:
 
     # ------------------------------------------------------------------ ending
     def _stop_replicas(self, graceful: bool) -> None:
-        if graceful:
-            for replica in self.replicas.values():
-                try:
-                    replica.channel.send({"op": "exit"})
-                except OSError:
-                    pass
-            deadline = time.monotonic() + EXIT_GRACE_S
-            while time.monotonic() < deadline and any(r.poll() is None for r in self.replicas.values()):
-                time.sleep(0.01)
-        self.supervisor.kill([r.run for r in self.replicas.values() if r.poll() is None])
-        for replica in self.replicas.values():
-            if replica.exit is None:
-                replica.exit = "was stopped"
+        self.launcher.stop(graceful)
 
     def close(self) -> None:
         """Stops the replicas and detaches from the shell; safe to call twice."""
@@ -720,8 +590,7 @@ class Session:
         if self.mode == "program":
             self._finish_program()
         self.closed = True
-        if hooks.session is self:
-            hooks.session = None
+        hooks.detach(self)
         if self.shell is not None:
             for event, callback in (("pre_run_cell", self._pre_run_cell), ("post_run_cell", self._post_run_cell)):
                 try:
@@ -731,8 +600,7 @@ class Session:
             if self.shell.custom_exceptions == (hooks.InterruptedAtStep,):
                 self.shell.set_custom_exc((), None)
         self._stop_replicas(graceful=True)
-        for replica in self.replicas.values():
-            replica.channel.close()
+        self.launcher.close(self._exit_code)
         self.control.remove()
         with self._cond:
             self._cond.notify_all()
@@ -751,7 +619,7 @@ class Session:
             self._stop_replicas(graceful=False)
             print(
                 f"phalanx: root cause (first failure): replica {failed.rank} (pid {failed.pid}) "
-                f"{_describe(failed.poll())}. Last lines of {self.log_path(failed.rank)}:\n"
+                f"{describe_end(failed.poll())}. Last lines of {self.log_path(failed.rank)}:\n"
                 f"{self._tail(failed.rank)}",
                 file=sys.stderr,
                 flush=True,
@@ -761,79 +629,13 @@ class Session:
 
 
 def _in_cell_machinery(frame: Any) -> bool:
-    """Whether ``frame`` is IPython's, ipykernel's or this module's: around the cell, not in it."""
+    """Whether ``frame`` is IPython's, ipykernel's, this module's or the console's: around the cell, not in it."""
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return name == __name__ or name.split(".", 1)[0] in ("IPython", "ipykernel", "code")
-
-
-class _Console(code.InteractiveConsole):
-    """The plain REPL once a session runs: each complete statement runs on every replica."""
-
-    def __init__(self, session: Session, namespace: dict) -> None:
-        super().__init__(namespace, filename="<stdin>")
-        self.session = session
-
-    def runsource(self, source: str, filename: str = "<stdin>", symbol: str = "single") -> bool:
-        try:
-            compiled = self.compile(source, filename, symbol)
-        except (OverflowError, SyntaxError, ValueError):
-            self.showsyntaxerror(filename)
-            return False
-        if compiled is None:
-            return True
-        session = hooks.session or self.session
-        session.before_cell(source)
-        error = None
-        try:
-            exec(compiled, self.locals)
-        except SystemExit:  # exit(): end the input, so that the REPL itself ends as usual
-            session.after_cell(None)
-            _end_input()
-            return False
-        except BaseException as e:  # noqa: BLE001 - shown like the REPL does
-            error = e
-            self.showtraceback()
-        failure = session.after_cell(error)
-        if failure is not None:
-            print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
-        return False
-
-
-def _end_input() -> None:
-    """Points stdin at /dev/null: the console, then the C REPL, read end of input and stop."""
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-
-
-class _LeaderPrompt:
-    """sys.ps1 of the REPL once a session runs: at the next prompt, read statements ourselves.
-
-    The C REPL gives no hook per statement; it does ask ``str(sys.ps1)`` before each one. The
-    first time, this runs a :class:`_Console` on the same ``__main__`` until end of input (or
-    ``exit()``, whose exit status is not kept), then lets the REPL read end of input and exit.
-    """
-
-    def __init__(self, session: Session, prompt: Any) -> None:
-        self.session, self.prompt = session, prompt
-        self.last_error = getattr(sys, "last_value", None)
-
-    def __str__(self) -> str:
-        sys.ps1 = self.prompt if not isinstance(self.prompt, _LeaderPrompt) else ">>> "
-        # The statement that created the strategy: the C REPL has shown its own error, if any
-        # (it leaves it in sys.last_value); a replica's failure it did not show is shown here.
-        error = getattr(sys, "last_value", None)
-        failure = self.session.after_cell(error if error is not self.last_error else None)
-        if failure is not None:
-            print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
-        _Console(self.session, sys.modules["__main__"].__dict__).interact(banner="", exitmsg="")
-        self.session.close()
-        _end_input()
-        return ""
+    return name in (__name__, console.__name__) or name.split(".", 1)[0] in ("IPython", "ipykernel", "code")
 
 
 def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
-    """The self-launch of an interactive main (see :func:`interactive_mode`).
+    """The self-launch of an interactive main (see :func:`phalanx.launch.mode.interactive_mode`).
 
     Returns ``(launcher, env)``: the session (replica 0's or, in a forked child, the child's) and
     this process's identity.

@@ -51,12 +51,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 check_keras_version(getattr(keras, "__version__", "0"), keras.backend.backend())
 
-from phalanx.core.strategy import RUN_OBSERVERS  # noqa: E402
+from phalanx.core.extension_points import RUN_OBSERVERS  # noqa: E402
+from phalanx.errors import InputMismatchError  # noqa: E402
 from phalanx.keras.callbacks import Coordinator  # noqa: E402
 from phalanx.keras.metrics import UnsupportedMetricError, observe_run  # noqa: E402
 from phalanx.keras.model import (  # noqa: E402
     DistributedModel,
-    InputMismatchError,
     PsAdapter,
     SyncAdapter,
     distribute,

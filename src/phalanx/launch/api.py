@@ -12,23 +12,37 @@ A strategy over N local devices needs N processes, this one among them. They com
 * **a parameter-server cluster** is started from outside, task by task (``phalanx run --ps``,
   :mod:`phalanx.ps.launcher`), so a task finds its identity in its environment as in the first case.
 
-:func:`replicas` chooses among them; every strategy asks it, and nothing else starts replicas
-(torch elastic's agent has one ``PContext``, Lightning one ``_Launcher`` per strategy). What a
-strategy then holds is a :class:`Launcher`: the object that started (and watches) its peers, or
-None where someone else did.
+:func:`phalanx.strategies.launchers.replicas` chooses among them, above what it chooses (as
+Lightning's strategy configures its launcher); every strategy asks it, and nothing else starts
+replicas (torch elastic's agent has one ``PContext``). What a strategy then holds is a
+:class:`Launcher`: the object that started (and watches) its peers, or None where someone else did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.launch.env import ReplicaEnv
 
+if TYPE_CHECKING:
+    from phalanx.launch.lifecycle import JobState
+
 
 class Launcher(Protocol):
-    """What started this process's local replicas and watches them, as a strategy uses it."""
+    """What started this process's local replicas and watches them, as a strategy uses it.
+
+    One implementation per route, each over the one :class:`~phalanx.launch.supervisor.Supervisor`:
+    :class:`~phalanx.launch.self_launch.ReplicaLauncher` (self-launch, and an embedding R host),
+    :class:`~phalanx.launch.runner.ScriptLauncher` (``phalanx run``; it runs the job rather than
+    serving a strategy), and a notebook's :class:`~phalanx.interactive.session.Session` over its
+    :class:`~phalanx.launch.notebook.NotebookLauncher` (a notebook replica's
+    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there).
+    """
+
+    @property
+    def state(self) -> JobState:
+        """Where the replicas are (:mod:`phalanx.launch.lifecycle`)."""
 
     def check_peers(self) -> None:
         """Raises a local replica's failure if one is known to have died (a rendezvous calls it
@@ -110,43 +124,3 @@ def job_env() -> ReplicaEnv | None:
         found = engine()
         env = found.env if found is not None else None
     return env
-
-
-def replicas(
-    strategy: Any, world_size: int, *, before_start: Callable[[], None] = lambda: None
-) -> tuple[Launcher | None, ReplicaEnv | None]:
-    """The launcher and the identity of this process for ``strategy`` over ``world_size`` local replicas.
-
-    Starts the other replicas when nobody has (``before_start`` runs just before, once per start):
-    a notebook session for an interactive main, self-launch for a script. Returns ``(None, None)``
-    for a single replica that nobody launched.
-
-    Raises:
-        LaunchError: the replicas cannot be started from here (inside pytest, an R console, ...).
-    """
-    from phalanx.interactive import hooks, interactive_main
-
-    if hooks.session is not None:  # a notebook's session: a new process group on its replicas
-        if world_size == 1:
-            return None, None
-        from phalanx.interactive.session import start
-
-        return start(strategy, world_size)
-    env = job_env()
-    if env is not None:
-        from phalanx.launch.self_launch import current_job
-
-        job = current_job()
-        # Replica 0 of a self-launched job holds its launcher, for every strategy of the program.
-        return (job if job is not None and env is job.env else None), env
-    if world_size == 1:
-        return None, None
-    before_start()
-    if interactive_main():  # a notebook, the REPL, -c, stdin: no script to start again
-        from phalanx.interactive.session import start
-
-        return start(strategy, world_size)
-    from phalanx.launch.self_launch import launch
-
-    job = launch(world_size)  # once per program: later strategies run on the same replicas
-    return job, job.env

@@ -47,18 +47,16 @@ Example::
     >>> proc.wait(timeout=30)
     3
     >>> server.close()
+
+This module is the client side (in the launcher) and the parts both sides share; the server's own
+process, its loop and how a forked child becomes the program, is
+:mod:`phalanx.launch.forkserver_process`.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
-import ctypes
-import gc
-import importlib
-import importlib.util
 import io
-import json
 import os
 import re
 import select
@@ -72,7 +70,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from phalanx.errors import LaunchError
-from phalanx.launch.stdio import flush_quietly, own_streams
+from phalanx.launch.fork_protocol import (
+    _STARTUP,
+    INHERIT_VARIABLE,
+    _installed,
+    _recv,
+    _send,
+    die_with_parent,
+)
 
 __all__ = [
     "ForkServer",
@@ -85,22 +90,12 @@ __all__ = [
     "preload_for",
 ]
 
-_MAX_MESSAGE = 1 << 20  # one request (its environment included) fits in a datagram this size
 _READY_TIMEOUT = 300.0  # importing torch and Keras on a loaded 2-core machine took up to 20 s
-_PR_SET_PDEATHSIG = 1
 
-# Variables a fresh interpreter (or a preloaded module) reads before the program runs: a task
-# whose value differs from the server's cannot be forked and is started fresh instead.
-# PYTHONUNBUFFERED and OMP_NUM_THREADS are applied by hand (see the module docstring).
-_STARTUP = re.compile(
-    r"^(PYTHON|LD_|KERAS_|TORCH_|TORCHINDUCTOR_|TORCHDYNAMO_|PYTORCH_|OMP_|MKL_|OPENBLAS_|GOTO_|MALLOC_|TF_CPP_)"
-)
 _APPLIED = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 # Read by torch at each use, not at import (torch/_inductor/runtime/cache_dir_utils.py); torch sets
 # it in os.environ at a process's first optimizer step, so a launcher's later tasks carry it.
 _READ_LATE = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
-# FD:SERVER_PID:OWNER_PID - this process's connection to the server it was forked from
-INHERIT_VARIABLE = "PHALANX_FORK_SERVER"
 _KERAS_IMPORT = re.compile(rb"^\s*(import\s+keras|from\s+keras[\s.])", re.MULTILINE)
 # os.environ["KERAS_BACKEND"] = "torch", os.environ.setdefault("KERAS_BACKEND", "torch"), ...
 _PINS_TORCH_BACKEND = re.compile(rb"""["']KERAS_BACKEND["']\s*(\]\s*=|,)\s*["']torch["']""")
@@ -134,13 +129,6 @@ def preload_for(
     return tuple(names)
 
 
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name.split(".")[0]) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _script_of(command: Sequence[str]) -> str | None:
     args = list(command[1:])
     return args[0] if args and not args[0].startswith("-") else None
@@ -162,29 +150,6 @@ def forkable(command: Sequence[str], env: Mapping[str, str], server_env: Mapping
         if _STARTUP.match(name) and env.get(name) != server_env.get(name):
             return f"{name} differs from the fork server's"
     return None
-
-
-# ----------------------------------------------------------------------------- messages
-def _send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.send(data)
-
-
-def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the descriptors that came with it; (None, []) when the peer is gone."""
-    fds = array.array("i")
-    data, ancdata, _flags, _addr = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(4 * fds.itemsize))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return json.loads(data), list(fds)
 
 
 # ----------------------------------------------------------------------------- the client
@@ -537,269 +502,10 @@ class ForkServer:
         return None
 
 
-def die_with_parent(parent: int, *, own_group: bool = False) -> None:
-    """Makes this process, a child of ``parent`` just forked, die with it: every child phalanx starts.
-
-    ``PR_SET_PDEATHSIG`` (SIGKILL) from the kernel once the parent's thread that forked it ends,
-    and an exit at once if the parent is already gone. ``own_group``: its own process group
-    first, so that a Ctrl-C at the terminal reaches the parent alone, which forwards it once.
-    Async-signal-safe (``preexec_fn`` of a thread-using parent): the prctl pointer is resolved at
-    import, and only system calls run here.
-    """
-    if own_group:
-        os.setpgid(0, 0)
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-try:  # resolved before any fork: children call the function pointer and nothing else
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
-
-
-# ----------------------------------------------------------------------------- the server
-_SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # what the server's parent left it (see _become)
-
-
-def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
-    """The server's loop. Returns a fork request in a forked child; None in the server when its
-    launcher is gone (the server then ends, and its remaining children with it).
-
-    ``sock`` is the launcher's connection; every forked child gets one more (see
-    :func:`inherited_server`). A child's exit is reported on the connection that asked for it; the
-    children of a connection that closes are killed.
-    """
-    loaded = []
-    for name in preload:
-        if name == "keras" and not _cpu_only_torch():
-            continue  # Keras asks torch for CUDA devices at import: never before a fork
-        pinned = name == "keras" and "KERAS_BACKEND" not in os.environ
-        if pinned:  # the script sets it before importing Keras (preload_for checked): do the same
-            os.environ["KERAS_BACKEND"] = "torch"
-        try:
-            importlib.import_module(name)
-            loaded.append(name)
-        except Exception as e:  # noqa: BLE001 - the replica imports it itself, and reports
-            print(f"phalanx: fork server: could not preload {name}: {e}", file=sys.stderr)
-        finally:
-            if pinned:  # the server's environment stays the launcher's (see forkable)
-                del os.environ["KERAS_BACKEND"]
-    flush_quietly()  # a stderr whose reader went away must not end the server
-    # What the preloaded modules made is never collected: keep the collector of every child off
-    # it, or its first collection writes to (and so copies) nearly every page of that heap.
-    gc.collect()
-    gc.freeze()
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards signals to each replica
-    hello = {
-        "pid": os.getpid(),
-        "preloaded": loaded,
-        "env": {k: v for k, v in os.environ.items() if _STARTUP.match(k)},  # what forkable() compares
-    }
-    _send(sock, {"op": "ready", **hello})
-    clients = [sock]
-    # A running child -> the connection that asked for it, and the id of its request (an exit is
-    # reported by that id: the client never confuses it with a later child given the same pid).
-    owners: dict[int, tuple[socket.socket, int]] = {}
-    while True:
-        ready, _, _ = select.select([*clients, wake_r], [], [])
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
-        _reap(owners)
-        for client in [c for c in clients if c in ready]:
-            try:
-                request, fds = _recv(client)
-            except OSError:
-                request, fds = None, []
-            if request is None:
-                if client is sock:
-                    return None
-                _disconnect(client, clients, owners)
-                continue
-            if request.get("op") == "hello":
-                with contextlib.suppress(OSError):  # a connection already closed: seen at the next select
-                    _send(client, {"op": "hello", **hello})
-                continue
-            request["_server"] = os.getpid()
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = os.fork()
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                os.close(wake_r)
-                os.close(wake_w)
-                for other in clients:
-                    other.close()
-                ours.close()
-                request["_fds"], request["_connection"] = fds, theirs
-                return request
-            theirs.close()
-            for fd in fds:
-                os.close(fd)
-            clients.append(ours)
-            owners[pid] = (client, request["id"])
-            with contextlib.suppress(OSError):
-                _send(client, {"op": "started", "id": request["id"], "pid": pid})
-
-
-def _disconnect(
-    client: socket.socket, clients: list[socket.socket], owners: dict[int, tuple[socket.socket, int]]
-) -> None:
-    """A child's connection closed (it ended, or was killed): its own children die with it."""
-    clients.remove(client)
-    client.close()
-    for pid, (owner, _) in list(owners.items()):
-        if owner is client:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _reap(owners: dict[int, tuple[socket.socket, int]]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        owner, request = owners.pop(pid, (None, None))
-        if owner is not None and owner.fileno() != -1:
-            with contextlib.suppress(OSError):
-                code = os.waitstatus_to_exitcode(status)
-                _send(owner, {"op": "exit", "id": request, "pid": pid, "code": code})
-
-
-def _cpu_only_torch() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return _installed("torch") is False
-    return getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None
-
-
-_KEEP: list[Any] = []  # the server's standard streams: never closed (collected) in a child
-
-
-def _become(request: dict[str, Any]) -> str:
-    """In a forked child: the process of ``request``. Returns how to run it (see :func:`_run`)."""
-    server = request["_server"]  # not getppid(): the server may already be gone
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    # As a fresh interpreter: Ctrl-C raises KeyboardInterrupt, unless SIGINT came in ignored.
-    signal.signal(signal.SIGINT, signal.SIG_IGN if _SIGINT_AT_START == signal.SIG_IGN else signal.default_int_handler)
-    if request["new_session"]:
-        os.setsid()
-    die_with_parent(server, own_group=request["own_group"] and not request["new_session"])
-    fds, names = request["_fds"], request["fds"]
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    if "stdout" in names:
-        os.dup2(fds[names["stdout"]], 1)
-    if "stderr" in names:
-        os.dup2(fds[names["stderr"]], 2)
-    elif request["stderr_to_stdout"]:
-        os.dup2(1, 2)
-    for fd in fds:
-        os.close(fd)
-    os.chdir(request["cwd"])
-    before = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    connection = request["_connection"]
-    _KEEP.append(connection)  # open for the program's life (close-on-exec: a program it execs has none)
-    os.environ[INHERIT_VARIABLE] = f"{connection.fileno()}:{server}:{os.getpid()}"
-    _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads != before.get("OMP_NUM_THREADS") and threads and threads.isdigit() and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
-    if "numpy.random" in sys.modules:  # a fresh process draws its own entropy
-        sys.modules["numpy.random"].seed()
-    argv = request["argv"]
-    if argv[0] == "-m":
-        sys.argv = ["-m", *argv[2:]]
-        sys.path[0] = os.getcwd()
-    elif argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        sys.path[0] = ""
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-    return argv[0]
-
-
-def _standard_streams(unbuffered: bool) -> None:
-    """New sys.stdin/stdout/stderr over descriptors 0-2, as the interpreter builds them at start."""
-    _KEEP.extend([sys.stdin, sys.stdout, sys.stderr])
-    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-    errors = getattr(sys.stdout, "errors", None) or "strict"
-
-    def writer(fd: int, error: bool) -> io.TextIOWrapper:
-        raw = io.FileIO(fd, "w", closefd=False)
-        tty = raw.isatty()
-        buffer = raw if unbuffered else io.BufferedWriter(raw)
-        return io.TextIOWrapper(
-            buffer,  # type: ignore[arg-type]
-            encoding=encoding,
-            errors="backslashreplace" if error else errors,
-            line_buffering=error or tty,
-            write_through=unbuffered,
-        )
-
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=encoding)
-    sys.stdout = sys.__stdout__ = writer(1, False)
-    sys.stderr = sys.__stderr__ = writer(2, True)
-
-
-def _run(kind: str, request: dict[str, Any]) -> None:
-    """Runs the program of a forked child in a fresh ``__main__`` (as the interpreter would)."""
-    import builtins
-    import types
-
-    from phalanx._compat.python import run_module_as_main
-
-    argv = request["argv"]
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = main
-    if kind == "-m":
-        run_module_as_main(argv[1])
-        return
-    if kind == "-c":
-        source, filename = argv[1], "<string>"
-    else:
-        filename = os.path.abspath(argv[0])
-        with open(filename, "rb") as f:
-            source = f.read()
-        main.__file__ = filename
-        main.__cached__ = None
-    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
-
-
-def _report_uncaught(error: BaseException) -> None:
-    """Prints an uncaught exception as ``python train.py`` would: without the server's frames."""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    sys.excepthook(type(error), error.with_traceback(tb), tb)
-
-
 if __name__ == "__main__":
-    # Started by a process with a closed descriptor: /dev/null there, or the descriptors it
-    # receives would land on 0-2 and be closed by the child that takes them (see _become).
-    own_streams()
-    _request = _serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
-    if _request is not None:
-        _kind = _become(_request)
-        del sys.modules[__name__]  # the program's __main__ replaces this module
-        try:
-            _run(_kind, _request)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as _error:  # noqa: BLE001 - an uncaught exception of the program
-            _report_uncaught(_error)
-            sys.exit(1)
+    # The server's process keeps this module's name (``python -m phalanx.launch.forkserver``, as
+    # ``ps`` shows it); its loop and a forked child's becoming the program are in
+    # phalanx.launch.forkserver_process.
+    from phalanx.launch import forkserver_process
+
+    forkserver_process.main()

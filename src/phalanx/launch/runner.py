@@ -23,16 +23,11 @@ from dataclasses import dataclass
 
 from phalanx.launch import settings
 from phalanx.launch.env import ReplicaEnv, free_port
-from phalanx.launch.supervisor import (
-    Exit,
-    Interrupted,
-    RunDirectory,
-    Supervisor,
-    Task,
-    forwarded_signals,
-    stop_on_signal,
-    wait_for_the_rest,
-)
+from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
+from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
+from phalanx.launch.root_cause import Exit, Task, root_cause
+from phalanx.launch.run_dir import RunDirectory
+from phalanx.launch.supervisor import Supervisor
 
 RESTART_EXIT_CODE = 42  # a replica asking to be restarted (preemption), as TF's handler does
 MAX_PREEMPTION_RESTARTS = 100
@@ -70,37 +65,71 @@ class JobSpec:
 
 def run_job(spec: JobSpec) -> int:
     """Runs the job, restarting the whole group up to ``spec.max_restarts`` times; returns the exit code."""
-    start_method = spec.start_method or settings.start_method()
-    run = RunDirectory(spec.log_dir or None, program=spec.command).create()
-    sup = Supervisor(tee=spec.tee, start_method=start_method, preload=spec.preload, run_dir=run.path)
-    here = (
-        "every replica writes here, prefixed; "
-        if spec.tee
-        else ("replica 0 writes here; " if spec.node_rank == 0 else "")
-    )
-    sup.say(f"{spec.nproc} replica(s) on this host; {here}logs in {run.path}")
-    with forwarded_signals():
-        try:
-            attempt = failures = preemptions = 0
-            while True:
-                code = sup.job_status(_run_attempt(spec, sup, run, attempt))
-                if code == 0:
-                    return 0
-                attempt += 1
-                # A preempted job (every replica saved and asked for a restart) did not fail: it does
-                # not use up --max-restarts, though a bound keeps a job that always asks from looping.
-                if code == RESTART_EXIT_CODE and preemptions < MAX_PREEMPTION_RESTARTS:
-                    preemptions += 1
-                    sup.say("the job saved and asked to be restarted (preemption); restarting")
-                    continue
-                if failures >= spec.max_restarts:
-                    return code
-                failures += 1
-                sup.say(f"restarting the job (restart {failures} of {spec.max_restarts})")
-        except Interrupted as e:
-            return stop_on_signal(sup, e.signum)
-        finally:
-            sup.close()
+    return ScriptLauncher(spec).run().status
+
+
+class ScriptLauncher:
+    """``phalanx run``'s launcher: starts the job's replicas on this host and supervises them.
+
+    Its :attr:`state` goes through the :class:`~phalanx.launch.lifecycle.JobState` of every
+    launcher (``RUNNING`` again at each restart of the whole group); :meth:`run` returns the
+    :class:`~phalanx.launch.lifecycle.RunResult`.
+    """
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.lifecycle = Lifecycle()
+        self.supervisor: Supervisor | None = None
+
+    @property
+    def state(self) -> JobState:
+        return self.lifecycle.state
+
+    def run(self) -> RunResult:
+        """Runs the job to its end (the attempts, the restarts, an interrupt); how it ended."""
+        status = self._run()
+        self.lifecycle.end(status)
+        sup = self.supervisor
+        exits = tuple(sup.exits) if sup is not None else ()
+        return RunResult(self.state, status, exits, root_cause(exits) if status != 0 else None)
+
+    def _run(self) -> int:
+        spec = self.spec
+        start_method = spec.start_method or settings.start_method()
+        run = RunDirectory(spec.log_dir or None, program=spec.command).create()
+        sup = self.supervisor = Supervisor(
+            tee=spec.tee, start_method=start_method, preload=spec.preload, run_dir=run.path
+        )
+        here = (
+            "every replica writes here, prefixed; "
+            if spec.tee
+            else ("replica 0 writes here; " if spec.node_rank == 0 else "")
+        )
+        sup.say(f"{spec.nproc} replica(s) on this host; {here}logs in {run.path}")
+        with forwarded_signals():
+            try:
+                attempt = failures = preemptions = 0
+                while True:
+                    self.lifecycle.to(JobState.RUNNING)
+                    code = sup.job_status(_run_attempt(spec, sup, run, attempt))
+                    if code == 0:
+                        return 0
+                    attempt += 1
+                    # A preempted job (every replica saved and asked for a restart) did not fail: it does
+                    # not use up --max-restarts, though a bound keeps a job that always asks from looping.
+                    if code == RESTART_EXIT_CODE and preemptions < MAX_PREEMPTION_RESTARTS:
+                        preemptions += 1
+                        sup.say("the job saved and asked to be restarted (preemption); restarting")
+                        continue
+                    if failures >= spec.max_restarts:
+                        return code
+                    failures += 1
+                    sup.say(f"restarting the job (restart {failures} of {spec.max_restarts})")
+            except Interrupted as e:
+                self.lifecycle.to(JobState.STOPPING)
+                return stop_on_signal(sup, e.signum)
+            finally:
+                sup.close()
 
 
 def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:

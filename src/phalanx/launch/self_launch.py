@@ -43,16 +43,12 @@ from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.errors import LaunchError, ReplicaFailedError
 from phalanx.launch import forkserver, host, settings
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.job_end import wait_for_the_rest
+from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
+from phalanx.launch.root_cause import Task, format_failure, root_cause
+from phalanx.launch.run_dir import RunDirectory
 from phalanx.launch.stdio import fill_closed, flush_quietly
-from phalanx.launch.supervisor import (
-    CAUSE_WAIT_S,
-    RunDirectory,
-    Supervisor,
-    Task,
-    format_failure,
-    root_cause,
-    wait_for_the_rest,
-)
+from phalanx.launch.supervisor import CAUSE_WAIT_S, Supervisor
 
 _MAIN_GRACE_S = 0.3  # after another replica failed, replica 0 gets this long to fail by itself
 _job: ReplicaLauncher | None = None
@@ -131,6 +127,7 @@ class ReplicaLauncher:
         # child started with this process's stdout would write into them). Its sys.stdout stays
         # None, as Python made it.
         fill_closed()
+        self.lifecycle = Lifecycle()  # STARTING until every replica was started
         self.world_size = world_size
         self.command = _script_command()
         self.run = RunDirectory(program=self.command).create()
@@ -164,6 +161,7 @@ class ReplicaLauncher:
                 )
             )
         self.supervisor.say(f"started replicas 1..{world_size - 1}; their logs are in {self.log_dir}")
+        self.lifecycle.to(JobState.RUNNING)
         self._install_excepthook()
         atexit.register(self.finish)
         self._watcher = threading.Thread(target=self._watch, name="phalanx-replica-watcher", daemon=True)
@@ -172,6 +170,18 @@ class ReplicaLauncher:
 
     def log_path(self, rank: int) -> str:
         return self.run.log_path(f"replica_{rank}")
+
+    @property
+    def state(self) -> JobState:
+        """Where the replicas are (:mod:`phalanx.launch.lifecycle`)."""
+        return self.lifecycle.state
+
+    def result(self) -> RunResult:
+        """How the run stands, or ended: the state, every replica's end and the root cause."""
+        exits = tuple(self.supervisor.exits)
+        failed = self.state is JobState.FAILED
+        cause = root_cause(exits) if failed else None
+        return RunResult(self.state, (cause.status or 1) if cause is not None else int(failed), exits, cause)
 
     # ------------------------------------------------------------------ strategies
     def check_peers(self) -> None:
@@ -211,8 +221,10 @@ class ReplicaLauncher:
             self._reported.wait(_report_bound())
             code = 1
         else:
+            self.lifecycle.to(JobState.STOPPING)
             code = self.supervisor.job_status(wait_for_the_rest(self.supervisor))
         self.supervisor.close()
+        self.lifecycle.end(code)
         self._finished = True
         with _job_lock:
             if _job is self:
@@ -244,6 +256,7 @@ class ReplicaLauncher:
             if self._ended.is_set():
                 return False
             self._ended.set()
+            self.lifecycle.to(JobState.STOPPING)
             return True
 
     def _abort(self, message: str) -> None:
@@ -288,6 +301,7 @@ class ReplicaLauncher:
         try:
             end()
         finally:
+            self.lifecycle.to(JobState.FAILED)
             self._reported.set()
 
     def _watch(self) -> None:
@@ -304,6 +318,7 @@ class ReplicaLauncher:
                 main_exiting = self._main_exiting.wait(_MAIN_GRACE_S)
                 self.supervisor.report_root_cause()
             finally:
+                self.lifecycle.to(JobState.FAILED)
                 self._reported.set()
             # If replica 0 is busy elsewhere or blocked where it cannot notice, end it now: the
             # job never outlives its error.
@@ -332,8 +347,10 @@ class ReplicaLauncher:
                 gc.freeze()
                 return
             _exit(1)  # another replica failed: never exit 0, whatever replica 0 did after
+        self.lifecycle.to(JobState.STOPPING)
         code = self.supervisor.job_status(wait_for_the_rest(self.supervisor))
         self.supervisor.close()
+        self.lifecycle.end(code)
         if code != 0:
             _exit(1)
 

@@ -30,17 +30,10 @@ import time
 from dataclasses import dataclass
 
 from phalanx.launch.env import free_port
-from phalanx.launch.supervisor import (
-    Interrupted,
-    RunDirectory,
-    Supervisor,
-    Task,
-    describe_exit_code,
-    exit_status,
-    forwarded_signals,
-    stop_on_signal,
-    wait_for_the_rest,
-)
+from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
+from phalanx.launch.root_cause import Task, describe_exit_code, exit_status
+from phalanx.launch.run_dir import RunDirectory
+from phalanx.launch.supervisor import Supervisor
 from phalanx.ps.secret import SECRET_ENV, generate_secret
 
 

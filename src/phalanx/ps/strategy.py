@@ -60,7 +60,8 @@ from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
 from phalanx.comm.rendezvous import WaitNotice
-from phalanx.core.strategy import Strategy, StrategyExtended
+from phalanx.core.extended import StrategyExtended
+from phalanx.core.strategy import Strategy, close_at_exit
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
 from phalanx.launch import replica_hooks
@@ -69,14 +70,8 @@ from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
 from phalanx.ps.partitioners import num_shards_for, shard_sizes
 from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
-from phalanx.strategies.common import close_at_exit
 
 log = logging.getLogger("phalanx.ps")
-
-# The values live in phalanx.config; the names stay for code that imported them from here.
-DEFAULT_RPC_TIMEOUT = config.RPC_TIMEOUT
-DEFAULT_ORPHAN_TIMEOUT = config.ORPHAN_TIMEOUT
-DEFAULT_WORKER_RECOVERY_TIMEOUT = config.WORKER_RECOVERY_TIMEOUT
 
 
 class ParameterServerExtended(StrategyExtended):

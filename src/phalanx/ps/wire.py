@@ -19,7 +19,7 @@ task           the sending task's name (``chief:0``), for logs and liveness
 *body*
 tag            AES-256-GMAC over every byte of the body (keyed BLAKE2b for a body of at most
                4 KiB), with a one-time key derived from the secret, the method and the head's
-               fields (:class:`_BodyMac`)
+               fields (:class:`~phalanx.ps.frame_mac._BodyMac`)
 =============  ============================================================================
 
 Signing every byte costs one pass of AES-GMAC (AES-GCM with the body as associated data and no
@@ -68,7 +68,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import itertools
 import json
@@ -86,6 +85,7 @@ from typing import Any
 import torch
 
 from phalanx.ps.errors import AuthenticationError, ClusterSecretError, OverloadedError, ProtocolError
+from phalanx.ps.frame_mac import _SMALL_BODY, _body_key, _BodyMac, _head_mac
 from phalanx.ps.secret import MIN_SECRET_CHARS, SECRET_ENV, generate_secret  # noqa: F401 - re-exported
 
 MAGIC = b"PHX3"  # PHX2 frames carried a Poly1305 body tag
@@ -182,91 +182,6 @@ def clock_skew(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
-_GCM: tuple[Any, Any, Any, Any] | None = None
-
-
-def _gcm() -> tuple[Any, Any, Any, Any]:
-    global _GCM
-    if _GCM is None:  # imported once: a from-import costs about 1 us each time it runs
-        try:
-            from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "ParameterServerStrategy signs its messages with the 'cryptography' package: pip install -e '.[ps]'"
-            ) from e
-        _GCM = (AESGCM, Cipher, algorithms, modes)
-    return _GCM
-
-
-# cryptography's one-shot AESGCM takes at most 2**31 - 1 bytes of associated data; longer buffers
-# are fed to the streaming interface in slices of this size (the tag is the same either way).
-_ONE_SHOT_MAX = 1 << 30
-# Bodies up to this size (calls without tensors, replies) are tagged with keyed BLAKE2b (in
-# Python itself: 30 us a call with cold caches, against 70 us for a call into OpenSSL; it runs at
-# 0.6 GB/s, so larger bodies take GMAC).
-_SMALL_BODY = 4 << 10
-
-
-class _BodyMac:
-    """The 16-byte tag of a body of ``length`` bytes, fed in pieces in order (``update``,
-    ``finalize``) or whole (``of``): AES-256-GMAC, or keyed BLAKE2b for a small body.
-
-    GMAC is AES-GCM with no plaintext and the data as associated data: a universal hash (GHASH)
-    of the data, masked by AES of the nonce. Its security needs each (key, nonce) pair to sign
-    one message only: a second tag under the same pair reveals the hash key and lets anyone
-    forge. Each frame's key is its own: HMAC-SHA256 of the cluster secret, the method and the
-    signed head fields (:func:`_body_key`), and those fields hold the sender's 16 random bytes
-    and its sequence number, which a :class:`Signer` never repeats (a renewed frame takes a new
-    number), so two frames get independent keys (a collision has probability about 2**-128).
-    The nonce, the sequence number and the sender's first bytes (:func:`_body_nonce`), is unique
-    for that sender too: a second line of defence. A receiver that recomputes the tag over an
-    altered body learns nothing but a mismatch (compared in constant time), so forging a tag
-    succeeds with probability about ``length/16 * 2**-128``, as for any one-time GMAC key.
-    Keyed BLAKE2b (RFC 7693's MAC mode) needs no nonce; it gets the same one-time key.
-    """
-
-    def __init__(self, key: bytes, nonce: bytes, length: int) -> None:
-        self._key, self._nonce = key, nonce
-        self._small = length <= _SMALL_BODY
-        self._ctx: Any = None
-
-    def update(self, piece: Any) -> None:
-        if self._ctx is None:
-            if self._small:
-                self._ctx = hashlib.blake2b(key=self._key, digest_size=16)
-            else:
-                _, cipher, algorithms, modes = _gcm()
-                self._ctx = cipher(algorithms.AES(self._key), modes.GCM(self._nonce)).encryptor()
-        if self._small:
-            self._ctx.update(piece)  # hashed now: the caller's buffer may change afterwards
-            return
-        view = memoryview(piece)
-        for at in range(0, len(view), _ONE_SHOT_MAX):
-            self._ctx.authenticate_additional_data(view[at : at + _ONE_SHOT_MAX])
-
-    def finalize(self) -> bytes:
-        if self._ctx is None:
-            self.update(b"")
-        if self._small:
-            return self._ctx.digest()
-        self._ctx.finalize()
-        return self._ctx.tag
-
-    def of(self, body: Any) -> bytes:
-        """The tag of a whole body in one buffer, in one call when it can (instead of ``update`` and ``finalize``).
-
-        A one-shot call costs 2 us before it reads a byte (60 us after the caches were flushed),
-        a streaming context 11 us (160 us): see the module docstring.
-        """
-        if self._small:
-            return hashlib.blake2b(body, key=self._key, digest_size=16).digest()
-        if len(body) > _ONE_SHOT_MAX:
-            self.update(body)
-            return self.finalize()
-        return _gcm()[0](self._key).encrypt(self._nonce, b"", body)
-
-
 @dataclass(frozen=True)
 class Head:
     """Who sent a frame, when, and which call a reply answers (see the module docstring)."""
@@ -299,20 +214,8 @@ class Head:
         )
 
 
-def _label(purpose: bytes, method: str) -> bytes:
-    return b"phalanx-" + purpose + b"\0" + method.encode() + b"\0"
-
-
-def _body_key(secret: bytes, method: str, fields: bytes) -> bytes:
-    return hmac.new(secret, _label(b"body-key", method) + fields, hashlib.sha256).digest()
-
-
 def _body_nonce(head: Head) -> bytes:
     return struct.pack("<Q", head.seq) + head.sender[:4]
-
-
-def _head_mac(secret: bytes, method: str, fields: bytes) -> bytes:
-    return hmac.new(secret, _label(b"head", method) + fields, hashlib.sha256).digest()
 
 
 @dataclass

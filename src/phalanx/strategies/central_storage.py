@@ -92,8 +92,9 @@ from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
 from phalanx.core import variables
 from phalanx.core.cross_replica import by_dtype
+from phalanx.core.extended import tf_device_name
 from phalanx.core.gradient_sync import GradientSync
-from phalanx.core.strategy import Strategy, tf_device_name
+from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
 from phalanx.launch.api import job_env

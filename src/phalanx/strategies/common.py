@@ -9,46 +9,25 @@ strategy only says what differs.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
-import weakref
 from typing import Any
 
 import torch
 
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
-from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator, ProcessGroupCommunicator
-from phalanx.core.strategy import StrategyExtended
+from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator
+from phalanx.comm.group_communicator import ProcessGroupCommunicator
+from phalanx.core.extended import StrategyExtended
+from phalanx.core.strategy import close_at_exit
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
-from phalanx.launch.api import Launcher, engine, replicas
+from phalanx.launch.api import Launcher, engine
 from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv, free_port
-
-# Kept for code that imported them from here; the values live in phalanx.config.
-DEFAULT_TIMEOUT = config.COLLECTIVE_TIMEOUT
-DEFAULT_RENDEZVOUS_TIMEOUT = config.RENDEZVOUS_TIMEOUT
-
-
-def env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment variable ``name``, else ``default``.
-
-    Raises:
-        ClusterSpecError: the variable is not a positive number.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ClusterSpecError(name, raw, "must be a number of seconds") from None
-    if value <= 0:
-        raise ClusterSpecError(name, raw, "must be positive")
-    return value
+from phalanx.strategies.launchers import replicas
 
 
 def local_devices(devices: Any, env: ReplicaEnv | None, what: str = "devices") -> list[LogicalDevice]:
@@ -99,7 +78,7 @@ class SyncExtended(StrategyExtended):
 
     def _replica_env(self, devices: list[LogicalDevice], what: str = "devices") -> ReplicaEnv | None:
         """This process's identity: from the launcher, or by starting the other replicas now
-        (:func:`phalanx.launch.api.replicas` chooses how).
+        (:func:`phalanx.strategies.launchers.replicas` chooses how).
 
         Raises:
             ClusterSpecError: the launcher started a different number of replicas than ``devices``.
@@ -218,24 +197,3 @@ class SyncExtended(StrategyExtended):
     def _close_at_exit(self) -> None:
         """Closes the strategy (else this machinery) when the interpreter exits, if nobody did before."""
         close_at_exit(self)
-
-
-def close_at_exit(owner: Any) -> None:
-    """Calls ``owner``'s close when the interpreter exits, unless ``owner`` is gone by then.
-
-    ``owner`` is a Strategy, or a StrategyExtended (whose strategy's ``close`` is called if it
-    still exists, so that the strategy counts as closed).
-    """
-    ref = weakref.ref(owner)
-
-    def _close() -> None:
-        o = ref()
-        if o is None:
-            return
-        strategy = o.container_strategy if isinstance(o, StrategyExtended) else o
-        if strategy is not None:
-            strategy.close()
-        else:
-            o._close()
-
-    atexit.register(_close)

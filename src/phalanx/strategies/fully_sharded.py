@@ -52,16 +52,18 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from phalanx import hooks
-from phalanx._compat.torch import fsdp_parameters, queue_backward_callback, untraced
+from phalanx._compat.torch import untraced
 from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
 from phalanx.comm.flight_recorder import recording
 from phalanx.core import context, variables
+from phalanx.core.extended import StrategyExtended
 from phalanx.core.gradient_sync import AllReduce, GradientSync
-from phalanx.core.strategy import Strategy, StrategyExtended
+from phalanx.core.strategy import Strategy
 from phalanx.errors import ClusterSpecError, ShardingError
 from phalanx.strategies.mirrored import MirroredExtended
 from phalanx.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended
+from phalanx.strategies.sharded_unused import UnusedParameters
 
 # Parameters a module holds itself (not through sub-modules) from which it is sharded as its own
 # group: about 4 MiB of float32, so a transformer block or a wide Linear is gathered on its own
@@ -208,15 +210,7 @@ class Sharded(GradientSync):
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # sharded root modules
         self._mesh: Any = None
         self._owns_default_group = False
-        # Unused parameters (see _after_backward): the sharded roots in the order every replica
-        # sharded them, the gathered parameters watched, and this step's books.
-        self._root_order: list[weakref.ref[torch.nn.Module]] = []
-        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered -> ref to its sharded one
-        self._complete: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # roots fully watched
-        self._used: set[int] = set()  # ids of sharded parameters this replica's passes reached
-        self._none_before: list[bool] | None = None  # per sharded parameter: .grad None before backward
-        self._backward_queued = False
-        self._syncing = True
+        self._unused = UnusedParameters(comm, self._fsdp.FSDPModule)  # .grad None where no replica used it
         variable_sync.on_container = variable_sync.on_module = self._remember_module
         hooks.install("phalanx.fully_sharded.optimizer", "optimizer_step_pre", use_sharded_parameters)
 
@@ -338,12 +332,8 @@ class Sharded(GradientSync):
                             old.data = old.data.new_empty(0)
                     self._books.register(new)
                 self._roots.add(root)
-                self._root_order.append(weakref.ref(root))
                 root.register_forward_pre_hook(untraced(_weak_hook(self._check_in_step)), prepend=True)
-                # After FSDP2's own post-forward hook (registered by fully_shard), so that the hook
-                # this puts on the outputs runs after FSDP2's and its end-of-backward callback
-                # comes after FSDP2's, which sets the sharded gradients.
-                root.register_forward_hook(untraced(_weak_hook(self._after_forward)))
+                self._unused.watch(root)  # after fully_shard: its hooks run after FSDP2's
                 if adaptation is not None:
                     adaptation.after(root)
 
@@ -376,78 +366,6 @@ class Sharded(GradientSync):
                 summed = self._comm.all_reduce(contribution.clone(), "sum").wait()
             guard.verify(summed)
 
-    # ---------------------------------------------------------------- unused parameters
-    # FSDP2 reduce-scatters a zero gradient for a parameter this replica did not use (so every
-    # replica's collectives keep one layout), and so a parameter no replica used gets a zero
-    # ``.grad`` where one device leaves None: momentum and weight decay would move it. As DDP's
-    # ``find_unused_parameters`` does, each replica counts the parameters its passes reached (a
-    # hook on the gathered parameters autograd accumulates into), and one small all-reduce of those
-    # flags at the end of a synchronising backward tells which no replica used; those that had no
-    # gradient before it get None back.
-
-    def _sharded_parameters(self) -> list[torch.Tensor]:
-        """Every sharded parameter, in the same order on every replica."""
-        out = []
-        for ref in self._root_order:
-            root = ref()
-            if root is None:
-                continue
-            for m in root.modules():
-                if isinstance(m, self._fsdp.FSDPModule):
-                    out.extend(sharded for sharded, _ in fsdp_parameters(m))
-        return out
-
-    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if module not in self._complete:
-            # FSDP2 makes each gathered parameter at its group's first all-gather and keeps it:
-            # watched once, the module's forwards cost nothing more here.
-            complete = True
-            for m in module.modules():
-                if not isinstance(m, self._fsdp.FSDPModule):
-                    continue
-                for sharded, gathered in fsdp_parameters(m):
-                    if gathered is None:
-                        complete = False
-                    elif gathered not in self._watched:
-                        self._watched[gathered] = weakref.ref(sharded)
-                        gathered.register_post_accumulate_grad_hook(_weak_use(self._note_use))
-            if complete:
-                self._complete.add(module)
-        for t in _grad_tensors(output):
-            t.register_hook(_weak_grad_hook(self._at_backward))
-
-    def _note_use(self, gathered: torch.Tensor) -> None:
-        ref = self._watched.get(gathered)
-        sharded = ref() if ref is not None else None
-        if sharded is not None:
-            self._used.add(id(sharded))
-
-    def _at_backward(self, grad: torch.Tensor) -> None:
-        if self._backward_queued:
-            return
-        self._backward_queued = True
-        if self._none_before is None:  # the first pass since the last synchronisation
-            self._none_before = [p.grad is None for p in self._sharded_parameters()]
-        queue_backward_callback(self._after_backward)
-
-    def _after_backward(self) -> None:
-        self._backward_queued = False
-        if not self._syncing:
-            return  # under no_sync: the books run on to the pass that reduces
-        params = self._sharded_parameters()
-        none_before, used = self._none_before, self._used
-        self._none_before, self._used = None, set()
-        if none_before is None or len(none_before) != len(params):
-            return
-        flags = torch.tensor([1.0 if id(p) in used else 0.0 for p in params], dtype=torch.float32)
-        with recording(self._comm, "unused"):
-            summed = self._comm.all_reduce(flags, "sum").wait()
-        for p, count, was_none in zip(params, summed.tolist(), none_before):
-            if count == 0 and was_none:
-                p.grad = None
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate whole gradients locally (FSDP2's
@@ -461,13 +379,13 @@ class Sharded(GradientSync):
         modules = [m for root in self._roots for m in root.modules() if isinstance(m, self._fsdp.FSDPModule)]
         for m in modules:
             m.set_requires_gradient_sync(enabled, recurse=False)
-        self._syncing = enabled
+        self._unused.syncing = enabled
         try:
             yield
         finally:
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
-            self._syncing = True
+            self._unused.syncing = True
 
     # ---------------------------------------------------------------- checkpoints
     # Saving needs nothing of its own: a Checkpoint writes the DTensors of the objects' own
@@ -599,51 +517,15 @@ def _one_group_per_parameter(roots: list[torch.nn.Module]) -> list[torch.nn.Modu
 
 
 def _weak_hook(method: Any) -> Any:
-    """``method`` as a module hook (pre-forward or forward) that does not keep its strategy alive
-    (the module outlives it)."""
+    """``method`` as a module hook that does not keep its strategy alive (the module outlives it)."""
     ref = weakref.WeakMethod(method)
 
-    def hook(module: torch.nn.Module, *args: Any) -> None:
+    def hook(module: torch.nn.Module, args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound(module, *args)
+            bound(module, args)
 
     return hook
-
-
-def _weak_use(method: Any) -> Any:
-    """``method`` as a post-accumulate-grad hook that does not keep its strategy alive."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param: torch.Tensor) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
-
-
-def _weak_grad_hook(method: Any) -> Any:
-    """``method`` as a tensor hook that leaves the gradient as it is and its strategy free."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(grad: torch.Tensor) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(grad)
-
-    return hook
-
-
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output (nested tuples, lists, dicts) that backward will reach."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _grad_tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _grad_tensors(item)]
-    return []
 
 
 class _ShardedChoice(StrategyExtended):

@@ -30,7 +30,8 @@ from phalanx.cluster.spec import ClusterSpec
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.cross_device_ops import NcclAllReduce
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
-from phalanx.core.strategy import InputSharding, Strategy, tf_device_name
+from phalanx.core.extended import InputSharding, tf_device_name
+from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch import mismatch

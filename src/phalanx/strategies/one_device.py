@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.comm.communicator import LocalCommunicator
-from phalanx.core.strategy import Strategy, StrategyExtended, tf_device_name
+from phalanx.core.extended import StrategyExtended, tf_device_name
+from phalanx.core.strategy import Strategy
 from phalanx.devices import canonicalize
 from phalanx.launch import mismatch
 
