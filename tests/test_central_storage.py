@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +85,32 @@ def test_replica_dying_mid_step_leaves_last_completed_step(tmp_path, script):
     rec = json.loads((tmp_path / "central_fault.json").read_text())
     assert rec["unchanged"], "central variables were half-updated"
     assert "replica:2" in rec["error"], rec["error"]
+
+
+def test_a_replica_failing_as_the_variables_are_shared_leaves_nothing_in_dev_shm(tmp_path, script):
+    """Replica 0 makes the shared file in /dev/shm and removes it once every replica has mapped
+    it; a replica that fails first (here: it cannot open the file) made replica 0's wait raise
+    before the removal, and the file stayed in /dev/shm for good (found by tests/test_r.py)."""
+    job = script("""
+        import json, os, torch, phalanx as px
+        strategy = px.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        rank = strategy.extended.process_index
+        json.dump({"pid": os.getpid()}, open(f"pid_{rank}.json", "w"))
+        if rank == 1:
+            real_open = os.open
+            def refuse(path, *args, **kwargs):
+                if "phalanx-central" in str(path):
+                    raise PermissionError(13, "refused by the test", str(path))
+                return real_open(path, *args, **kwargs)
+            os.open = refuse
+        with strategy.scope():
+            model = torch.nn.Linear(8, 1)
+    """)
+    res = run_job([sys.executable, str(job)], timeout=90, cwd=tmp_path, env={"PHALANX_COLLECTIVE_TIMEOUT": "5"})
+    assert res.returncode != 0, res.logs()
+    pid = json.loads((tmp_path / "pid_0.json").read_text())["pid"]
+    left = [p for p in os.listdir("/dev/shm") if p.startswith(f"phalanx-central-{pid}-")]
+    assert left == [], f"replica 0 (pid {pid}) left {left} in /dev/shm"
 
 
 # ------------------------------------------------------------------------------------------ copy mode

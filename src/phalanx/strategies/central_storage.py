@@ -216,28 +216,32 @@ class Central(GradientSync):
                 size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
             key = f"central/{len(self._mappings)}"
             path = None
-            if comm.world_size == 1:
-                mapping = mmap.mmap(-1, max(size, 1))  # nobody to share with: anonymous memory
-            else:
-                if comm.rank == 0:
-                    path = f"/dev/shm/phalanx-central-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                    os.ftruncate(fd, max(size, 1))
-                    comm.store.set(key, path)
+            try:
+                if comm.world_size == 1:
+                    mapping = mmap.mmap(-1, max(size, 1))  # nobody to share with: anonymous memory
                 else:
-                    fd = os.open(comm.store.get(key).decode(), os.O_RDWR)
-                mapping = mmap.mmap(fd, max(size, 1))
-                os.close(fd)
-            views = [
-                torch.frombuffer(mapping, dtype=dtype, count=p.numel(), offset=o).view(p.shape)
-                for p, o in zip(group, offsets)
-            ]
-            if comm.rank == 0:
-                for view, p in zip(views, group):
-                    view.copy_(p.data)
-            comm.barrier()  # everyone has mapped the file, and replica 0 has filled it
-            if path is not None:
-                os.unlink(path)  # the mappings keep the memory alive; nothing is left in /dev/shm
+                    if comm.rank == 0:
+                        path = f"/dev/shm/phalanx-central-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                        os.ftruncate(fd, max(size, 1))
+                        comm.store.set(key, path)
+                    else:
+                        fd = os.open(comm.store.get(key).decode(), os.O_RDWR)
+                    mapping = mmap.mmap(fd, max(size, 1))
+                    os.close(fd)
+                views = [
+                    torch.frombuffer(mapping, dtype=dtype, count=p.numel(), offset=o).view(p.shape)
+                    for p, o in zip(group, offsets)
+                ]
+                if comm.rank == 0:
+                    for view, p in zip(views, group):
+                        view.copy_(p.data)
+                comm.barrier()  # everyone has mapped the file, and replica 0 has filled it
+            finally:
+                if path is not None:
+                    # The mappings keep the memory alive: nothing is left in /dev/shm, also when a
+                    # peer failed before mapping it (the barrier raised).
+                    os.unlink(path)
             for view, p in zip(views, group):
                 if self._copy_mode:
                     # The former data becomes the compute copy; refreshed at every `run`.

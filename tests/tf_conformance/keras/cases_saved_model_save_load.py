@@ -14,6 +14,8 @@ SavedModel graph's ``ReadVariableOp`` nodes: a torch state has no graph and is n
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -26,7 +28,11 @@ SRC = "saved_model_save_load_test.py"
 
 def _save_weights(model, folder):
     model.save_weights(str(folder / "model.weights.h5"))
-    (folder / "kind").write_text(type(model).__name__)
+    # Every replica runs this line: written whole and renamed, so that a replica reading it never
+    # sees another one's truncated file (write_text alone raced: KeyError '').
+    part = folder / f"kind.{os.getpid()}"
+    part.write_text(type(model).__name__)
+    os.replace(part, folder / "kind")
 
 
 def _load_weights_and_run(strategy, folder, x_predict):
