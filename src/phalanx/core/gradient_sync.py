@@ -95,7 +95,58 @@ class GradientSync:
         """Detaches everything (the strategy is closing)."""
 
 
-class AllReduce(GradientSync):
+class ReducerSync(GradientSync):
+    """The part of the contract a sync over a bucket reducer (:class:`GradientReducer` or one
+    like it, in ``self.reducer``, None until the first variables) answers the same way:
+    :class:`AllReduce` and CentralStorage's ``Central``."""
+
+    reducer: Any = None
+    _guard: Any = None
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def scaled(self, factor: float) -> Iterator[None]:
+        reducer = self.reducer
+        if reducer is None or factor == 1.0:
+            yield
+            return
+        previous, reducer.scale = reducer.scale, factor
+        try:
+            yield
+        finally:
+            reducer.scale = previous
+
+    def scales(self, param: torch.Tensor) -> bool:
+        return self.reducer is not None and self.reducer.holds(param)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.reducer.parameters() if self.reducer is not None else []  # type: ignore[return-value]
+
+    @property
+    def passes(self) -> int:
+        reducer = self.reducer
+        return reducer.reductions + reducer.skipped if reducer is not None else 0
+
+    def set_guard(self, guard: Any) -> None:
+        self._guard = guard
+        if self.reducer is not None:
+            self.reducer.guard = guard
+
+    def check_pending(self) -> None:
+        if self.reducer is not None:
+            self.reducer.check_pending()
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            try:
+                self.reducer.check_pending()
+            finally:
+                self.reducer.remove()
+
+
+class AllReduce(ReducerSync):
     """Sums every replica's gradients into every replica's ``.grad`` during backward.
 
     Args:
@@ -141,45 +192,3 @@ class AllReduce(GradientSync):
             all_gather=comm.all_gather,
         )
         self.reducer.late = self._thawed
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def scaled(self, factor: float) -> Iterator[None]:
-        reducer = self.reducer
-        if reducer is None or factor == 1.0:
-            yield
-            return
-        previous, reducer.scale = reducer.scale, factor
-        try:
-            yield
-        finally:
-            reducer.scale = previous
-
-    def scales(self, param: torch.Tensor) -> bool:
-        return self.reducer is not None and self.reducer.holds(param)
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self.reducer.parameters() if self.reducer is not None else []  # type: ignore[return-value]
-
-    @property
-    def passes(self) -> int:
-        reducer = self.reducer
-        return reducer.reductions + reducer.skipped if reducer is not None else 0
-
-    def set_guard(self, guard: Any) -> None:
-        self._guard = guard
-        if self.reducer is not None:
-            self.reducer.guard = guard
-
-    def check_pending(self) -> None:
-        if self.reducer is not None:
-            self.reducer.check_pending()
-
-    def close(self) -> None:
-        if self.reducer is not None:
-            try:
-                self.reducer.check_pending()
-            finally:
-                self.reducer.remove()

@@ -76,11 +76,9 @@ Example (``train.py``)::
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import uuid
-from collections.abc import Iterator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,7 +91,7 @@ from phalanx.config import settings
 from phalanx.core import variables
 from phalanx.core.cross_replica import by_dtype
 from phalanx.core.extended import tf_device_name
-from phalanx.core.gradient_sync import GradientSync
+from phalanx.core.gradient_sync import GradientSync, ReducerSync
 from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
@@ -162,7 +160,7 @@ class _CopyModeReducer(GradientReducer):
             self._launched = []
 
 
-class Central(GradientSync):
+class Central(ReducerSync):
     """CentralStorage's gradient synchronisation: one shared copy of the trainable variables, the
     gradients summed for replica 0, which alone updates that copy (see the module docstring).
 
@@ -361,48 +359,7 @@ class Central(GradientSync):
         for p, central, _ in self._copies:
             _point(p, central)
 
-    # ---------------------------------------------------------------- the rest of the contract
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def scaled(self, factor: float) -> Iterator[None]:
-        reducer = self.reducer
-        if reducer is None or factor == 1.0:
-            yield
-            return
-        previous, reducer.scale = reducer.scale, factor
-        try:
-            yield
-        finally:
-            reducer.scale = previous
-
-    def scales(self, param: torch.Tensor) -> bool:
-        return self.reducer is not None and self.reducer.holds(param)
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self.reducer.parameters() if self.reducer is not None else []  # type: ignore[return-value]
-
-    @property
-    def passes(self) -> int:
-        reducer = self.reducer
-        return reducer.reductions + reducer.skipped if reducer is not None else 0
-
-    def set_guard(self, guard: Any) -> None:
-        self._guard = guard
-        if self.reducer is not None:
-            self.reducer.guard = guard
-
-    def check_pending(self) -> None:
-        if self.reducer is not None:
-            self.reducer.check_pending()
-
-    def close(self) -> None:
-        if self.reducer is not None:
-            try:
-                self.reducer.check_pending()
-            finally:
-                self.reducer.remove()
+    # The rest of the contract (no_sync, scaled, parameters, the guard, close): ReducerSync's.
 
 
 class CentralStorageExtended(SyncExtended):
