@@ -53,6 +53,14 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
         (["replica:1 (rank 1)"],),
         {"step": 7, "operation": "all-reduce on replica:0 (rank 0)", "cause": "timed out after 5 s"},
     ),
+    "phalanx.errors.GroupChangedError": (
+        (["replica:2 (rank 2)"],),
+        {"step": 30, "before": 3, "after": 2, "operation": "all-reduce"},
+    ),
+    "phalanx.errors.ElasticRecoveryError": (
+        ("1 replica(s) remain, fewer than the job's minimum of 2", ["replica:0 (rank 0)"]),
+        {},
+    ),
     "phalanx.errors.KerasIntegrationError": (("a Dense layer",), {}),
     "phalanx.errors.UnsupportedLayerError": (("lstm",), {"reason": "stateful RNNs are not supported", "hint": "h"}),
     "phalanx.errors.ShardingError": (("layer.weight",), {"reason": "cannot shard it", "hint": "build it"}),

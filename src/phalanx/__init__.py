@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
         NcclAllReduce,
         ReductionToOneDevice,
     )
+    from phalanx.comm.elastic import MembershipChange, on_membership_change
     from phalanx.core import compiled
     from phalanx.core.compiled import function
     from phalanx.core.context import (
@@ -77,6 +78,8 @@ _ATTRIBUTES = {
     "HierarchicalCopyAllReduce": "phalanx.comm.cross_device_ops",
     "NcclAllReduce": "phalanx.comm.cross_device_ops",
     "ReductionToOneDevice": "phalanx.comm.cross_device_ops",
+    "MembershipChange": "phalanx.comm.elastic",
+    "on_membership_change": "phalanx.comm.elastic",
     "function": "phalanx.core.compiled",
     "Variable": "phalanx.core.distributed_variable",
     "VariableAggregation": "phalanx.core.distributed_variable",

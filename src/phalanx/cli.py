@@ -57,6 +57,20 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.min_nproc and not 1 <= args.min_nproc <= args.nproc * args.nnodes:
+        print(
+            f"phalanx run: --min-nproc must be between 1 and the job's {args.nproc * args.nnodes} replicas; "
+            f"received {args.min_nproc}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.min_nproc and (args.ps or args.nnodes > 1):
+        print(
+            "phalanx run: --min-nproc is for the replicas of one host (a parameter-server cluster recovers its "
+            "workers with --max-restarts)",
+            file=sys.stderr,
+        )
+        return 2
     if args.tls and not args.ps:
         print(
             "phalanx run: --tls is for parameter-server clusters (--ps N --workers M); collectives run over "
@@ -106,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         tee=args.tee,
         start_method=start_method,
         preload=preload,
+        min_nproc=args.min_nproc,
     )
     return run_job(spec)
 
@@ -261,6 +276,7 @@ _RUN_EXAMPLES = """examples:
   phalanx run -n 2 train.py --epochs 3        # 2 replica processes on this host
   phalanx run -n 2 -m mypackage.train         # a module, as python -m
   phalanx run -n 2 --max-restarts 3 train.py  # restart the whole group after a failure
+  phalanx run -n 3 --min-nproc 2 train.py     # go on with 2 replicas if one is lost
   phalanx run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -n 2 train.py   # host 0 of 2
   TF_CONFIG='{...}' phalanx run -n 2 train.py   # this host's replicas of a TF_CONFIG cluster
   phalanx run --ps 2 --workers 3 train.py     # a ParameterServerStrategy cluster on this host
@@ -354,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="restart the whole group up to K times (with --ps: restart each failed worker up to K times)",
+    )
+    run.add_argument(
+        "--min-nproc",
+        type=_positive,
+        default=0,
+        metavar="M",
+        help="elastic: when replicas are lost (killed, out of memory), the others go on within the step "
+        "while at least M remain (MirroredStrategy, MultiWorkerMirroredStrategy; docs/elastic.md)",
     )
     run.add_argument(
         "--ps",

@@ -141,6 +141,11 @@ class Settings:
         flight_recorder: PHALANX_FLIGHT_RECORDER, how many of its last collectives each replica's
             flight recorder keeps (rounded up to a power of two, at least 8), for the diagnosis of
             a hang (:mod:`phalanx.comm.diagnosis`).
+        min_nproc: PHALANX_MIN_NPROC, the fewest replicas an elastic synchronous job goes on with
+            after losing some (``phalanx run --min-nproc``; 0, the default: any loss ends the job).
+            See :mod:`phalanx.comm.elastic`.
+        launcher_store: PHALANX_LAUNCHER_STORE=1 (set by ``phalanx run --min-nproc``): the launcher
+            serves the job's store at the master address, and every replica connects to it.
         stack_signal: PHALANX_STACK_SIGNAL, the signal on which a launched replica writes every
             thread's Python stack to its log (``kill -USR2 <pid>``; default SIGUSR2, leaving SIGUSR1
             to the program: Slurm's warning before a job's time runs out). The supervisor and the
@@ -180,6 +185,8 @@ class Settings:
     debug: bool = field(default=False, metadata={"env": "PHALANX_DEBUG"})
     stack_signal: str = field(default=STACK_SIGNAL, metadata={"env": "PHALANX_STACK_SIGNAL"})
     flight_recorder: int = field(default=FLIGHT_RECORDER, metadata={"env": "PHALANX_FLIGHT_RECORDER"})
+    min_nproc: int = field(default=0, metadata={"env": "PHALANX_MIN_NPROC"})
+    launcher_store: bool = field(default=False, metadata={"env": "PHALANX_LAUNCHER_STORE"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -207,6 +214,8 @@ class Settings:
                 values[f.name] = raw != "0"
             elif f.name == "debug":
                 values[f.name] = _flag(name, raw, "1 shows phalanx's own frames in a configuration error's traceback")
+            elif f.name == "launcher_store":
+                values[f.name] = _flag(name, raw, "1 when the launcher serves the job's store (phalanx run sets it)")
             elif f.name == "shm_packing":
                 values[f.name] = _flag(name, raw, "0 keeps a host's replicas on their own cores when it is crowded")
             elif f.name == "stack_signal":

@@ -319,6 +319,46 @@ class CollectiveTimeoutError(PeerUnavailableError):
     """A collective did not complete within its timeout (a stalled peer)."""
 
 
+class GroupChangedError(PeerUnavailableError):
+    """An elastic job's group changed during a step: every survivor abandoned the step's update.
+
+    ``strategy.run`` catches it and runs the step again on the re-formed group, each replica
+    taking its new share of the same global batch; a program sees it only where its step ran
+    outside ``strategy.run``.
+
+    Attributes:
+        lost: the replicas that left (their names in the job, ``"replica 2"``).
+        before, after: the number of replicas before and after.
+    """
+
+    def __init__(self, lost: list[str], *, step: int | None, before: int, after: int, operation: str) -> None:
+        self.lost, self.before, self.after = lost, before, after
+        super().__init__(
+            lost,
+            step=step,
+            operation=operation,
+            cause=f"the group re-formed with {after} of its {before} replicas; the step is run again",
+            hint="run the step inside strategy.run, which runs it again on the re-formed group",
+        )
+
+
+class ElasticRecoveryError(DistributedRuntimeError):
+    """An elastic job could not re-form its group after losing replicas.
+
+    Attributes:
+        reason: why (fewer survivors than the job's minimum, replicas at different points of the
+            step, this replica left out of the group).
+        survivors: the replicas that were still there.
+    """
+
+    def __init__(self, reason: str, survivors: list[str], *, hint: str | None = None) -> None:
+        self.reason, self.survivors = reason, survivors
+        super().__init__(
+            f"The job could not re-form its group: {reason} (survivors: {', '.join(survivors) or 'none'}).",
+            hint=hint or "restart the job (phalanx run --max-restarts K) and resume from the last checkpoint",
+        )
+
+
 class KerasIntegrationError(PhalanxError, RuntimeError):
     """A Keras model was built in a strategy's scope, but ``phalanx.keras`` could not join.
 

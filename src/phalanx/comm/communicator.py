@@ -166,6 +166,12 @@ class GroupSpec:
     # Whether the launcher prints that diagnosis (phalanx run, self-launch): then the replica does not.
     launcher_prints: bool = field(default=False, compare=False)
     recorder_size: int = field(default=DEFAULT_CAPACITY, compare=False)  # PHALANX_FLIGHT_RECORDER
+    # The job's store, already connected: an elastic job's re-formed group meets in the store its
+    # first group met in (whoever its rank 0 is now), rather than connecting (or serving) again.
+    store: Any = field(default=None, compare=False)
+    # Whether a failed collective is diagnosed (every replica asked where it is, up to 2 s) before
+    # it is raised. An elastic job re-forms its group instead and diagnoses only what it cannot heal.
+    explain_failures: bool = field(default=True, compare=False)
 
     def name(self, rank: int) -> str:
         label = self.names[rank] if rank < len(self.names) else f"replica:{rank}"

@@ -95,7 +95,9 @@ class ProcessGroupCommunicator:
         # One store (one listening port) per job and process, shared by the program's strategies;
         # each strategy's keys live under its own prefix (a program may create several).
         key = (spec.master_addr, spec.master_port, spec.rank == 0)
-        if key not in _JOB_STORES:
+        if spec.store is not None:
+            self._store = spec.store
+        elif key not in _JOB_STORES:
             if not _JOB_STORES:
                 atexit.register(_JOB_STORES.clear)  # after every communicator closed (LIFO)
             _JOB_STORES[key] = rendezvous.connect_store(
@@ -109,7 +111,8 @@ class ProcessGroupCommunicator:
                 task=me,
                 notice=notice,
             )
-        self._store = _JOB_STORES[key]
+        if spec.store is None:
+            self._store = _JOB_STORES[key]
         if spec.store_prefix:
             self._store = dist.PrefixStore(spec.store_prefix, self._store)
         fingerprint = {
@@ -405,7 +408,12 @@ class ProcessGroupCommunicator:
         and its line. A timeout or a lost peer becomes an error of the same class naming the cause;
         any other error keeps its class and gains the diagnosis in its message. Never raises.
         """
-        if self._explained or not isinstance(error, DistributedRuntimeError) or not hasattr(self, "_peers"):
+        if (
+            self._explained
+            or not self.spec.explain_failures
+            or not isinstance(error, DistributedRuntimeError)
+            or not hasattr(self, "_peers")
+        ):
             return error
         self._explained = True
         trigger = {"rank": self.rank, "name": self.spec.name(self.rank), "error": type(error).__name__}
@@ -599,6 +607,24 @@ class ProcessGroupCommunicator:
             )
         self._subgroups.append(group)
         return group
+
+    def unresponsive_peers(self) -> list[int]:
+        """The ranks that are dead or stopped now (a process gone from ``/proc``, a silent heartbeat)."""
+        return self._unresponsive_peers()
+
+    def abort(self) -> None:
+        """Leaves this group's collectives for good, so that no peer waits for this rank in one.
+
+        A peer waiting in shared memory raises at its next liveness check; one waiting in gloo
+        sees its connections to this rank close. The heartbeat goes on (peers still see this rank
+        alive) until :meth:`close`. An elastic job calls it before it re-forms its group.
+        """
+        if self._shm is not None:
+            self._shm.abort()
+        for group in [*self._subgroups, self.pg] + ([self._cpu_pg] if self._cpu_pg is not self.pg else []):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    group.shutdown()
 
     def close(self) -> None:
         """Stops the heartbeat and releases the process group; idempotent.

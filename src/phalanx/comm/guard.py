@@ -342,6 +342,14 @@ class ReplicaGuard:
         self.every = every
         self.checks = 0
 
+    def regrouped(self) -> None:
+        """An elastic job's group re-formed: the fields take the new ranks, an unread check of the
+        abandoned pass is dropped, and the next pass fingerprints the parameters (the survivors
+        must still hold the same ones)."""
+        self._fields = FieldGuard(self._comm.rank, self._comm.world_size)  # type: ignore[attr-defined]
+        self._pending = None
+        self.fingerprint_due = True
+
     def size(self, dtype: torch.dtype) -> int:
         """Elements the guard takes in a tensor of ``dtype`` (0: it cannot ride on that dtype)."""
         return self._fields.size(dtype)

@@ -65,7 +65,7 @@ from phalanx._compat.torch import (
     tracing,
     will_accumulate,
 )
-from phalanx.errors import SparseGradientError
+from phalanx.errors import GroupChangedError, SparseGradientError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
@@ -222,6 +222,9 @@ class GradientReducer:
         # Returns parameters to join at the end of a pass (thawed inside it); None: none can.
         self.late: Callable[[], list[torch.nn.Parameter]] | None = None
         self.reductions = 0  # completed backward passes, for strategies that act after one
+        # An elastic job's vote, after every bucket's sum arrived and before any is used: returns
+        # when every replica has its sum, raises GroupChangedError when the step is abandoned.
+        self.commit: Callable[[], None] | None = None
         self.skipped = 0  # backward passes under no_sync()
         # id(param) -> the .grad it held before this synchronisation's first backward (summed already)
         self._base: dict[int, torch.Tensor] = {}
@@ -353,9 +356,11 @@ class GradientReducer:
             while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
                 self._launch(buckets[self._next])
                 self._next += 1
-        except BaseException:
+        except BaseException as e:
             # The pass is over (autograd re-raises this from backward): leave .grad as the user
             # left it and the reducer ready for the next pass.
+            if isinstance(e, GroupChangedError):
+                self._abandon()
             self._reset()
             raise
 
@@ -503,6 +508,11 @@ class GradientReducer:
                     self._launch(self._buckets[self._next])
                     self._next += 1
             self.check_pending()  # the previous pass's guard, on a GPU (long finished by now)
+            if self.commit is not None:
+                # An elastic job: every replica applies this pass's sum, or none does (see commit).
+                for bucket in self._buckets:
+                    bucket.handle.wait()
+                self.commit()
             base, keep, dirty = self._base, self._keep_grads, self._dirty
             sparse_sums: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
             for index, bucket in enumerate(self._buckets):
@@ -561,8 +571,23 @@ class GradientReducer:
             if sparse_sums:
                 self._sum_sparse(sparse_sums)
             self.reductions += 1
+        except GroupChangedError:
+            self._abandon()
+            raise
         finally:
             self._reset()
+
+    def _abandon(self) -> None:
+        """An elastic job's group changed during this pass, which every replica abandons: ``.grad``
+        goes back to what it held before the pass (None after ``zero_grad()``), not summed with a
+        partial sum, so the step can run again on the re-formed group."""
+        base = self._base
+        for bucket in self._buckets:
+            for p in bucket.params:
+                key = id(p)
+                if key in self._dirty or key in base:
+                    p.grad = base.pop(key, None)
+        base.clear()
 
     def _sum_sparse(self, items: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
         """Sums the sparse gradients of ``items`` across the replicas, as TF sums ``IndexedSlices``:

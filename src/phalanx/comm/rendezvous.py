@@ -343,6 +343,8 @@ def _agent_serves(master_addr: str, master_port: int) -> bool:
     0's name (Kubeflow Trainer's ``<job>-node-0-0.<job>``), which phalanx has resolved by now.
     """
     env = os.environ
+    if config.settings().launcher_store:  # phalanx run serves an elastic job's store (launch/store_host.py)
+        return True
     return (
         env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         and env.get("MASTER_PORT") == str(master_port)

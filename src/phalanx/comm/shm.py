@@ -109,6 +109,9 @@ _SLEEPING = 8
 # per placement window, on a cache line of their own.
 _RUN, _RUNNABLE = 24, 25
 _CHOICE = 2  # header word 2: the leader's placement, the chosen core + 1 (0: spread)
+# Header word 3: non-zero once a rank left the group's collectives for good (an elastic job that
+# re-forms without a dead peer): a rank waiting for it raises at its next liveness check.
+_ABORTED = 3
 _LOW_WORD = 0 if sys.byteorder == "little" else 4  # the byte offset of an int64's low 32 bits
 _NO_TAG = -(1 << 63)  # the tag slot of a call made without a tag
 _ALIGN = 64  # slice boundaries on cache lines: no false sharing, aligned vector loads
@@ -520,6 +523,16 @@ class ShmAllReduce:
         self._closed = True
         self._finalizer()
 
+    def abort(self) -> None:
+        """Tells every rank still waiting in a collective here that this one has left for good.
+
+        Each raises :class:`~phalanx.errors.PeerUnavailableError` at its next liveness check (within
+        100 ms) instead of waiting out the timeout for a rank that is alive but gone elsewhere (an
+        elastic job re-forming its group without a dead peer).
+        """
+        if self.world_size > 1 and not self._closed:
+            self._seg.words[_ABORTED] = 1
+
     # ------------------------------------------------------------------ steps
     def _publish(self, field: int, step: int, sig: int | None = None) -> None:
         if _NEEDS_FENCE:
@@ -659,6 +672,13 @@ class ShmAllReduce:
         raise CollectiveMismatchError("shm all_reduce", self.rank, calls)
 
     def _check_peers(self, pending: list[int], expired: bool) -> None:
+        if self._seg.words[_ABORTED]:
+            raise PeerUnavailableError(
+                [f"rank {j}" for j in pending],
+                step=None,
+                operation="shm all_reduce",
+                cause="a rank left this group (it is re-forming without a lost peer)",
+            )
         dead = [j for j in pending if not _alive(*self._peers[j])]
         if dead:
             raise PeerUnavailableError(

@@ -73,6 +73,12 @@ class ConsistencyChecks:
         self.active, self._off = (guard, None) if enabled else (None, guard)
         return self.active
 
+    def regrouped(self) -> None:
+        """An elastic job's group re-formed (see :meth:`ReplicaGuard.regrouped`)."""
+        for guard in (self.active, self._off):
+            if guard is not None:
+                guard.regrouped()
+
     def mark_changed(self) -> None:
         """The parameters were changed outside training: the next collective fingerprints them."""
         if self.active is not None:

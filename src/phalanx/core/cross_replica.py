@@ -65,7 +65,7 @@ class CrossReplicaValues:
         self._comm = comm
         self._device = device
         self._consistency = consistency
-        self._workers = max(num_workers, 1)
+        self._num_workers = max(num_workers, 1)
         self._worker_index = worker_index
         self._step = step
         self._collectives = collectives
@@ -241,6 +241,11 @@ class CrossReplicaValues:
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    @property
+    def _workers(self) -> int:
+        # An elastic job that lost a worker of one process has one worker fewer.
+        return min(self._num_workers, self._comm.world_size)
 
     # ---------------------------------------------------------------- gathers
     def local_results(self, value: Any) -> tuple[Any, ...]:

@@ -34,9 +34,11 @@ from phalanx.core.variable_sync import VariableSync
 from phalanx.devices import LogicalDevice
 from phalanx.errors import (
     ContextError,
+    GroupChangedError,
     NotCallableError,
 )
 from phalanx.input import global_batch
+from phalanx.input.distributed_dataset import slice_bounds
 from phalanx.values import DistributedValues, ReduceOp, local_results
 
 
@@ -128,6 +130,7 @@ class StrategyExtended:
         # with several replicas, or with one whose process group was built anyway
         # (PHALANX_SINGLE_REPLICA_COLLECTIVES=1: one GPU runs the real NCCL path, as DDP does).
         self._collectives = comm.world_size > 1 or not isinstance(comm, LocalCommunicator)
+        self._elastic = callable(getattr(comm, "commit", None))  # an ElasticCommunicator's vote
         step = lambda: self._step  # noqa: E731
         self.consistency = ConsistencyChecks(comm, step, self._synchronised, self._collectives)
         self.cross_replica = CrossReplicaValues(
@@ -265,15 +268,35 @@ class StrategyExtended:
         """
         args, kwargs = tuple(args), dict(kwargs or {})
         # The global batch the arguments were sliced from travels with them (see global_batch).
-        info = global_batch.find(args, kwargs) if self.consistency.active is not None else None
+        info = global_batch.find(args, kwargs) if self.consistency.active is not None or self.elastic else None
         if not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):  # plain tensors: hot path
             local = lambda v: v.values[0] if isinstance(v, DistributedValues) else v  # noqa: E731
             args, kwargs = nest.map_structure(local, args), nest.map_structure(local, kwargs)
-        strategy, books = self.container_strategy, self.variable_sync
         self._step += 1
         self._comm.step = self._step  # the communicator names the step in its errors
         times = getattr(self._comm, "times", None)
         self.stats.step_began(times.seconds if times is not None else 0.0)
+        if not self.elastic:
+            return self._run_step(fn, args, kwargs, info)
+        while True:
+            # A batch cut one ahead before the group changed is cut again by the current group.
+            split = (self._comm.world_size, self._comm.rank)
+            args, kwargs = global_batch.recut((args, kwargs), split, slice_bounds)
+            try:
+                return self._run_step(fn, args, kwargs, info)
+            except GroupChangedError:
+                # Every survivor abandoned this step's update; the group re-formed: run it again.
+                self.gradient_sync.regrouped()
+                self.consistency.regrouped()
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job goes on when it loses replicas (``phalanx run --min-nproc``; see
+        :mod:`phalanx.comm.elastic`): ``num_replicas_in_sync`` may then change between steps."""
+        return self._elastic
+
+    def _run_step(self, fn: Callable[..., Any], args: tuple, kwargs: dict, info: Any) -> Any:
+        strategy, books = self.container_strategy, self.variable_sync
         # The flight recorder looks the step's source line up once, at its first collective (the
         # caller of `run` is where to look from a thread with no user frame: GPU autograd's).
         rec = getattr(self._comm, "recorder", None)

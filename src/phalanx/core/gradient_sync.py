@@ -83,6 +83,10 @@ class GradientSync:
     def check_pending(self) -> None:
         """Checks a guard result left unread (GPU replicas read it one pass late)."""
 
+    def regrouped(self) -> None:
+        """An elastic job's group re-formed during the step, which runs again (the abandoned pass
+        already gave ``.grad`` back as it was before it)."""
+
     def synchronised_elsewhere(self, module: torch.nn.Module) -> bool:
         """Whether another library keeps ``module``'s parameters consistent (FSDP2's gathered ones)."""
         return False
@@ -192,3 +196,5 @@ class AllReduce(ReducerSync):
             all_gather=comm.all_gather,
         )
         self.reducer.late = self._thawed
+        # An elastic job's vote: every replica applies a pass's sums or none does (comm/elastic.py).
+        self.reducer.commit = getattr(comm, "commit", None)

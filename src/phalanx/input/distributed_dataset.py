@@ -343,7 +343,12 @@ class DistributedDataset:
                 f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method; "
                 f"received {type(dataset).__name__}. Use AutoShardPolicy.DATA to split batches."
             )
-        if workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
+        # An elastic job's replicas read every global batch and cut their part, so that a step run
+        # again on a re-formed group cuts the same batch into new parts (no example lost or repeated).
+        self._elastic = bool(getattr(ext, "elastic", False))
+        if self._elastic:
+            self._split = (strategy.num_replicas_in_sync, ext.process_index)
+        elif workers > 1 and policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE) and shardable:
             dataset = dataset.shard(workers, ext.input_sharding.worker_index)  # type: ignore[attr-defined]
             self._split = (local_world, ext.process_index % local_world)
         elif workers > 1 and policy is AutoShardPolicy.OFF:
@@ -383,8 +388,11 @@ class DistributedDataset:
 
     def _slices(self) -> Iterator[tuple[Any, int]]:
         num, index = self._split
+        elastic = self._elastic
         first = True
         for element in self._passes():
+            if elastic:  # the group may have changed since the last batch: cut by the current one
+                num, index = self._strategy.num_replicas_in_sync, self._strategy.extended.process_index
             size = batch_size_of(element)
             if first and size < num:
                 warnings.warn(
@@ -396,19 +404,19 @@ class DistributedDataset:
                 )
             first = False
             start, end = slice_bounds(size, num, index)
-            yield (
-                nest.map_structure(
-                    lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t,  # noqa: B023 - applied now
-                    element,
-                ),
-                size,
+            local = nest.map_structure(
+                lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.dim() > 0 else t,  # noqa: B023 - applied now
+                element,
             )
+            if elastic:
+                global_batch.remember_sources(local, element, (num, index))
+            yield local, size
 
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
         place = _Placer(ext.device, self._options.experimental_fetch_to_device)
         whole = self._split[0] == self._strategy.num_replicas_in_sync  # every process reads whole global batches
-        if ext.input_sharding.agree_on_end:
+        if ext.input_sharding.agree_on_end and not self._elastic:  # an elastic job reads the same batches everywhere
             sliced = [0]  # the size of the last batch this process sliced, for the consistency guard
 
             def elements() -> Iterator[Any]:
@@ -528,7 +536,10 @@ def _emit(strategy: "Strategy", source: Iterator[tuple[Any, int, int | None]], p
         return batch
 
     for local, global_size, sliced in source:
-        ready = (place(local), global_size, sliced)
+        placed = place(local)
+        if placed is not local:  # moved to the device: the sources of an elastic job's slices follow
+            global_batch.follow_sources(local, placed)
+        ready = (placed, global_size, sliced)
         if pending is not None:
             yield wrapped(*pending)
         pending = ready

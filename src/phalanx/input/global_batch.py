@@ -70,6 +70,60 @@ def find(args: tuple, kwargs: dict) -> BatchInfo | None:
     return None
 
 
+# An elastic job's slices, by identity: slice -> (the global batch's tensor it was cut from, the
+# split (parts, index) it was cut by). A step that runs again on a re-formed group, or a batch
+# cut one ahead before the group changed, is cut again from the same global batch.
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def remember_sources(local: Any, whole: Any, split: tuple[int, int]) -> None:
+    """Records, leaf by leaf, the global batch ``whole`` that ``local`` was cut from by ``split``."""
+    for part, source in zip(nest.flatten(local), nest.flatten(whole)):
+        if hasattr(part, "dim") and hasattr(source, "dim") and source.dim() > 0:
+            _SOURCES[part] = (source, split)
+
+
+def follow_sources(local: Any, moved: Any) -> None:
+    """``moved`` (``local`` on the replica's device) was cut from what ``local`` was."""
+    if not _SOURCES:
+        return
+    for part, there in zip(nest.flatten(local), nest.flatten(moved)):
+        try:
+            found = _SOURCES.get(part)
+        except TypeError:
+            continue
+        if found is not None:
+            _SOURCES[there] = found
+
+
+def recut(structure: Any, split: tuple[int, int], bounds: Any) -> Any:
+    """``structure`` with every leaf cut by another split than ``split`` cut again from its global batch.
+
+    ``bounds(size, parts, index)`` gives the rows of a part. Leaves that were not cut from a global
+    batch of an elastic job are kept. Tags and sources follow the new leaves.
+    """
+    if not _SOURCES:
+        return structure
+
+    def again(leaf: Any) -> Any:
+        try:
+            found = _SOURCES.get(leaf)
+        except TypeError:
+            return leaf
+        if found is None or found[1] == split:
+            return leaf
+        source = found[0]
+        start, end = bounds(source.shape[0], *split)
+        part = source[start:end].to(leaf.device)
+        _SOURCES[part] = (source, split)
+        info = _TAGS.get(leaf)
+        if info is not None:
+            _TAGS[part] = info
+        return part
+
+    return nest.map_structure(again, structure)
+
+
 def current() -> BatchInfo | None:
     """The batch of the replica function running now (inside ``strategy.run``), or None."""
     return _CURRENT.get()

@@ -46,6 +46,9 @@ class _Step:
     """This replica's part of one global batch."""
 
     def __init__(self, batch: Any, num_replicas: int, rank: int) -> None:
+        # The global batch and how it was cut: an elastic job whose group re-formed during the
+        # step cuts it again for the step's new attempt.
+        self.batch, self.split = batch, (num_replicas, rank)
         self.global_size = _batch_size(batch)
         start, end = slice_bounds(self.global_size, num_replicas, rank)
         self.empty = end <= start
@@ -57,6 +60,7 @@ class _Step:
     def local(cls, batch: Any, global_size: int) -> "_Step":
         """A step on a batch that is already this replica's part of a global batch of ``global_size``."""
         step = cls.__new__(cls)
+        step.batch, step.split = None, None
         step.global_size = global_size
         rows = _batch_size(batch)
         step.empty = rows == 0

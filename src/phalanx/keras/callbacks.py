@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from phalanx._compat import keras as compat_keras
+from phalanx.comm.elastic import on_membership_change
 from phalanx.keras.tensorboard import TensorBoard
 from phalanx.keras.trackers import Trackers
 from phalanx.values import ReduceOp
@@ -140,6 +141,9 @@ class Coordinator(keras.callbacks.Callback):
         self._restores = bool(strategy.extended.should_checkpoint) and any(
             isinstance(cb, RESTORING) for cb in callbacks
         )
+        # An elastic job's changes of group reach the callbacks that define on_membership_change(change).
+        self._told = [cb for cb in callbacks if callable(getattr(cb, "on_membership_change", None))]
+        self._stop_telling: Any = None
 
     def _sum(self, values: list[float]) -> torch.Tensor:
         ext = self._strategy.extended
@@ -149,7 +153,13 @@ class Coordinator(keras.callbacks.Callback):
         if self._strategy.num_replicas_in_sync > 1:
             self.model.stop_training = bool(self._sum([float(bool(self.model.stop_training))])[0] > 0)
 
+    def _membership_changed(self, change: Any) -> None:
+        for cb in self._told:
+            cb.on_membership_change(change)
+
     def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._told and getattr(self._strategy.extended, "elastic", False):
+            self._stop_telling = on_membership_change(self._membership_changed)
         # Replicas may have been given different callbacks (e.g. some only on the chief): agree
         # once whether anyone needs a decision after every batch, and whether the chief restored.
         if self._strategy.num_replicas_in_sync > 1:
@@ -169,6 +179,9 @@ class Coordinator(keras.callbacks.Callback):
         self._agree_on_stop()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._stop_telling is not None:
+            self._stop_telling()
+            self._stop_telling = None
         # A barrier: fit returns on every replica after the chief's writers finished (its last
         # checkpoint is complete, BackupAndRestore's backup is deleted), so any replica may read
         # what the chief wrote.

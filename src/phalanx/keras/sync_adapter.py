@@ -189,23 +189,32 @@ class SyncAdapter(DistributedModel):
             _RAW_STEP[wrapped] = raw
             setattr(model, f"{kind}_function", wrapped)
 
-    def _run_local(self, raw: Callable[[Any], Any], step: _Step, scale: float) -> Any:
+    def _run_local(
+        self, raw: Callable[[Any], Any], step: _Step, scale_of: Callable[[_Step], float]
+    ) -> tuple[Any, _Step]:
+        """Runs Keras' step on this replica's part of ``step``'s batch; returns its result and the
+        part it ran on (another one where an elastic job's group re-formed during the step)."""
         out: dict[str, Any] = {}
 
         def replica_fn() -> None:
+            part = step
+            if step.split is not None and step.split != (self._num_replicas, self._rank):
+                part = _Step(step.batch, self._num_replicas, self._rank)  # the group re-formed: cut again
+            out["step"] = part
+            scale = scale_of(part)
             # The gradient synchronisation scales what it sums, bucket by bucket; a gradient hook
             # scales the rest (a sharded model's gathered parameters).
             self._grad_scale.value = scale
             mark_loss_scaled()
             try:
                 with self._ext.gradient_sync.scaled(scale):
-                    out["result"] = raw([step.local])
+                    out["result"] = raw([part.local])
             finally:
                 self._grad_scale.value = 1.0
 
         _OWN_STEPS.add(replica_fn)
         self.strategy.run(replica_fn)
-        return out["result"]
+        return out["result"], out["step"]
 
     def _begin(self, data: Any, kind: str) -> _Step:
         if self._checks_left > 0:
@@ -238,8 +247,8 @@ class SyncAdapter(DistributedModel):
             versions = [version_counter(v.value) for v in candidates]
         # A mean over the replica's rows is scaled by its share of the global batch; a sum over
         # them (reduction="sum") is already its part of the global sum (a stand-in row: 0).
-        scale = (0.0 if step.empty else 1.0) if self._summed_loss else step.share
-        logs = self._run_local(raw, step, scale)
+        summed = self._summed_loss
+        logs, step = self._run_local(raw, step, lambda part: (0.0 if part.empty else 1.0) if summed else part.share)
         if versions is not None:
             changed = torch.tensor(
                 [float(version_counter(v.value) != before) for v, before in zip(candidates, versions)]
@@ -259,7 +268,7 @@ class SyncAdapter(DistributedModel):
         step = self._begin(data, "test")
         metric_vars = self._metric_variables()
         saved = self._zero(metric_vars)
-        logs = self._run_local(raw, step, 1.0)
+        logs, step = self._run_local(raw, step, lambda _: 1.0)
         if self._sharded:
             sharding.reshard(self.model)
         self._merge(step, metric_vars, saved, [])
@@ -268,12 +277,12 @@ class SyncAdapter(DistributedModel):
     def _predict_step(self, raw: Callable[[Any], Any], data: Any) -> Any:
         first = self._checks_left > 0
         step = self._begin(data, "predict")
-        outputs = self._run_local(raw, step, 1.0)
+        outputs, step = self._run_local(raw, step, lambda _: 1.0)
         if first and self._num_replicas > 1 and self._has_unsynced_variables():
             # predict() does not build the model first: it was built by this very step, with each
             # replica's own initial values. Make them the chief's and compute the step again.
             self._sync_new_variables()
-            outputs = self._run_local(raw, step, 1.0)
+            outputs, step = self._run_local(raw, step, lambda _: 1.0)
         if self._sharded:
             sharding.reshard(self.model)
         if self._num_replicas == 1:

@@ -21,7 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from phalanx.launch import settings
+from phalanx.launch import elastic, settings
+from phalanx.launch.elastic import LAUNCHER_STORE
 from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
 from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
@@ -48,6 +49,8 @@ class JobSpec:
             :func:`phalanx.launch.settings.start_method`.
         preload: with ``fork``, modules to import once besides those found in the script (a
             module the script imports through one of its own, say).
+        min_nproc: an elastic job (0: not one): it goes on while at least this many replicas
+            remain (:mod:`phalanx.launch.elastic`).
     """
 
     command: tuple[str, ...]
@@ -61,6 +64,7 @@ class JobSpec:
     tee: bool = False
     start_method: str = ""
     preload: tuple[str, ...] = ()
+    min_nproc: int = 0
 
 
 def run_job(spec: JobSpec) -> int:
@@ -132,9 +136,9 @@ class ScriptLauncher:
                 sup.close()
 
 
-def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
-    port = spec.master_port or free_port(spec.master_addr)
+def _tasks(spec: JobSpec, run: RunDirectory, attempt: int, port: int) -> list[Task]:
     world = spec.nproc * spec.nnodes
+    elastic = {"PHALANX_MIN_NPROC": str(spec.min_nproc), LAUNCHER_STORE: "1"} if spec.min_nproc else {}
     tasks = []
     for local in range(spec.nproc):
         rank = spec.node_rank * spec.nproc + local
@@ -155,7 +159,7 @@ def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
             Task(
                 name=f"replica {rank}",
                 command=(sys.executable, *spec.command),
-                env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt)},
+                env={**env.to_environ(), "PHALANX_RESTART_COUNT": str(attempt), **elastic},
                 log_path=None if to_terminal else run.log_path(f"replica_{rank}"),
                 error_path=run.error_path(f"replica_{rank}"),
                 done_path=run.done_path(f"replica_{rank}"),
@@ -167,7 +171,11 @@ def _tasks(spec: JobSpec, run: RunDirectory, attempt: int) -> list[Task]:
 
 def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int) -> int:
     sup.forget_exits()
-    started = [sup.start(task) for task in _tasks(spec, run, attempt)]
+    port = spec.master_port or free_port(spec.master_addr)
+    tasks = _tasks(spec, run, attempt, port)
+    if spec.min_nproc:
+        return elastic.supervise(sup, elastic.store_task(run, spec.master_addr, port), tasks, spec.min_nproc, _fail)
+    started = [sup.start(task) for task in tasks]
     primary = started[0] if spec.node_rank == 0 else None  # replica 0 lives on node 0
     exits: list[Exit] = []
     try:

@@ -18,6 +18,7 @@ import torch
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
 from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator
+from phalanx.comm.elastic import ElasticCommunicator
 from phalanx.comm.group_communicator import ProcessGroupCommunicator
 from phalanx.core.extended import StrategyExtended
 from phalanx.core.strategy import close_at_exit
@@ -131,6 +132,7 @@ class SyncExtended(StrategyExtended):
         addresses: tuple[str, ...] = (),
         fingerprint: tuple[tuple[str, Any], ...] = (),
         backend: str = "gloo",
+        elastic: bool = False,
     ) -> Any:
         """The communicator of this process: local for one replica, gloo/NCCL otherwise.
 
@@ -140,6 +142,14 @@ class SyncExtended(StrategyExtended):
         The program's k-th multi-replica communicator of a job uses the job's store under its own
         key prefix, so that strategies created one after another (or alive together) run on the
         same processes; every process creates its strategies in the same order, so they agree on k.
+
+        With ``PHALANX_MIN_NPROC`` (``phalanx run --min-nproc``), a strategy that can go on without
+        lost replicas (``elastic``: Mirrored, MultiWorkerMirrored) gets an
+        :class:`~phalanx.comm.elastic.ElasticCommunicator`; any other refuses it.
+
+        Raises:
+            ClusterSpecError: ``PHALANX_MIN_NPROC`` is above the job's size, or set for a strategy
+                that cannot go on without a replica.
         """
         replica_hooks.install()
         settings = config.settings()
@@ -178,6 +188,23 @@ class SyncExtended(StrategyExtended):
             ),
             recorder_size=settings.flight_recorder,
         )
+        if settings.min_nproc and env.world_size > 1:
+            name = type(self).__name__.removesuffix("Extended") + "Strategy"
+            if not elastic:
+                raise ClusterSpecError(
+                    "PHALANX_MIN_NPROC",
+                    settings.min_nproc,
+                    f"{name} cannot go on without a lost replica",
+                    hint="an elastic job (phalanx run --min-nproc) runs Mirrored or MultiWorkerMirroredStrategy",
+                )
+            if settings.min_nproc > env.world_size:
+                raise ClusterSpecError(
+                    "PHALANX_MIN_NPROC",
+                    settings.min_nproc,
+                    f"the job has {env.world_size} replicas",
+                    hint="the minimum must be at most the number of replicas started",
+                )
+            return ElasticCommunicator(spec, min_size=settings.min_nproc, backend=backend)
         return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod

@@ -45,6 +45,7 @@ class MirroredExtended(SyncExtended):
             env,
             names=tuple(f"replica:{r}" for r in range(env.world_size)) if env else (),
             backend=self._backend_for(local[local_rank]),
+            elastic=True,
         )
         self._configure_cpu_threads(comm, local[local_rank].type)
         super().__init__(comm, local[local_rank], names, names, cross_device_ops)

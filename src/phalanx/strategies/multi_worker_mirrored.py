@@ -185,6 +185,7 @@ class MultiWorkerMirroredExtended(SyncExtended):
             addresses=_rank_addresses(spec, placement) if spec and resolver.lists_every_task else (),
             fingerprint=fingerprint,
             backend=backend,
+            elastic=True,
         )
         self._configure_cpu_threads(comm, device.type)
         task = f"/job:{placement.task_type}/replica:0/task:{placement.task_id}"

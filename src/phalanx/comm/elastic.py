@@ -1,0 +1,409 @@
+"""An elastic synchronous job: it loses replicas and goes on with the rest, within a step.
+
+``phalanx run -n 3 --min-nproc 2 train.py`` (or ``PHALANX_MIN_NPROC=2`` in every task of a
+``TF_CONFIG`` job) makes each replica's communicator an :class:`ElasticCommunicator`: the same
+collectives, over a group that can re-form without the replicas that died.
+
+The model, in three rules:
+
+* **One vote per step, before any update.** When the last gradient bucket of a backward pass has
+  its sum, each replica adds its vote to a counter in the job's store; the step's update is
+  applied only when every replica of the group voted (the last voter writes ``commit``, once, with
+  ``compare_set``). A replica whose collective failed, or that finds a peer dead while it waits,
+  writes ``abort`` instead; the first word written is the decision every replica reads. So every
+  survivor applies the step's update, or none does: never half of them.
+* **The survivors re-form the group.** After an abort (or a collective that failed after the
+  vote), each survivor says in the store that it is here; once every member of the old group is
+  here or dead (``/proc`` on its host, its heartbeat elsewhere), the first to see it writes the new
+  membership, in the old order. A new process group is built among them (shared memory within a
+  host, gloo across), ranks renumbered, the old one closed. Fewer than the minimum, survivors at
+  different points of the step, or a replica left out: :class:`~phalanx.errors.ElasticRecoveryError`.
+* **The step runs again.** :class:`~phalanx.errors.GroupChangedError` leaves the user's step;
+  ``strategy.run`` catches it, gives each survivor its new share of the same global batch (the
+  distributed dataset keeps it with the batch), and runs the step again. The global batch size
+  stays what the program set: the optimisation is the same as before, only slower.
+
+A collective that fails after the vote (a loss reduced after the update, say) is made again on
+the re-formed group, from a copy of its input: its result then covers the survivors.
+
+The job's store must outlive any replica: ``phalanx run`` serves it from a process of its own;
+in a ``TF_CONFIG`` job the chief serves it (a job that loses its chief ends).
+
+Example:
+    >>> changes = []
+    >>> remove = on_membership_change(changes.append)
+    >>> remove()
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import rendezvous
+from phalanx.comm.communicator import GroupSpec, Handle
+from phalanx.comm.group_communicator import ProcessGroupCommunicator
+from phalanx.errors import (
+    CollectiveTimeoutError,
+    ElasticRecoveryError,
+    GroupChangedError,
+    PeerUnavailableError,
+)
+
+_COMMIT, _ABORT = b"commit", b"abort"
+# How often a replica waiting for the vote or for the others to re-form looks for dead peers.
+_LIVENESS_S = 0.05
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What a change of an elastic job's group was, as callbacks are told.
+
+    Attributes:
+        step: the step during which it happened (run again on the new group).
+        before, after: the replicas (their names in the job, in rank order) before and after.
+        lost: those that left.
+        seconds: how long the survivors took to re-form the group.
+    """
+
+    step: int
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    lost: tuple[str, ...]
+    seconds: float
+
+
+_LISTENERS: list[Callable[[MembershipChange], None]] = []
+_LOCK = threading.Lock()
+
+
+def on_membership_change(callback: Callable[[MembershipChange], None]) -> Callable[[], None]:
+    """Calls ``callback(change)`` on every replica after its group re-formed; returns its remover.
+
+    Called between the abandoned attempt of a step and its new one, when
+    ``strategy.num_replicas_in_sync`` already says the new size.
+    """
+    with _LOCK:
+        _LISTENERS.append(callback)
+
+    def remove() -> None:
+        with _LOCK:
+            if callback in _LISTENERS:
+                _LISTENERS.remove(callback)
+
+    return remove
+
+
+class ElasticCommunicator:
+    """A :class:`~phalanx.comm.communicator.Communicator` whose group re-forms without lost replicas.
+
+    Every collective goes to the current generation's
+    :class:`~phalanx.comm.group_communicator.ProcessGroupCommunicator`; ``rank`` and
+    ``world_size`` are that generation's. A replica's ``member`` id is its rank at the start and
+    names it for good.
+
+    Args:
+        spec: this replica's place in the job as it started (every generation's spec derives from it).
+        min_size: the fewest replicas the job goes on with.
+        backend: ``"gloo"`` (CPU replicas) or ``"nccl"``.
+    """
+
+    def __init__(self, spec: GroupSpec, *, min_size: int, backend: str = "gloo") -> None:
+        if not 1 <= min_size <= spec.world_size:
+            raise ValueError(f"min_size={min_size} must be between 1 and the job's {spec.world_size} replicas")
+        self.backend = backend
+        self.min_size = min_size
+        self.member = spec.rank
+        self.members: list[int] = list(range(spec.world_size))
+        self.generation = 0
+        self.changes: list[MembershipChange] = []
+        self._spec = spec
+        self._step: int | None = None
+        self._committed: int | None = None  # the last step whose update every replica applies
+        self._votes = 0  # votes in the current step (several backward passes may each sync)
+        self._after_vote = 0  # collectives since the vote, in this step (survivors must agree)
+        self._closed = False
+        self._root = spec.store if spec.store is not None else self._connect(spec)
+        self._control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._root)
+        self._inner = ProcessGroupCommunicator(self._spec_for(0, self.members), backend)
+
+    @staticmethod
+    def _connect(spec: GroupSpec) -> Any:
+        return rendezvous.connect_store(
+            rank=spec.rank,
+            world_size=spec.world_size,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            bind_addr=spec.bind_addr,
+            timeout=spec.rendezvous_timeout,
+            master_task=spec.name(0),
+            task=spec.name(spec.rank),
+        )
+
+    def _spec_for(self, generation: int, members: list[int]) -> GroupSpec:
+        names = tuple(self._label(m) for m in members)
+        return replace(
+            self._spec,
+            rank=members.index(self.member),
+            world_size=len(members),
+            names=names,
+            store=self._root,
+            store_prefix=f"{self._spec.store_prefix}g{generation}/",
+            explain_failures=False,
+            peer_check=None,
+        )
+
+    def _label(self, member: int) -> str:
+        """How ``member`` is named in every generation: its name in the job as it started, whose
+        rank it then held (``replica:2``; ``worker:0 (replica 2)`` where a worker holds several)."""
+        label = self._spec.names[member] if member < len(self._spec.names) else f"replica:{member}"
+        suffix = f" (rank {member})"
+        return label[: -len(suffix)] + f" (replica {member})" if label.endswith(suffix) else label
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._inner.world_size
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        if value != self._step:
+            self._votes = self._after_vote = 0
+        self._step = value
+        self._inner.step = value
+
+    @property
+    def store(self) -> Any:
+        return self._inner.store
+
+    @property
+    def spec(self) -> GroupSpec:
+        return self._inner.spec
+
+    def name(self, rank: int) -> str:
+        return self._inner.name(rank)
+
+    def host_of(self, rank: int) -> str:
+        return self._inner.host_of(rank)
+
+    def __getattr__(self, name: str) -> Any:
+        # What tools read of the communicator (its flight recorder, timers, diagnosis): the
+        # current generation's. Only called for names this class does not define.
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    # ------------------------------------------------------------------ the vote
+    @property
+    def voted(self) -> bool:
+        """Whether this step's update was agreed on (a failure now re-forms and goes on)."""
+        return self._committed is not None and self._committed == self._step
+
+    def commit(self) -> None:
+        """Every replica applies this pass's sums, or none does; called once the last bucket has its sum.
+
+        Raises:
+            GroupChangedError: a replica failed or died before voting; the group re-formed
+                without it, and the pass's sums are to be dropped (the step runs again).
+        """
+        self._votes += 1
+        key = f"{self.generation}/{self._step}.{self._votes}"
+        if self._control.add(f"{key}/ok", 1) == self.world_size:
+            decided = self._control.compare_set(f"{key}/decision", "", _COMMIT.decode())
+        else:
+            decided = self._await(f"{key}/decision")
+        if decided == _COMMIT:
+            self._committed = self._step
+            self._after_vote = 0
+            return
+        self._left("the vote", None)
+
+    def _await(self, key: str) -> bytes:
+        """The step's decision, once written; writes ``abort`` itself when it finds a peer dead."""
+        start = time.monotonic()
+        nap, look = 0.0, start + _LIVENESS_S
+        deadline = start + self._spec.timeout
+        while not self._control.check([key]):
+            now = time.monotonic()
+            if now >= look:
+                look = now + _LIVENESS_S
+                if self._inner.unresponsive_peers():
+                    return self._control.compare_set(key, "", _ABORT.decode())
+            if now >= deadline:
+                raise CollectiveTimeoutError(
+                    [], step=self._step, operation=f"the vote on {self.name(self.rank)}", cause="no decision in time"
+                )
+            time.sleep(nap)
+            nap = min(max(2 * nap, 5e-5), 1e-3)
+        return self._control.get(key)
+
+    # ------------------------------------------------------------------ failures
+    def _left(self, operation: str, error: BaseException | None) -> None:
+        """A collective failed (or the vote said abort): re-form the group, then raise or go on.
+
+        Before the vote the step is abandoned (:class:`GroupChangedError`); after it, the caller
+        makes its collective again on the new group.
+        """
+        if self._closed:
+            raise error if error is not None else RuntimeError("closed")
+        after_vote = self.voted
+        if not after_vote and error is not None:
+            # Nobody applies this step: a replica still waiting for the decision reads it here.
+            key = f"{self.generation}/{self._step}.{self._votes + 1}/decision"
+            self._control.compare_set(key, "", _ABORT.decode())
+        before = [self.name(r) for r in range(self.world_size)]
+        lost = self._regroup()
+        if after_vote:
+            return
+        raise GroupChangedError(
+            lost, step=self._step, before=len(before), after=self.world_size, operation=operation
+        ) from error
+
+    def _regroup(self) -> list[str]:
+        """Re-forms the group among the survivors; returns the names of the replicas lost."""
+        start = time.monotonic()
+        old, old_inner, gen = list(self.members), self._inner, self.generation + 1
+        old_names = [old_inner.name(r) for r in range(len(old))]
+        old_inner.abort()  # nobody waits for this replica in the old group any more
+        where = {"committed": self._committed, "step": self._step, "after_vote": self._after_vote}
+        self._control.set(f"{gen}/here/{self.member}", json.dumps(where))
+        members_key = f"{gen}/members"
+        deadline = start + self._spec.rendezvous_timeout
+        while not self._control.check([members_key]):
+            here = [m for m in old if self._control.check([f"{gen}/here/{m}"])]
+            dead = {old[r] for r in old_inner.unresponsive_peers()}
+            missing = [m for m in old if m not in here]
+            if all(m in dead for m in missing):
+                self._control.compare_set(members_key, "", json.dumps(here))
+                break
+            if time.monotonic() >= deadline:
+                raise ElasticRecoveryError(
+                    f"{', '.join(old_names[old.index(m)] for m in missing)} neither re-joined nor died within "
+                    f"{self._spec.rendezvous_timeout:g}s",
+                    [old_names[old.index(m)] for m in here],
+                )
+            time.sleep(_LIVENESS_S / 5)
+        members = [int(m) for m in json.loads(self._control.get(members_key))]
+        survivors = [old_names[old.index(m)] for m in members]
+        if self.member not in members:
+            raise ElasticRecoveryError(
+                f"{old_names[old.index(self.member)]} was left out of the re-formed group", survivors
+            )
+        if len(members) < self.min_size:
+            raise ElasticRecoveryError(
+                f"{len(members)} replica(s) remain, fewer than the job's minimum of {self.min_size}", survivors
+            )
+        places = {m: json.loads(self._control.get(f"{gen}/here/{m}")) for m in members}
+        if len({json.dumps(p, sort_keys=True) for p in places.values()}) > 1:
+            raise ElasticRecoveryError(
+                "the survivors were at different points of the job ("
+                + "; ".join(f"{old_names[old.index(m)]}: {p}" for m, p in places.items())
+                + ")",
+                survivors,
+            )
+        self._inner = ProcessGroupCommunicator(self._spec_for(gen, members), self.backend)
+        self._inner.step = self._step
+        self.members, self.generation = members, gen
+        self._votes = 0  # the new generation's keys are its own
+        old_inner.close()
+        lost = [old_names[old.index(m)] for m in old if m not in members]
+        change = MembershipChange(
+            self._step or 0,
+            tuple(old_names),
+            tuple(self.name(r) for r in range(self.world_size)),
+            tuple(lost),
+            time.monotonic() - start,
+        )
+        self.changes.append(change)
+        with _LOCK:
+            listeners = list(_LISTENERS)
+        for listener in listeners:
+            listener(change)
+        return lost
+
+    def _recover(self, operation: str, error: PeerUnavailableError, tensor: torch.Tensor | None, saved: Any) -> None:
+        """After a failed collective: re-forms the group (raising before the vote), then puts the
+        collective's input back as it was, for the caller to make it again on the new group."""
+        self._left(operation, error)
+        if saved is not None:
+            tensor.copy_(saved)  # type: ignore[union-attr]
+
+    def _guarded(self, operation: str, call: Callable[[], Any], tensor: torch.Tensor | None) -> Any:
+        """Runs ``call`` (a collective); on a lost peer re-forms the group and, after the vote, calls again."""
+        saved = tensor.clone() if tensor is not None and self.voted else None
+        while True:
+            try:
+                result = call()
+                break
+            except PeerUnavailableError as e:
+                self._recover(operation, e, tensor, saved)
+        if self.voted:
+            self._after_vote += 1
+        return result
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        saved = tensor.clone() if self.voted else None
+
+        def start() -> Handle:
+            while True:
+                try:
+                    return self._inner.all_reduce(tensor, op)
+                except PeerUnavailableError as e:  # shared memory: the whole collective is in the call
+                    self._recover("all-reduce", e, tensor, saved)
+
+        handle, result = [start()], [tensor]
+
+        def finish() -> None:
+            while True:
+                try:
+                    result[0] = handle[0].wait()
+                    break
+                except PeerUnavailableError as e:
+                    self._recover("all-reduce", e, tensor, saved)
+                    handle[0] = start()
+            if self.voted:
+                self._after_vote += 1
+
+        return Handle(tensor, finish, lambda _: result[0])
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0) -> torch.Tensor:
+        return self._guarded("reduce", lambda: self._inner.reduce(tensor, dst), tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self._guarded("broadcast", lambda: self._inner.broadcast(tensor, src), tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._guarded("all-gather", lambda: self._inner.all_gather(tensor), None)
+
+    def barrier(self) -> None:
+        self._guarded("barrier", self._inner.barrier, None)
+
+    def subgroup(self, ranks: list[int], tag: str, *, cuda: bool = False) -> Any:
+        return self._inner.subgroup(ranks, tag, cuda=cuda)
+
+    def errors_for(self, operation: str, slot: int | None = None) -> Any:
+        return self._inner.errors_for(operation, slot)
+
+    def wait_for_chief(self, what: str = "chief-only work") -> Iterator[None]:
+        return self._inner.wait_for_chief(what)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inner.close()

@@ -1,0 +1,266 @@
+"""An elastic job loses replicas and goes on (``phalanx run --min-nproc``; phalanx.comm.elastic).
+
+Real jobs: ``phalanx run`` (or TF_CONFIG tasks started by hand) with CPU replicas on loopback, one
+replica killed with SIGKILL mid-training. What is checked is what the user relies on: the job
+ends rc 0 after all its steps, every example of every global batch is trained on exactly once
+(the lost replica's share taken by the survivors from the step it died in), the survivors hold
+bit-identical weights, and those weights are the one-device run's (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_ports, run_job, run_jobs, tf_config
+
+STEPS, BATCH, KILL_AT = 40, 24, 20
+
+# The program of the custom-loop tests: each replica records, per step, the example ids it
+# trained on in the attempt that counted and the group's size, its final weights, and what
+# phalanx told it about the group's changes. MEMBER is its rank at the start.
+TRAIN = f"""
+    import json, os, signal, sys
+    import torch
+    import phalanx as px
+
+    member = int(os.environ.get("MEMBER") or os.environ["PHALANX_RANK"])
+    kill = int(os.environ.get("KILL_MEMBER", "-1"))
+    torch.manual_seed(0)
+    strategy = px.MultiWorkerMirroredStrategy() if os.environ.get("MWMS") else px.MirroredStrategy()
+    changes = []
+    px.on_membership_change(lambda c: changes.append(
+        {{"step": c.step, "lost": list(c.lost), "after": len(c.after), "now": strategy.num_replicas_in_sync}}))
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    n = {BATCH} * {STEPS}
+    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g), torch.arange(n))
+    loader = torch.utils.data.DataLoader(data, batch_size={BATCH})
+    seen = {{}}
+
+    def step_fn(x, y, ids):
+        seen[strategy.extended.step] = {{"ids": ids.tolist(), "n": strategy.num_replicas_in_sync}}
+        loss = px.nn.compute_average_loss(((model(x) - y) ** 2).sum(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for i, (x, y, ids) in enumerate(strategy.experimental_distribute_dataset(loader)):
+        if i + 1 == {KILL_AT} and member == kill:
+            if os.environ.get("RAISE"):
+                raise RuntimeError("boom in the step of replica " + str(member))
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = strategy.reduce("SUM", strategy.run(step_fn, args=(x, y, ids)), axis=None)
+    json.dump({{"seen": seen, "changes": changes, "world": strategy.num_replicas_in_sync,
+               "weights": [p.detach().tolist() for p in model.parameters()]}}, open(f"out_{{member}}.json", "w"))
+"""
+
+
+ONE_DEVICE = f"""
+    import json
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    n = {BATCH} * {STEPS}
+    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+    for i in range({STEPS}):
+        xb, yb = x[i * {BATCH} : (i + 1) * {BATCH}], y[i * {BATCH} : (i + 1) * {BATCH}]
+        loss = ((model(xb) - yb) ** 2).sum() / {BATCH}
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    json.dump([p.detach().tolist() for p in model.parameters()], open("one_device.json", "w"))
+"""
+
+
+def one_device(tmp_path: Path, script, body: str, out: str) -> list:
+    """The same training on one device, in a process of its own: what every survivor must hold."""
+    res = run_job([sys.executable, str(script(body, name="one_device.py"))], timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.output
+    return json.loads((tmp_path / out).read_text())
+
+
+def check_survivors(tmp_path: Path, script, survivors: list[int], lost: int, replicas: int) -> None:
+    outs = {m: json.loads((tmp_path / f"out_{m}.json").read_text()) for m in survivors}
+    assert not (tmp_path / f"out_{lost}.json").exists()
+    for m, out in outs.items():
+        assert out["world"] == len(survivors), (m, out["world"])
+        # Told once, between the abandoned attempt of step KILL_AT and its new one.
+        assert [(c["step"], c["after"], c["now"]) for c in out["changes"]] == [
+            (KILL_AT, len(survivors), len(survivors))
+        ]
+        assert len(out["changes"][0]["lost"]) == 1 and f"{lost}" in out["changes"][0]["lost"][0], out["changes"]
+        assert sorted(int(s) for s in out["seen"]) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        sizes = {outs[m]["seen"][str(step)]["n"] for m in survivors}
+        assert sizes == {replicas if step < KILL_AT else len(survivors)}, (step, sizes)
+        if step >= KILL_AT:  # every example of the global batch once, among the survivors
+            ids = sorted(i for m in survivors for i in outs[m]["seen"][str(step)]["ids"])
+            assert ids == list(range((step - 1) * BATCH, step * BATCH)), (step, ids)
+    first = [torch.tensor(w) for w in outs[survivors[0]]["weights"]]
+    for m in survivors[1:]:
+        assert all(torch.equal(a, torch.tensor(b)) for a, b in zip(first, outs[m]["weights"])), m
+    for a, b in zip(first, one_device(tmp_path, script, ONE_DEVICE, "one_device.json")):
+        assert torch.allclose(a, torch.tensor(b), rtol=1e-5, atol=1e-5), (a, b)
+
+
+def elastic_run(tmp_path: Path, script, *args: str, env: dict[str, str], timeout: float = 150) -> object:
+    job = script(TRAIN)
+    return run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", *args, str(job)],
+        timeout=timeout,
+        cwd=tmp_path,
+        env={"PHALANX_COLLECTIVE_TIMEOUT": "60", **env},
+    )
+
+
+def test_mirrored_job_loses_replica_2_and_ends_rc0_with_every_example_once(tmp_path, script):
+    res = elastic_run(tmp_path, script, "-n", "3", "--min-nproc", "2", env={"KILL_MEMBER": "2"})
+    assert res.returncode == 0, res.logs()
+    assert "replica 2 was lost (killed by SIGKILL); the job goes on with 2 replica(s)" in res.output, res.output
+    check_survivors(tmp_path, script, [0, 1], lost=2, replicas=3)
+
+
+def test_multi_worker_job_over_gloo_loses_replica_0(tmp_path, script):
+    # Replica 0 (the chief, whose output is the terminal) goes: the launcher serves the store, and
+    # gloo (no shared memory) carries the collectives; the survivors renumber from 0.
+    res = elastic_run(
+        tmp_path, script, "-n", "3", "--min-nproc", "2", env={"KILL_MEMBER": "0", "MWMS": "1", "PHALANX_SHM": "0"}
+    )
+    assert res.returncode == 0, res.logs()
+    assert "replica 0 was lost" in res.output, res.output
+    check_survivors(tmp_path, script, [1, 2], lost=0, replicas=3)
+
+
+def test_tf_config_job_started_by_hand_loses_a_worker(tmp_path, script):
+    # No launcher: the chief serves the store (a job that loses its chief ends, docs/elastic.md).
+    job = script(TRAIN)
+    workers = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    env = {"MWMS": "1", "PHALANX_MIN_NPROC": "2", "KILL_MEMBER": "2", "PHALANX_COLLECTIVE_TIMEOUT": "60"}
+    results = run_jobs(
+        [([sys.executable, str(job)], {**tf_config(workers, i), **env, "MEMBER": str(i)}) for i in range(3)],
+        timeout=150,
+        cwd=tmp_path,
+    )
+    assert [r.returncode for r in results][:2] == [0, 0], [r.output[-3000:] for r in results]
+    assert results[2].returncode == -9
+    check_survivors(tmp_path, script, [0, 1], lost=2, replicas=3)
+
+
+def test_fewer_survivors_than_the_minimum_end_the_job_naming_the_lost_replica(tmp_path, script):
+    res = elastic_run(tmp_path, script, "-n", "2", "--min-nproc", "2", env={"KILL_MEMBER": "1"}, timeout=90)
+    assert res.returncode != 0
+    assert "root cause" in res.output and "replica 1" in res.output and "SIGKILL" in res.output, res.output
+    assert "goes on" not in res.output
+    assert res.elapsed < 60
+
+
+def test_a_replica_whose_program_raises_fails_the_job_as_without_min_nproc(tmp_path, script):
+    # An error in the program would repeat on the survivors: only a lost process is healed.
+    res = elastic_run(tmp_path, script, "-n", "3", "--min-nproc", "2", env={"KILL_MEMBER": "2", "RAISE": "1"})
+    assert res.returncode != 0
+    assert "boom in the step of replica 2" in res.output and "root cause" in res.output, res.output
+    assert "goes on" not in res.output
+
+
+def test_a_strategy_that_cannot_go_on_without_a_replica_refuses_min_nproc(tmp_path, script):
+    job = script("""
+        import phalanx as px
+        px.experimental.CentralStorageStrategy()
+    """)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--min-nproc", "1", str(job)], timeout=90, cwd=tmp_path
+    )
+    assert res.returncode != 0
+    assert "ClusterSpecError" in res.output and "PHALANX_MIN_NPROC" in res.output, res.output
+    assert "CentralStorageStrategy cannot go on without a lost replica" in res.output, res.output
+
+
+@pytest.mark.parametrize("args", [["-n", "2", "--min-nproc", "3"], ["--ps", "1", "--workers", "2", "--min-nproc", "1"]])
+def test_phalanx_run_refuses_a_minimum_it_cannot_keep(tmp_path, args):
+    res = run_job([sys.executable, "-m", "phalanx.cli", "run", *args, "train.py"], timeout=60, cwd=tmp_path)
+    assert res.returncode == 2
+    assert "--min-nproc" in res.output, res.output
+
+
+KERAS_FIT = f"""
+    import json, os, signal
+    import numpy as np
+    import keras
+    import phalanx as px
+
+    member = int(os.environ["PHALANX_RANK"])
+    strategy = px.MultiWorkerMirroredStrategy()
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=({BATCH} * {STEPS}, 8)).astype("float32")
+    y = rng.normal(size=({BATCH} * {STEPS}, 1)).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+
+    class Watch(keras.callbacks.Callback):
+        changes, batches = [], 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.batches += 1
+            if self.batches == {STEPS} + {KILL_AT} and member == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_membership_change(self, change):
+            self.changes.append([change.step, len(change.after), strategy.num_replicas_in_sync])
+
+    watch = Watch()
+    history = model.fit(x, y, batch_size={BATCH}, epochs=2, shuffle=False, verbose=0, callbacks=[watch])
+    json.dump({{"changes": watch.changes, "loss": history.history["loss"],
+               "weights": [w.tolist() for w in model.get_weights()]}}, open(f"keras_{{member}}.json", "w"))
+"""
+
+
+KERAS_ONE_DEVICE = f"""
+    import json
+    import numpy as np
+    import keras
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=({BATCH} * {STEPS}, 8)).astype("float32")
+    y = rng.normal(size=({BATCH} * {STEPS}, 1)).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    model.fit(x, y, batch_size={BATCH}, epochs=2, shuffle=False, verbose=0)
+    json.dump([w.tolist() for w in model.get_weights()], open("keras_one_device.json", "w"))
+"""
+
+
+def test_keras_fit_under_multi_worker_goes_on_and_its_callbacks_see_the_change(tmp_path, script):
+    import numpy as np
+
+    job = script(KERAS_FIT)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+        timeout=200,
+        cwd=tmp_path,
+        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60"},
+    )
+    assert res.returncode == 0, res.logs()
+    outs = [json.loads((tmp_path / f"keras_{m}.json").read_text()) for m in (0, 1)]
+    assert not (tmp_path / "keras_2.json").exists()
+    step = STEPS + KILL_AT  # the second epoch's step KILL_AT
+    assert [o["changes"] for o in outs] == [[[step, 2, 2]]] * 2
+    assert outs[0]["loss"] == outs[1]["loss"]
+    assert all(np.array_equal(a, b) for a, b in zip(outs[0]["weights"], outs[1]["weights"]))
+    # The same fit on one device: the global batch was the same at every step.
+    reference = one_device(tmp_path, script, KERAS_ONE_DEVICE, "keras_one_device.json")
+    for a, b in zip(outs[0]["weights"], reference):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
