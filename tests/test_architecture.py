@@ -198,7 +198,7 @@ def test_the_fold_check_can_fail():
     planted = {
         "phalanx.core.strategy": {"phalanx.input.distributed_dataset"},
         "phalanx.input.distributed_dataset": {"phalanx.core.global_batch"},
-        "phalanx.launch.api": {"phalanx.comm.communicator"},  # one way only: no fold
+        "phalanx.launch.launcher": {"phalanx.comm.communicator"},  # one way only: no fold
     }
     assert folds(planted) == [
         "core <-> input (L2): phalanx.core.strategy -> phalanx.input.distributed_dataset, "

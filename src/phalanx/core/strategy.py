@@ -54,7 +54,7 @@ from phalanx.errors import (
     ContextError,
     NotCallableError,
 )
-from phalanx.interactive import hooks as _interactive
+from phalanx.interactive import step_hook as _interactive
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results, mean_dtype
 
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from phalanx.interactive import hooks
+from phalanx.interactive import step_hook
 
 __all__ = ["Console", "LeaderPrompt", "end_input"]
 
@@ -34,7 +34,7 @@ class Console(code.InteractiveConsole):
             return False
         if compiled is None:
             return True
-        session = hooks.session or self.session
+        session = step_hook.session or self.session
         session.before_cell(source)
         error = None
         try:

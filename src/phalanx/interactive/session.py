@@ -47,7 +47,7 @@ import weakref
 from typing import Any
 
 from phalanx.errors import LaunchError, PhalanxError
-from phalanx.interactive import console, hooks
+from phalanx.interactive import console, step_hook
 from phalanx.interactive.control import Control
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica
 from phalanx.launch.channel import Channel
@@ -137,7 +137,7 @@ class Session:
                 "(`ipython`, Jupyter), which replays its history",
             )
         started = time.perf_counter()
-        hooks.attach(self, JobMode.NOTEBOOK_SESSION)
+        step_hook.attach(self, JobMode.NOTEBOOK_SESSION)
         try:
             if self.method == "fork":
                 child = self._fork()
@@ -159,7 +159,7 @@ class Session:
             self.shell.events.register("pre_run_cell", self._pre_run_cell)
             self.shell.events.register("post_run_cell", self._post_run_cell)
             if not self.shell.custom_exceptions:  # never replace a handler the user set
-                self.shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
+                self.shell.set_custom_exc((step_hook.InterruptedAtStep,), step_hook.short_traceback)
         elif self.mode == "repl":
             sys.ps1 = console.LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
         what = "the rest of the program" if self.mode == "program" else "every cell from this one on"
@@ -263,7 +263,7 @@ class Session:
         stop = self.control.stop
         if stop and self.steps >= stop:
             self._stopped = True
-            raise hooks.InterruptedAtStep(self.steps)
+            raise step_hook.InterruptedAtStep(self.steps)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         peer_error = self._peer_error()
@@ -408,7 +408,7 @@ class Session:
         trouble_since = time.monotonic() if error is not None else None
         # Replica 0 stopped at the agreed step: the others stop there too, with no collective left
         # to wait in; on a loaded host unwinding a Keras fit and reporting can take seconds.
-        grace = MAX_AGREED_STOP_S if isinstance(error, hooks.InterruptedAtStep) else FAILURE_GRACE_S
+        grace = MAX_AGREED_STOP_S if isinstance(error, step_hook.InterruptedAtStep) else FAILURE_GRACE_S
         interrupted = killed = False
         while True:
             with self._cond:
@@ -590,14 +590,14 @@ class Session:
         if self.mode == "program":
             self._finish_program()
         self.closed = True
-        hooks.detach(self)
+        step_hook.detach(self)
         if self.shell is not None:
             for event, callback in (("pre_run_cell", self._pre_run_cell), ("post_run_cell", self._post_run_cell)):
                 try:
                     self.shell.events.unregister(event, callback)
                 except ValueError:
                     pass
-            if self.shell.custom_exceptions == (hooks.InterruptedAtStep,):
+            if self.shell.custom_exceptions == (step_hook.InterruptedAtStep,):
                 self.shell.set_custom_exc((), None)
         self._stop_replicas(graceful=True)
         self.launcher.close(self._exit_code)
@@ -640,7 +640,7 @@ def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
     Returns ``(launcher, env)``: the session (replica 0's or, in a forked child, the child's) and
     this process's identity.
     """
-    current = hooks.session
+    current = step_hook.session
     if current is not None and (current.rank != 0 or not current.broken):
         return current, current.env_for(strategy, world_size)
     if current is not None:
