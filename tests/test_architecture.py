@@ -214,6 +214,50 @@ def test_no_two_folders_of_one_layer_import_each_other():
     )
 
 
+# File names more than one module may carry: the same concept in parallel wings, never two concepts
+# under one name (a reader who sees ``placement.py`` must know which placement). A new entry needs
+# that argument here.
+SHARED_FILE_NAMES = {
+    "__init__.py": "every package's façade or docstring",
+    "errors.py": "each package's typed errors (phalanx.errors, phalanx.ps.errors, phalanx.checkpoint.errors), in "
+    "the style of the first",
+    "keras.py": "each package's Keras part: _compat/keras.py (Keras' private APIs, beside _compat/torch.py and "
+    "_compat/python.py) and ray_train/keras.py (Ray Train's Keras callback, public: "
+    "phalanx.ray_train.keras.ReportCheckpointCallback in docs/clusters.md)",
+}
+
+
+def shared_file_names(paths: list[Path], allowed: dict[str, str]) -> list[str]:
+    """Every file name that more than one of ``paths`` carries and ``allowed`` does not list, as
+    ``"name: a/name, b/name"`` (paths relative to the package)."""
+    by_name: dict[str, list[str]] = {}
+    for p in paths:
+        by_name.setdefault(p.name, []).append(p.relative_to(PACKAGE).as_posix())
+    return [
+        f"{name}: {', '.join(sorted(found))}"
+        for name, found in sorted(by_name.items())
+        if len(found) > 1 and name not in allowed
+    ]
+
+
+def test_the_shared_file_name_check_can_fail():
+    planted = [PACKAGE / "cluster" / "placement.py", PACKAGE / "comm" / "placement.py", PACKAGE / "ps" / "errors.py"]
+    planted.append(PACKAGE / "errors.py")
+    assert shared_file_names(planted, SHARED_FILE_NAMES) == ["placement.py: cluster/placement.py, comm/placement.py"]
+    assert shared_file_names(planted, {}) == [
+        "errors.py: errors.py, ps/errors.py",
+        "placement.py: cluster/placement.py, comm/placement.py",
+    ]
+
+
+def test_no_two_modules_share_a_file_name_unless_allowed():
+    found = shared_file_names(sorted(PACKAGE.rglob("*.py")), SHARED_FILE_NAMES)
+    assert not found, (
+        "modules of different concepts under one file name (rename one, or argue the shared concept in "
+        "SHARED_FILE_NAMES):\n  " + "\n  ".join(found)
+    )
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of ``graph`` as a list of modules (first == last), or None."""
     WHITE, GREY, BLACK = 0, 1, 2

@@ -149,7 +149,7 @@ def _in_process_cluster():
     """``(transport, task)``: ``task(job)`` builds the ParameterServerStrategy of ``job``:0 of one
     in-process cluster (a chief, a parameter server and a worker), serving when asked to."""
     from phalanx.cluster import SimpleClusterResolver
-    from phalanx.ps.strategy import ParameterServerStrategy
+    from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
     from phalanx.ps.transport import InProcessTransport
 
     transport = InProcessTransport()

@@ -10,7 +10,7 @@ A strategy over N local devices needs N processes, this one among them. They com
 * **a notebook session** (:mod:`phalanx.interactive.session`): a notebook, the REPL, ``python -c``
   or stdin has no script to start again; its replicas are forked (or spawned) and replay the cells;
 * **a parameter-server cluster** is started from outside, task by task (``phalanx run --ps``,
-  :mod:`phalanx.ps.launcher`), so a task finds its identity in its environment as in the first case.
+  :mod:`phalanx.ps.cluster_launcher`), so a task finds its identity in its environment as in the first case.
 
 :func:`phalanx.strategies.launchers.replicas` chooses among them, above what it chooses (as
 Lightning's strategy configures its launcher); every strategy asks it, and nothing else starts

@@ -19,7 +19,7 @@ the cluster shuts down::
 
 Variables. Parameters and buffers registered in ``scope()`` on the chief are created on the
 parameter servers, round robin, with their initial values; a ``variable_partitioner`` splits large
-ones along dimension 0 into shards on several servers (:class:`~phalanx.ps.variables.ShardedVariable`).
+ones along dimension 0 into shards on several servers (:class:`~phalanx.ps.remote_variables.ShardedVariable`).
 The chief's module keeps ordinary tensors, a local copy:
 
 * ``coordinator.join()`` (and :meth:`ParameterServerExtended.pull_variables`) refreshes it
@@ -33,7 +33,7 @@ Optimizer. Create it on the chief over the model's parameters, in or after ``sco
 scheduled function calls ``optimizer.step()`` as usual. On the worker that step sends the
 gradients to the servers, which apply them with an optimizer of the same ``torch.optim`` class and
 hyperparameters; optimizer state (momentum, Adam moments) lives on the server next to its
-variable (:mod:`phalanx.ps.worker`, :mod:`phalanx.ps.server`).
+variable (:mod:`phalanx.ps.worker`, :mod:`phalanx.ps.variable_server`).
 
 Security. Code goes from the coordinator to the workers pickled, so every message is signed with
 the cluster's shared secret (``PHALANX_CLUSTER_SECRET``; ``phalanx run --ps`` makes one) and
@@ -69,7 +69,7 @@ from phalanx.ps import pickling, wire
 from phalanx.ps.client import RemoteTask, call_all
 from phalanx.ps.errors import TaskUnavailableError, task_device
 from phalanx.ps.partitioners import num_shards_for, shard_sizes
-from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
+from phalanx.ps.remote_variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
 
 log = logging.getLogger("phalanx.ps")
 
@@ -466,7 +466,7 @@ class ParameterServerExtended(StrategyExtended):
     def serve(self, strategy: ParameterServerStrategy) -> int:
         """Serves this task's operations until the coordinator shuts the cluster down (0) or the
         chief is not heard from for ``PHALANX_ORPHAN_TIMEOUT`` seconds (3)."""
-        from phalanx.ps.server import ParameterServerService
+        from phalanx.ps.variable_server import ParameterServerService
         from phalanx.ps.worker import WorkerService
 
         stop = threading.Event()
