@@ -35,9 +35,11 @@ class Launcher(Protocol):
     One implementation per route, each over the one :class:`~phalanx.launch.supervisor.Supervisor`:
     :class:`~phalanx.launch.self_launch.ReplicaLauncher` (self-launch, and an embedding R host),
     :class:`~phalanx.launch.runner.ScriptLauncher` (``phalanx run``; it runs the job rather than
-    serving a strategy), and a notebook's :class:`~phalanx.interactive.session.Session` over its
+    serving a strategy), a notebook's :class:`~phalanx.interactive.session.Session` over its
     :class:`~phalanx.launch.notebook.NotebookLauncher` (a notebook replica's
-    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there).
+    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there), and the
+    parameter-server cluster's :class:`~phalanx.ps.cluster_launcher.ClusterLauncher` (``phalanx run
+    --ps``; ``launch/`` never imports it). Each ends with a :class:`~phalanx.launch.lifecycle.RunResult`.
     """
 
     @property
