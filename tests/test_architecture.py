@@ -250,6 +250,35 @@ def test_the_shared_file_name_check_can_fail():
     ]
 
 
+MAX_CLASS_LINES = 400
+LARGE_CLASSES = {"phalanx.core.extended.StrategyExtended"}  # TF's public contract (StrategyExtendedV2 is larger)
+
+
+def large_classes(modules: dict[str, Path], allowed: set[str]) -> list[str]:
+    """Every class of ``modules`` over :data:`MAX_CLASS_LINES` lines not in ``allowed``, as ``"module.Class (n)"``."""
+    out = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES and f"{name}.{node.name}" not in allowed:
+                    out.append(f"{name}.{node.name} ({lines})")
+    return out
+
+
+def test_the_class_size_check_can_fail(tmp_path):
+    planted = tmp_path / "big.py"
+    planted.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "class Small:\n    pass\n")
+    assert large_classes({"phalanx.big": planted}, set()) == [f"phalanx.big.Big ({MAX_CLASS_LINES + 1})"]
+    assert large_classes({"phalanx.big": planted}, {"phalanx.big.Big"}) == []
+
+
+def test_no_class_is_over_400_lines_but_the_extended():
+    """A class that grows past this splits by concern into collaborators it holds (docs/ARCHITECTURE.md)."""
+    found = large_classes(_modules(), LARGE_CLASSES)
+    assert not found, "classes over 400 lines (split them into collaborators they hold):\n  " + "\n  ".join(found)
+
+
 def test_no_two_modules_share_a_file_name_unless_allowed():
     found = shared_file_names(sorted(PACKAGE.rglob("*.py")), SHARED_FILE_NAMES)
     assert not found, (
