@@ -484,8 +484,8 @@ def test_optimizer_state_on_the_servers_is_checkpointed_and_restores_into_3_shar
         Checkpoint(model=model3, optimizer=optimizer3).read(ckpt_path)
         # What the servers hold now, read back from them: values and optimizer state.
         assert torch.equal(table3.read_value(), saved["model"]["table"])
-        specs = [ext._spec_of(p) for p in model3.parameters()]
-        for index, state in enumerate(ext._io.read_optimizer_state(specs)):
+        specs = [ext.server_variables.spec_of(p) for p in model3.parameters()]
+        for index, state in enumerate(ext.shard_io.read_optimizer_state(specs)):
             assert sorted(state) == sorted(saved["optimizer"]["state"][index])
             assert all(torch.equal(state[k], saved["optimizer"]["state"][index][k]) for k in state), index
         assert not optimizer3.state  # the state went to the servers, not kept on the chief
