@@ -202,8 +202,8 @@ def _wire_mode(mode: str) -> None:
 def wire_server(address: str, mode: str) -> None:
     import threading
 
-    from phalanx.ps.server import ParameterServerService
     from phalanx.ps.transport import GrpcTransport
+    from phalanx.ps.variable_server import ParameterServerService
 
     _wire_mode(mode)
     stop = threading.Event()

@@ -198,7 +198,7 @@ def test_the_fold_check_can_fail():
     planted = {
         "phalanx.core.strategy": {"phalanx.input.distributed_dataset"},
         "phalanx.input.distributed_dataset": {"phalanx.core.global_batch"},
-        "phalanx.launch.api": {"phalanx.comm.communicator"},  # one way only: no fold
+        "phalanx.launch.launcher": {"phalanx.comm.communicator"},  # one way only: no fold
     }
     assert folds(planted) == [
         "core <-> input (L2): phalanx.core.strategy -> phalanx.input.distributed_dataset, "
@@ -211,6 +211,79 @@ def test_no_two_folders_of_one_layer_import_each_other():
     found = folds(import_graph(type_only=True))
     assert not found, "folders of one layer that import each other (one of them belongs lower):\n  " + "\n  ".join(
         found
+    )
+
+
+# File names more than one module may carry: the same concept in parallel wings, never two concepts
+# under one name (a reader who sees ``placement.py`` must know which placement). A new entry needs
+# that argument here.
+SHARED_FILE_NAMES = {
+    "__init__.py": "every package's façade or docstring",
+    "errors.py": "each package's typed errors (phalanx.errors, phalanx.ps.errors, phalanx.checkpoint.errors), in "
+    "the style of the first",
+    "keras.py": "each package's Keras part: _compat/keras.py (Keras' private APIs, beside _compat/torch.py and "
+    "_compat/python.py) and ray_train/keras.py (Ray Train's Keras callback, public: "
+    "phalanx.ray_train.keras.ReportCheckpointCallback in docs/clusters.md)",
+}
+
+
+def shared_file_names(paths: list[Path], allowed: dict[str, str]) -> list[str]:
+    """Every file name that more than one of ``paths`` carries and ``allowed`` does not list, as
+    ``"name: a/name, b/name"`` (paths relative to the package)."""
+    by_name: dict[str, list[str]] = {}
+    for p in paths:
+        by_name.setdefault(p.name, []).append(p.relative_to(PACKAGE).as_posix())
+    return [
+        f"{name}: {', '.join(sorted(found))}"
+        for name, found in sorted(by_name.items())
+        if len(found) > 1 and name not in allowed
+    ]
+
+
+def test_the_shared_file_name_check_can_fail():
+    planted = [PACKAGE / "cluster" / "placement.py", PACKAGE / "comm" / "placement.py", PACKAGE / "ps" / "errors.py"]
+    planted.append(PACKAGE / "errors.py")
+    assert shared_file_names(planted, SHARED_FILE_NAMES) == ["placement.py: cluster/placement.py, comm/placement.py"]
+    assert shared_file_names(planted, {}) == [
+        "errors.py: errors.py, ps/errors.py",
+        "placement.py: cluster/placement.py, comm/placement.py",
+    ]
+
+
+MAX_CLASS_LINES = 400
+LARGE_CLASSES = {"phalanx.core.extended.StrategyExtended"}  # TF's public contract (StrategyExtendedV2 is larger)
+
+
+def large_classes(modules: dict[str, Path], allowed: set[str]) -> list[str]:
+    """Every class of ``modules`` over :data:`MAX_CLASS_LINES` lines not in ``allowed``, as ``"module.Class (n)"``."""
+    out = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES and f"{name}.{node.name}" not in allowed:
+                    out.append(f"{name}.{node.name} ({lines})")
+    return out
+
+
+def test_the_class_size_check_can_fail(tmp_path):
+    planted = tmp_path / "big.py"
+    planted.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "class Small:\n    pass\n")
+    assert large_classes({"phalanx.big": planted}, set()) == [f"phalanx.big.Big ({MAX_CLASS_LINES + 1})"]
+    assert large_classes({"phalanx.big": planted}, {"phalanx.big.Big"}) == []
+
+
+def test_no_class_is_over_400_lines_but_the_extended():
+    """A class that grows past this splits by concern into collaborators it holds (docs/ARCHITECTURE.md)."""
+    found = large_classes(_modules(), LARGE_CLASSES)
+    assert not found, "classes over 400 lines (split them into collaborators they hold):\n  " + "\n  ".join(found)
+
+
+def test_no_two_modules_share_a_file_name_unless_allowed():
+    found = shared_file_names(sorted(PACKAGE.rglob("*.py")), SHARED_FILE_NAMES)
+    assert not found, (
+        "modules of different concepts under one file name (rename one, or argue the shared concept in "
+        "SHARED_FILE_NAMES):\n  " + "\n  ".join(found)
     )
 
 

@@ -127,7 +127,7 @@ def test_a_scope_for_another_device_makes_tensors_where_torch_would_and_moves_th
     machine may not have: entering it changes torch's default device for nobody."""
     import torch
 
-    from phalanx.core.variables import Capture, capture
+    from phalanx.core.capture import Capture, capture
 
     seen = []
     spec = Capture(object(), torch.device("cuda:0"), seen.append, seen.append)

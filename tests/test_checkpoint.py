@@ -40,7 +40,7 @@ from phalanx.checkpoint import (
     register_sharded_type,
     storage,
 )
-from phalanx.checkpoint.sharding import split_full
+from phalanx.checkpoint.sharded_variables import split_full
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

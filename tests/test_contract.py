@@ -100,12 +100,12 @@ def test_global_hooks_are_listed_and_removable():
     strategy = px.OneDeviceStrategy("cpu")
     with strategy.scope():
         torch.nn.Linear(1, 1)
-    assert {"phalanx.core.variables.parameter", "phalanx.core.variables.buffer"} <= set(hooks.installed())
-    assert hooks.remove("phalanx.core.variables.parameter")
-    assert "phalanx.core.variables.parameter" not in hooks.installed()
+    assert {"phalanx.core.capture.parameter", "phalanx.core.capture.buffer"} <= set(hooks.installed())
+    assert hooks.remove("phalanx.core.capture.parameter")
+    assert "phalanx.core.capture.parameter" not in hooks.installed()
     with strategy.scope():  # the next capture installs it again
         torch.nn.Linear(1, 1)
-    assert "phalanx.core.variables.parameter" in hooks.installed()
+    assert "phalanx.core.capture.parameter" in hooks.installed()
     with pytest.raises(ValueError, match="unknown global hook kind"):
         hooks.install("x", "no_such_kind", print)
 
@@ -149,7 +149,7 @@ def _in_process_cluster():
     """``(transport, task)``: ``task(job)`` builds the ParameterServerStrategy of ``job``:0 of one
     in-process cluster (a chief, a parameter server and a worker), serving when asked to."""
     from phalanx.cluster import SimpleClusterResolver
-    from phalanx.ps.strategy import ParameterServerStrategy
+    from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
     from phalanx.ps.transport import InProcessTransport
 
     transport = InProcessTransport()

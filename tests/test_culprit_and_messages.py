@@ -326,8 +326,8 @@ def _optimizer_step_taken():
 
 def test_every_malformed_signed_frame_is_refused_as_invalid_naming_the_field(_optimizer_step_taken):
     from phalanx.ps import wire
-    from phalanx.ps.server import ParameterServerService
     from phalanx.ps.transport import ServiceError
+    from phalanx.ps.variable_server import ParameterServerService
 
     service = ParameterServerService(0, SECRET)
     signer = wire.Signer(SECRET, "chief:0")

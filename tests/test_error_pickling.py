@@ -122,7 +122,7 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
     "phalanx.checkpoint.errors.CheckpointMismatchError": (("model", "shape differs"), {"hint": "same model"}),
     "phalanx.checkpoint.errors.UnsupportedStateError": (("opt/extra", {1, 2}), {}),
     # elsewhere
-    "phalanx.input.spec.EmptyOptionalError": (("no value",), {}),
+    "phalanx.input.element_spec.EmptyOptionalError": (("no value",), {}),
     "phalanx.input.distributed_dataset.UnbatchedElementError": ((3,), {}),
     "phalanx.input.distributed_dataset.SmallBatchWarning": (("batch of 1 for 2 replicas",), {}),
     "phalanx.interactive.session.ReplicaCellError": ((1, "failed", "Traceback ...\nValueError: x"), {}),

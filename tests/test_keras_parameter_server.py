@@ -190,7 +190,7 @@ def test_input_without_length_needs_steps_per_epoch():
 def test_servers_rmsprop_is_keras_rmsprop_step_for_step(momentum, centered):
     """torch.optim.RMSprop puts epsilon outside the square root and diverged where Keras' learns;
     the servers run Keras' own update."""
-    from phalanx.ps.server import optimizer_class
+    from phalanx.ps.variable_server import optimizer_class
 
     torch.manual_seed(0)
     start = torch.randn(5, 3)

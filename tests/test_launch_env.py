@@ -76,7 +76,7 @@ def test_free_port_falls_back_to_the_kernels_pick(
 
 
 def test_free_port_returns_distinct_ports_in_a_row() -> None:
-    # ps/launcher picks the ports of all its tasks before any of them binds one.
+    # ps/cluster_launcher picks the ports of all its tasks before any of them binds one.
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
 

@@ -22,7 +22,7 @@ def test_launchers_do_not_import_torch():
     1.5 s of CPU and ~300 MB per launcher, for a process that only starts and watches others."""
     code = """
 import sys
-import phalanx, phalanx.launch.runner, phalanx.launch.self_launch, phalanx.launch.supervisor, phalanx.ps.launcher
+import phalanx, phalanx.launch.runner, phalanx.launch.self_launch, phalanx.launch.supervisor, phalanx.ps.cluster_launcher
 from phalanx.cli import _oversubscription_warning, build_parser
 build_parser().parse_args(["run", "-n", "2", "train.py"])
 _oversubscription_warning(64)

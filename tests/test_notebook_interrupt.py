@@ -32,7 +32,7 @@ finally:
 """
 FIT_AGAIN = "model.fit(X, Y, epochs=1, batch_size=32, verbose=0); record({name!r}, model)"
 # How long an agreed stop may take on a loaded host before the test calls it stuck (the session
-# itself escalates after phalanx.interactive.session.MAX_AGREED_STOP_S).
+# itself escalates after phalanx.interactive.interrupts.MAX_AGREED_STOP_S).
 STOP_BOUND_S = 20.0
 
 

@@ -1,4 +1,4 @@
-"""The packing policy of phalanx.comm.placement, alone and wired to shared words (issue 33).
+"""The packing policy of phalanx.comm.core_packing, alone and wired to shared words (issue 33).
 
 The multi-process test, replicas packed beside real busy processes, is in test_shm_allreduce.py.
 Here the readings the policy takes from /proc are fed in, so every branch runs on a quiet or a busy
@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from phalanx.comm import placement
-from phalanx.comm.placement import SPREAD, Placement, decide
+from phalanx.comm import core_packing
+from phalanx.comm.core_packing import SPREAD, Placement, decide
 
 W = 0.25  # a window
 
@@ -64,14 +64,14 @@ class _Host:
         self.times = [(0, 0), (0, 0)]  # each rank's (run, runnable) ns, as schedstat gives them
         self.idle = 0.0  # seconds the other cores have been idle
         self.rank, self.now = 0, 100.0
-        monkeypatch.setattr(placement, "_OWNER", _Shared([None]))
-        monkeypatch.setattr(placement, "_clock", lambda: self.now)
-        monkeypatch.setattr(placement, "_schedstat", lambda: self.times[self.rank])
-        monkeypatch.setattr(placement, "_idle_s", lambda cores: self.idle)
-        monkeypatch.setattr(placement, "_current_core", lambda: 1)
-        monkeypatch.setattr(placement, "_free_descendants", lambda core, mask, replicas=(): None)
+        monkeypatch.setattr(core_packing, "_OWNER", _Shared([None]))
+        monkeypatch.setattr(core_packing, "_clock", lambda: self.now)
+        monkeypatch.setattr(core_packing, "_schedstat", lambda: self.times[self.rank])
+        monkeypatch.setattr(core_packing, "_idle_s", lambda cores: self.idle)
+        monkeypatch.setattr(core_packing, "_current_core", lambda: 1)
+        monkeypatch.setattr(core_packing, "_free_descendants", lambda core, mask, replicas=(): None)
         moved: list[set[int]] = []
-        monkeypatch.setattr(placement, "_set_threads", moved.append)
+        monkeypatch.setattr(core_packing, "_set_threads", moved.append)
         self.moved = moved
 
     def window(self, leader: Placement, peer: Placement, run: float, runnable: float, idle: float = 0.0) -> None:
@@ -131,7 +131,7 @@ def test_packing_is_a_setting_with_a_typed_error(monkeypatch):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packing needs two cores")
 def test_one_placement_per_process_moves_its_threads(monkeypatch):
-    monkeypatch.setattr(placement, "_OWNER", [None])
+    monkeypatch.setattr(core_packing, "_OWNER", [None])
     first, second = Placement(True, 2), Placement(True, 2)
     assert first.enabled and not second.enabled  # two leaders would take turns moving the threads
     first.restore()
@@ -143,7 +143,7 @@ def test_a_process_started_while_packed_gets_the_original_mask_back(monkeypatch)
     """subprocess, spawn and forkserver do not run the fork hook: the kernel hands them the packed
     mask, and the rank gives it back to them and to their own children at its next window, and
     when it spreads."""
-    monkeypatch.setattr(placement, "_OWNER", [None])
+    monkeypatch.setattr(core_packing, "_OWNER", [None])
     # A peer replica that is this rank's child (a self-launched job's replica 1), packed by itself.
     peer = subprocess.Popen(["sleep", "60"], start_new_session=True)
     started: list[subprocess.Popen] = [peer]
@@ -179,7 +179,7 @@ def test_a_process_started_while_packed_gets_the_original_mask_back(monkeypatch)
 
 
 def test_the_proc_readers_read_this_host():
-    run, runnable = placement._schedstat()
+    run, runnable = core_packing._schedstat()
     assert run > 0 and runnable >= 0  # this thread has run
-    assert placement._current_core() in os.sched_getaffinity(0)
-    assert placement._idle_s(sorted(os.sched_getaffinity(0))) > 0  # the cores idled at some point since boot
+    assert core_packing._current_core() in os.sched_getaffinity(0)
+    assert core_packing._idle_s(sorted(os.sched_getaffinity(0))) > 0  # the cores idled at some point since boot

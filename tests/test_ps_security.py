@@ -20,10 +20,10 @@ pytest.importorskip("cryptography")
 
 from phalanx.ps import frame_mac, pickling, wire  # noqa: E402
 from phalanx.ps.errors import AuthenticationError  # noqa: E402
-from phalanx.ps.server import ParameterServerService  # noqa: E402
 from phalanx.ps.service import RefusalLog  # noqa: E402
 from phalanx.ps.testing import InProcessCluster  # noqa: E402
 from phalanx.ps.transport import ServiceError  # noqa: E402
+from phalanx.ps.variable_server import ParameterServerService  # noqa: E402
 
 from conftest import free_ports, run_job, run_jobs  # noqa: E402
 

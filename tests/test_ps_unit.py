@@ -29,10 +29,10 @@ from phalanx.ps.partitioners import (
     num_shards_for,
     shard_sizes,
 )
-from phalanx.ps.server import ParameterServerService
+from phalanx.ps.remote_variables import Shard, ShardedVariable, VariableSpec, join_values, split_value
 from phalanx.ps.testing import InProcessCluster
 from phalanx.ps.transport import InProcessTransport, ServiceError, TransportError
-from phalanx.ps.variables import Shard, ShardedVariable, VariableSpec, join_values, split_value
+from phalanx.ps.variable_server import ParameterServerService
 
 SECRET = b"unit-test-secret-0123456789"
 
@@ -110,7 +110,7 @@ def test_sharded_variable_round_trip_through_parameter_servers():
         assert all(torch.equal(a, b) for a, b in zip(on_servers, torch.tensor_split(new, 3)))
         cluster.strategy.extended.pull_variables()
         assert torch.equal(emb.weight.detach(), new)
-        from phalanx.checkpoint.sharding import is_sharded
+        from phalanx.checkpoint.sharded_variables import is_sharded
 
         assert is_sharded(handle) and handle._phalanx_layout_() == {"axis": 0, "shards": [4, 3, 3]}
 
@@ -337,7 +337,7 @@ def test_chief_writes_reach_the_servers_and_a_restarted_coordinator_reuses_varia
         assert seen == 3 * 8
         counts = [len(ps.keys) for ps in cluster.ps]
         # A second chief (a restarted coordinator) on the same servers: same variables, their values kept.
-        from phalanx.ps.strategy import ParameterServerStrategy
+        from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
         chief2 = ParameterServerStrategy(
             SimpleClusterResolver(cluster.spec, task_type="chief", task_id=0),
@@ -484,8 +484,8 @@ def test_optimizer_state_on_the_servers_is_checkpointed_and_restores_into_3_shar
         Checkpoint(model=model3, optimizer=optimizer3).read(ckpt_path)
         # What the servers hold now, read back from them: values and optimizer state.
         assert torch.equal(table3.read_value(), saved["model"]["table"])
-        specs = [ext._spec_of(p) for p in model3.parameters()]
-        for index, state in enumerate(ext._io.read_optimizer_state(specs)):
+        specs = [ext.server_variables.spec_of(p) for p in model3.parameters()]
+        for index, state in enumerate(ext.shard_io.read_optimizer_state(specs)):
             assert sorted(state) == sorted(saved["optimizer"]["state"][index])
             assert all(torch.equal(state[k], saved["optimizer"]["state"][index][k]) for k in state), index
         assert not optimizer3.state  # the state went to the servers, not kept on the chief

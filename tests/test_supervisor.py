@@ -290,7 +290,7 @@ if kind == "chief":
 # `phalanx run --ps 1 --workers 1` with a short shutdown grace; it ends as the CLI does (os._exit:
 # no interpreter teardown over torch once every task has ended).
 _PS_LAUNCH = (
-    "import os, sys\nfrom phalanx.ps.launcher import ClusterJob, run_cluster\n"
+    "import os, sys\nfrom phalanx.ps.cluster_launcher import ClusterJob, run_cluster\n"
     "code = run_cluster(ClusterJob(command=(sys.argv[1],), num_ps=1, num_workers=1, log_dir=sys.argv[2], "
     "shutdown_grace=float(sys.argv[3])))\nsys.stdout.flush(); sys.stderr.flush(); os._exit(code)"
 )

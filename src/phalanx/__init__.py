@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names below, eagerly
     )
     from phalanx.profiler import profile
     from phalanx.progress_bar import progress
-    from phalanx.ps.strategy import ParameterServerStrategy
+    from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
     from phalanx.server import Server
     from phalanx.strategies.central_storage import CentralStorageStrategy
     from phalanx.strategies.fully_sharded import FullyShardedStrategy
@@ -114,7 +114,7 @@ _ATTRIBUTES = {
     "CommunicationOptions": "phalanx.strategies.multi_worker_mirrored",
     "MultiWorkerMirroredStrategy": "phalanx.strategies.multi_worker_mirrored",
     "OneDeviceStrategy": "phalanx.strategies.one_device",
-    "ParameterServerStrategy": "phalanx.ps.strategy",
+    "ParameterServerStrategy": "phalanx.ps.parameter_server_strategy",
     "TPUStrategy": "phalanx.strategies.tpu",
     "Strategy": "phalanx.core.strategy",
     "StrategyExtended": "phalanx.core.extended",

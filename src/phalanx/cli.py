@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         # The parameter-server wing plans its cluster (roles, addresses, TLS material) and runs it
         # on launch/'s Supervisor; launch/ itself knows nothing of parameter servers.
         from phalanx.launch import settings
-        from phalanx.ps.launcher import ClusterJob, run_cluster
+        from phalanx.ps.cluster_launcher import ClusterJob, run_cluster
 
         return run_cluster(
             ClusterJob(

@@ -112,7 +112,7 @@ class Settings:
             size 1, so that one GPU runs the real collective path (tests, benchmarks).
         shm: PHALANX_SHM=0 turns the shared-memory all-reduce off.
         shm_packing: PHALANX_SHM_PACKING=0 keeps a host's replicas on their own cores when the host
-            is crowded (by default they move onto one core then; see ``phalanx.comm.placement``).
+            is crowded (by default they move onto one core then; see ``phalanx.comm.core_packing``).
         host_id: PHALANX_HOST_ID, what makes processes "the same host" (default: the hostname).
         bind_address: PHALANX_BIND_ADDRESS, overrides the host a parameter-server task listens on.
         cluster_secret: PHALANX_CLUSTER_SECRET (never shown in ``repr``).

@@ -9,7 +9,7 @@ Example:
 import abc
 
 from phalanx.ps.closures import PerWorkerDataset, PerWorkerIterator, RemoteValue
-from phalanx.ps.coordinator import ClusterCoordinator, WorkerState
+from phalanx.ps.cluster_coordinator import ClusterCoordinator, WorkerState
 from phalanx.ps.errors import CancelledError, ParameterServerUnavailableError
 
 

@@ -4,9 +4,9 @@ import sys as _sys
 
 from phalanx import coordinator
 from phalanx.checkpoint.preemption import PreemptionCheckpointHandler, TerminationConfig
-from phalanx.input.context import InputOptions, ValueContext
+from phalanx.input.input_context import InputOptions, ValueContext
 from phalanx.ps import partitioners
-from phalanx.ps.strategy import ParameterServerStrategy
+from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 from phalanx.strategies.central_storage import CentralStorageStrategy
 from phalanx.strategies.multi_worker_mirrored import (
     CollectiveCommunication,

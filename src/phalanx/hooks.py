@@ -53,7 +53,7 @@ def install(name: str, kind: str, fn: Callable[..., Any]) -> bool:
     """Installs ``fn`` as a global torch hook of ``kind`` under ``name``, unless ``name`` is installed.
 
     Args:
-        name: a unique name (by convention the installing module's, e.g. ``phalanx.core.variables.parameter``).
+        name: a unique name (by convention the installing module's, e.g. ``phalanx.core.capture.parameter``).
         kind: one of :data:`KINDS`.
         fn: the hook, with the signature torch's registration function expects.
 

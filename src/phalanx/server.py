@@ -56,7 +56,7 @@ class Server:
         *,
         cluster_secret: str | bytes | None = None,
     ) -> None:
-        from phalanx.ps.strategy import ParameterServerStrategy
+        from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
         if protocol not in (None, "grpc"):
             raise ClusterSpecError("protocol", protocol, "phalanx servers speak gRPC only", hint='use protocol="grpc"')

@@ -22,9 +22,9 @@ Modules: :mod:`~phalanx.checkpoint.checkpoint` (Checkpoint, load_state, latest_c
 :mod:`~phalanx.checkpoint.preemption`, :mod:`~phalanx.checkpoint.storage` (the format and atomic
 writes), :mod:`~phalanx.checkpoint.codec` (state trees to JSON and tensors),
 :mod:`~phalanx.checkpoint.coordination` (who writes), :mod:`~phalanx.checkpoint.distributed`
-(DTensor state: each replica writes its shards with torch.distributed.checkpoint), :mod:`~phalanx.checkpoint.sharding`
-(the extension point for sharded variables), :mod:`~phalanx.checkpoint.keras_objects` (Keras
-objects by object graph, deferred restoration).
+(DTensor state: each replica writes its shards with torch.distributed.checkpoint),
+:mod:`~phalanx.checkpoint.sharded_variables` (the extension point for sharded variables),
+:mod:`~phalanx.checkpoint.keras_objects` (Keras objects by object graph, deferred restoration).
 """
 
 from phalanx.checkpoint.checkpoint import Checkpoint, LoadStatus, latest_checkpoint, load_state
@@ -38,7 +38,7 @@ from phalanx.checkpoint.errors import (
 )
 from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.preemption import PreemptionCheckpointHandler, TerminationConfig
-from phalanx.checkpoint.sharding import register_sharded_type
+from phalanx.checkpoint.sharded_variables import register_sharded_type
 from phalanx.checkpoint.state import Counter, InputPosition
 
 __all__ = [

@@ -10,7 +10,7 @@ path), and ``restore`` / ``read``. Objects may be
   layers, and values for variables that do not exist yet (a Keras optimizer's slots, a model
   without an input shape) are restored when they are created (:mod:`~phalanx.checkpoint.keras_objects`);
 * tensors (a parameter, a 0-d step tensor): restored in place with ``copy_``;
-* sharded variables (:mod:`phalanx.checkpoint.sharding`), stored as one full tensor;
+* sharded variables (:mod:`phalanx.checkpoint.sharded_variables`), stored as one full tensor;
 * numbers, strings, None, and lists / tuples / dicts of those and of tensors: containers are
   restored in place where they can be, immutable values are replaced, so read them back as
   ``checkpoint.<name>``.
@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx.checkpoint import codec, distributed, keras_objects, sharding, storage
+from phalanx.checkpoint import codec, distributed, keras_objects, sharded_variables, storage
 from phalanx.checkpoint.coordination import Participants, find_strategy
 from phalanx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from phalanx.checkpoint.state import Counter
@@ -434,7 +434,7 @@ def _owning_strategy(owners: Any) -> Any:
 
 
 def _kind(obj: Any) -> str:
-    if sharding.is_sharded(obj):
+    if sharded_variables.is_sharded(obj):
         return "sharded"
     if isinstance(obj, torch.Tensor):
         return "tensor"
@@ -446,7 +446,7 @@ def _kind(obj: Any) -> str:
 
 
 def _state_of(obj: Any, objects: dict[str, Any]) -> Any:
-    if sharding.is_sharded(obj) or isinstance(obj, torch.Tensor):
+    if sharded_variables.is_sharded(obj) or isinstance(obj, torch.Tensor):
         return obj
     if keras_objects.is_keras_object(obj):
         # By graph position, not by Keras' auto names; objects the Checkpoint names itself (an
@@ -468,12 +468,12 @@ def _file_name(name: str, taken: dict[str, Any]) -> str:
 
 def _restore_into(name: str, live: Any, saved: Any) -> Any:
     """Puts ``saved`` into ``live`` in place; returns the replacement for immutable values."""
-    if sharding.is_sharded(live):
+    if sharded_variables.is_sharded(live):
         if not isinstance(saved, torch.Tensor):
             raise CheckpointMismatchError(
                 name, f"a sharded variable needs a tensor; the checkpoint holds {type(saved).__name__}"
             )
-        sharding.assign_full(live, saved)
+        sharded_variables.assign_full(live, saved)
         return _IN_PLACE
     if isinstance(live, torch.Tensor):
         _copy_tensor(name, live, saved)

@@ -9,7 +9,7 @@ module's tensor file is its ``state_dict`` and loads with plain ``torch.load``.
 
 Dicts with string keys stay JSON objects; other containers are tagged (``{"__tuple__": [...]}``,
 ``{"__dict__": [[key, value], ...]}`` for integer or ``"__"``-prefixed keys), so tuples stay tuples
-and integer keys stay integers. Floats (``nan`` and ``inf`` included) round-trip exactly. Sharded variables (:mod:`phalanx.checkpoint.sharding`) become one full tensor.
+and integer keys stay integers. Floats (``nan`` and ``inf`` included) round-trip exactly. Sharded variables (:mod:`phalanx.checkpoint.sharded_variables`) become one full tensor.
 
 Example:
     >>> import torch
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phalanx.checkpoint import distributed, sharding
+from phalanx.checkpoint import distributed, sharded_variables
 from phalanx.checkpoint.errors import CheckpointMismatchError, UnsupportedStateError
 
 _PRIMITIVES = (str, int, float, bool, type(None))
@@ -59,8 +59,8 @@ def encode(tree: Any, *, label: str = "", materialize: bool = True) -> tuple[Any
         return ref
 
     def walk(value: Any, path: str) -> Any:
-        if not isinstance(value, _PRIMITIVES) and sharding.is_sharded(value):
-            full, layout = sharding.full_tensor(value)
+        if not isinstance(value, _PRIMITIVES) and sharded_variables.is_sharded(value):
+            full, layout = sharded_variables.full_tensor(value)
             return tensor_ref(full, path, layout)
         if isinstance(value, torch.Tensor):
             return tensor_ref(value, path)

@@ -15,7 +15,7 @@ A checkpoint is a directory (``/ckpts/ckpt-7``)::
 
 Every tensor that is whole on this process is stored whole, so any world size or shard count
 can restore it: parameters are mirrored, and phalanx's sharded variables are concatenated on save
-(:mod:`phalanx.checkpoint.sharding`). A module's file is its ``state_dict``, readable with plain
+(:mod:`phalanx.checkpoint.sharded_variables`). A module's file is its ``state_dict``, readable with plain
 ``torch.load``. DTensors (FullyShardedStrategy's shards) are the exception: no replica may hold a
 whole one, so every replica writes its own shards with ``torch.distributed.checkpoint`` (DCP)
 into ``sharded/``, which reshards on load. Every byte that is not JSON goes through

@@ -6,7 +6,6 @@ Example:
     True
 """
 
-from phalanx.cluster.base import ClusterResolver
 from phalanx.cluster.detect import resolve_from_environment
 from phalanx.cluster.placement import (
     TaskPlacement,
@@ -14,6 +13,7 @@ from phalanx.cluster.placement import (
     own_address_for,
 )
 from phalanx.cluster.ray_train import RayTrainClusterResolver
+from phalanx.cluster.resolver import ClusterResolver
 from phalanx.cluster.simple import SimpleClusterResolver
 from phalanx.cluster.slurm import SlurmClusterResolver, expand_hostlist
 from phalanx.cluster.spec import ClusterSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from phalanx.cluster.base import ClusterResolver
 from phalanx.cluster.ray_train import RayTrainClusterResolver, ray_train_context
+from phalanx.cluster.resolver import ClusterResolver
 from phalanx.cluster.slurm import SlurmClusterResolver
 from phalanx.cluster.tfconfig import TFConfigClusterResolver
 from phalanx.cluster.torchelastic import TorchElasticClusterResolver

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from phalanx.cluster.base import ClusterResolver, env_int
 from phalanx.cluster.placement import TaskPlacement, own_address_for
+from phalanx.cluster.resolver import ClusterResolver, env_int
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.errors import ClusterSpecError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from phalanx.cluster.base import ClusterResolver, format_master_url
+from phalanx.cluster.resolver import ClusterResolver, format_master_url
 from phalanx.cluster.spec import ClusterSpec
 
 

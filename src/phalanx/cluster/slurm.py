@@ -6,8 +6,8 @@ import os
 import re
 from collections.abc import Mapping
 
-from phalanx.cluster.base import ClusterResolver, env_int
 from phalanx.cluster.placement import TaskPlacement, cluster_digest, own_address_for
+from phalanx.cluster.resolver import ClusterResolver, env_int
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.errors import ClusterSpecError
 

@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from phalanx.cluster.base import ClusterResolver
+from phalanx.cluster.resolver import ClusterResolver
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.cluster.validation import parse_tf_config, validate_cluster
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from phalanx.cluster.base import ClusterResolver, env_int, format_master_url
 from phalanx.cluster.placement import (
     TaskPlacement,
     check_local_layout,
@@ -20,6 +19,7 @@ from phalanx.cluster.placement import (
     own_address_for,
     resolve_address,
 )
+from phalanx.cluster.resolver import ClusterResolver, env_int, format_master_url
 from phalanx.cluster.spec import ClusterSpec
 from phalanx.errors import ClusterSpecError
 

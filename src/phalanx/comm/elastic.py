@@ -242,7 +242,7 @@ class ElasticCommunicator:
             now = time.monotonic()
             if now >= look:
                 look = now + _LIVENESS_S
-                if self._inner.unresponsive_peers():
+                if self._inner.failures.unresponsive_peers():
                     return self._control.compare_set(key, "", _ABORT.decode())
             if now >= deadline:
                 raise CollectiveTimeoutError(
@@ -286,7 +286,7 @@ class ElasticCommunicator:
         deadline = start + self._spec.rendezvous_timeout
         while not self._control.check([members_key]):
             here = [m for m in old if self._control.check([f"{gen}/here/{m}"])]
-            dead = {old[r] for r in old_inner.unresponsive_peers()}
+            dead = {old[r] for r in old_inner.failures.unresponsive_peers()}
             missing = [m for m in old if m not in here]
             if all(m in dead for m in missing):
                 self._control.compare_set(members_key, "", json.dumps(here))

@@ -6,7 +6,8 @@ on GPUs, with gloo beside it for CPU tensors), with the same-host shared-memory 
 handshake), :mod:`~phalanx.comm.process_group` (group construction) and
 :mod:`~phalanx.comm.health` (heartbeat, dead-peer diagnosis); it translates transport failures
 into typed errors naming the peer (:meth:`ProcessGroupCommunicator.errors_for`) and, when a
-collective fails, asks every replica where it is (:mod:`~phalanx.comm.diagnosis`). The protocol,
+collective fails, asks every replica where it is (:mod:`~phalanx.comm.diagnosis`), through the
+collaborator it holds for failures (``comm.failures``, :mod:`~phalanx.comm.peer_failures`). The protocol,
 :class:`~phalanx.comm.communicator.GroupSpec` and the one-replica communicator are in
 :mod:`phalanx.comm.communicator`.
 """
@@ -15,35 +16,26 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import os
-import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
-from phalanx.comm import diagnosis, health, process_group, rendezvous, snapshot
-from phalanx.comm.communicator import _JOB_STORES, GroupSpec, Handle, classify
+from phalanx.comm import health, process_group, rendezvous, snapshot
+from phalanx.comm.communicator import _JOB_STORES, GroupSpec, Handle
 from phalanx.comm.flight_recorder import FlightRecorder
+from phalanx.comm.peer_failures import PeerFailures
 from phalanx.comm.timing import MARKS, CollectiveTimes
 from phalanx.errors import (
     CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DistributedRuntimeError,
     PeerUnavailableError,
-    PhalanxError,
     ReplicaDivergenceError,
 )
 
 HEARTBEAT_INTERVAL = health.HEARTBEAT_INTERVAL  # read at construction (tests shorten it)
-# How long the replica whose collective failed waits for its peers' snapshots before it raises: an
-# agent answers at its next heartbeat (0.25 s), after measuring its CPU share (0.1 s) when it is
-# in its own code. A peer that has not answered by then is named silent.
-DIAGNOSIS_WAIT = 2.0
 
 
 class _NoTensor:
@@ -82,9 +74,8 @@ class ProcessGroupCommunicator:
         self.times = CollectiveTimes()  # the job report's share of time spent in collectives
         # The last collectives, for a diagnosis when the job hangs or its replicas' calls part.
         self.recorder = FlightRecorder(spec.recorder_size)
-        self._explained = False  # one diagnosis per communicator: the first failure is the one to explain
-        self._waiting_for_chief: dict[str, Any] | None = None
-        self._chief_calls = 0
+        # Typed errors naming the peer, the job's diagnosis, the chief's wait (comm/peer_failures.py).
+        self.failures = PeerFailures(self, HEARTBEAT_INTERVAL)
         self._closed = False
         me = spec.name(spec.rank)
         rendezvous.check_bind_address(spec.bind_addr, me, spec.address(spec.rank))  # its port for errors
@@ -95,7 +86,7 @@ class ProcessGroupCommunicator:
         # One store (one listening port) per job and process, shared by the program's strategies;
         # each strategy's keys live under its own prefix (a program may create several).
         key = (spec.master_addr, spec.master_port, spec.rank == 0)
-        if spec.store is not None:
+        if spec.store is not None:  # an elastic job's re-formed group: the store its first group met in
             self._store = spec.store
         elif key not in _JOB_STORES:
             if not _JOB_STORES:
@@ -131,6 +122,7 @@ class ProcessGroupCommunicator:
             notice=notice,
             address=spec.address,
         )
+        self.failures.joined(self._store, self._peers)
         self._subgroups: list[Any] = []
         self._host_ranks: list[int] = []  # the global ranks of this host, in shared-memory rank order
         # gloo's threads start here; peers have all checked in above, so this is short.
@@ -160,7 +152,7 @@ class ProcessGroupCommunicator:
             )
         self._shm, self._cross = self._fast_path()
         # The heartbeat thread also answers requests for this replica's snapshot (a diagnosis).
-        self._agent = snapshot.Agent(self._snapshot, self.rank, spec.run_dir or None)
+        self._agent = snapshot.Agent(self.failures.take_snapshot, self.rank, spec.run_dir or None)
         self._heartbeat = health.Heartbeat(self._store, self.rank, HEARTBEAT_INTERVAL, on_beat=self._agent.poll)
         # Closed at exit even when the strategy that made it is long gone: the heartbeat thread keeps
         # this object alive, and a daemon thread still inside a store call when the interpreter
@@ -215,227 +207,25 @@ class ProcessGroupCommunicator:
         return self._shm is not None
 
     # ----------------------------------------------------------------------------- failures
-    def _unresponsive_peers(self) -> list[int]:
-        """Ranks that are dead or stopped (see :func:`phalanx.comm.health.unresponsive_peers`)."""
-        return health.unresponsive_peers(
-            self._peers,
-            self.rank,
-            rendezvous.host_id(),
-            (self.spec.master_addr, self.spec.master_port),
-            self.world_size,
-            HEARTBEAT_INTERVAL,
-            prefix=rendezvous.joined_prefix(self.spec.master_addr, self.spec.master_port) + self.spec.store_prefix,
-        )
-
-    @contextlib.contextmanager
-    def errors_for(self, operation: str, slot: int | None = None) -> Iterator[None]:
-        """Translates a transport failure inside the block into a typed error naming the peer.
-
-        The kind (:func:`classify`): a timeout (:class:`~phalanx.errors.CollectiveTimeoutError`)
-        or a lost peer (:class:`~phalanx.errors.PeerUnavailableError`); the peers are found by
-        :func:`phalanx.comm.health.unresponsive_peers`. With the flight recorder's ``slot`` of the
-        collective, the failure is diagnosed (:meth:`explain`) before it is raised.
-        """
-        try:
-            yield
-        except RuntimeError as e:  # DistBackendError, DistNetworkError, DistStoreError, ...
-            if isinstance(e, PhalanxError):  # already typed (shared memory, the guard): keep it
-                raise
-            text = str(e)
-            peers = [self.spec.name(r) for r in self._unresponsive_peers()] if hasattr(self, "_peers") else []
-            first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            error = classify(e)(
-                peers, step=self.step, operation=f"{operation} on {self.spec.name(self.rank)}", cause=first_line[:300]
-            )
-            if slot is not None:
-                self.recorder.failed(slot, error)
-                error = self.explain(error)
-            raise error from e
-
-    # ----------------------------------------------------------------------------- diagnosis
-    def _snapshot(self, request: int | str | None = None, sample_cpu: bool | None = None) -> dict[str, Any]:
-        """This replica's snapshot (:func:`phalanx.comm.snapshot.take`); its CPU share is measured
-        only where its main thread is in its own code (in a collective it is phalanx's)."""
-        if sample_cpu is None:
-            sample_cpu = self.recorder.current() is None
-        waiting = self._waiting_for_chief
-        if waiting is not None:
-            waiting = {**waiting, "seconds": time.monotonic() - waiting["since"]}
-        return snapshot.take(
-            rank=self.rank,
-            world_size=self.world_size,
-            name=self.spec.name(self.rank),
-            recorder=self.recorder,
-            step=self.step,
-            timeout=self.spec.timeout,
-            host=str(self._peers[self.rank]["host"]) if hasattr(self, "_peers") else "",
-            request=request,
-            sample_cpu=sample_cpu,
-            waiting_for_chief=waiting,
-        )
-
-    def _short_store(self) -> Any:
-        """A fresh client of the job's store that gives up within 2 s (the shared one waits for
-        minutes, and its server lives in rank 0's process, which may be the one stopped)."""
-        client = dist.TCPStore(
-            self.spec.master_addr,
-            self.spec.master_port,
-            self.world_size,
-            False,
-            datetime.timedelta(seconds=2),
-            wait_for_workers=False,
-        )
-        prefix = rendezvous.joined_prefix(self.spec.master_addr, self.spec.master_port) + self.spec.store_prefix
-        return dist.PrefixStore(prefix, client) if prefix else client
+    # Translation into typed errors, the job's diagnosis and the chief's wait: comm/peer_failures.py.
+    def errors_for(self, operation: str, slot: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Translates a transport failure inside the block into a typed error naming the peer; with the
+        flight recorder's ``slot`` of the collective, diagnosed first (:meth:`PeerFailures.errors_for`)."""
+        return self.failures.errors_for(operation, slot)
 
     def diagnose(self, *, trigger: dict[str, Any] | None = None, live: bool = False) -> dict[str, Any]:
-        """Asks every replica where it is (through the job's store) and puts the answers side by side.
+        """Asks every replica where it is and puts the answers side by side (:meth:`PeerFailures.diagnose`)."""
+        return self.failures.diagnose(trigger=trigger, live=live)
 
-        Returns:
-            The diagnosis (:func:`phalanx.comm.diagnosis.analyse`): where each replica is, where
-            their collectives part, and the cause.
-        """
-        own = self._snapshot(sample_cpu=False)
-        absent: dict[int, str] = {}
-        here = str(self._peers[self.rank]["host"])
-        ended: dict[int, dict[str, Any]] = {}
-        for r, info in self._peers.items():
-            if r != self.rank and str(info["host"]) == here:
-                state = health.process_state(int(info["pid"]))
-                if state in ("", "Z", "X"):
-                    final = snapshot.final(self.spec.run_dir, r, int(info["pid"])) if self.spec.run_dir else None
-                    if final is not None:  # it closed its strategy first: its program has ended
-                        ended[r] = final
-                    else:
-                        absent[r] = f"dead: its process ({info['pid']}) has exited"
-                elif state in ("T", "t"):
-                    absent[r] = f"stopped (SIGSTOP or a debugger), pid {info['pid']}"
-        ask = [r for r in range(self.world_size) if r != self.rank and r not in absent and r not in ended]
-        found: dict[int, dict[str, Any]] = {}
-        if ask:
-            try:
-                found = snapshot.ask(self._short_store(), ask, DIAGNOSIS_WAIT)
-            except Exception:  # noqa: BLE001 - the store is gone (rank 0 died): say what is known here
-                found = {}
-        found.update(ended)
-        found[self.rank] = own
-        return diagnosis.analyse(
-            found,
-            self.world_size,
-            absent=absent,
-            names={r: self.spec.name(r) for r in range(self.world_size)},
-            trigger=trigger,
-            timeout=self.spec.timeout,
-            live=live,
-        )
-
-    @contextlib.contextmanager
-    def wait_for_chief(self, what: str = "chief-only work") -> Iterator[None]:
-        """Work that the chief (rank 0) does alone inside the block; the others wait at its end.
-
-        Every rank enters the block (at the same point of the program); rank 0 runs the work, the
-        others run nothing and then wait for it for as long as rank 0 is alive, however long that
-        is: not ``PHALANX_COLLECTIVE_TIMEOUT``, which bounds each collective. Rank 0 declares the
-        work meanwhile (a diagnosis shows it busy, not stuck). A rank 0 that dies ends the wait at
-        once with :class:`~phalanx.errors.PeerUnavailableError`; one that is stopped (SIGSTOP, a
-        debugger) or whose heartbeat stops for longer than the collective timeout, with
-        :class:`~phalanx.errors.CollectiveTimeoutError`.
-        """
-        self._chief_calls += 1
-        key = f"chief/done/{self._chief_calls}"
-        if self.rank == 0:
-            self.recorder.busy = {"what": what, "since": time.time()}
-            try:
-                yield
-            finally:
-                self.recorder.busy = None
-                self._store.set(key, "1")  # also after an error the chief caught: the others go on
-            return
-        yield
-        self._await_chief(key, what)
-
-    def _await_chief(self, key: str, what: str) -> None:
-        """Waits until rank 0 sets ``key``, bounded by rank 0's liveness (see :meth:`wait_for_chief`)."""
-        me, chief = self.spec.name(self.rank), self.spec.name(0)
-        operation = f"waiting for the chief's {what} on {me}"
-        info = self._peers[0]
-        local = str(info["host"]) == str(self._peers[self.rank]["host"])
-        start = last_sign = time.monotonic()
-        last_beat: Any = None
-        self._waiting_for_chief = {"what": what, "since": start}
-        try:
-            while True:
-                try:
-                    if self._store.check([key]):
-                        return
-                    beat = self._store.get("hb/0") if not local and self._store.check(["hb/0"]) else None
-                except RuntimeError as e:  # the store lives in rank 0's process: it is gone
-                    raise PeerUnavailableError(
-                        [chief], step=self.step, operation=operation, cause=f"its store stopped answering ({e})"
-                    ) from e
-                now = time.monotonic()
-                if local:
-                    state = health.process_state(int(info["pid"]))
-                    if state in ("", "Z", "X"):
-                        raise PeerUnavailableError(
-                            [chief], step=self.step, operation=operation, cause=f"its process ({info['pid']}) exited"
-                        )
-                    if state not in ("T", "t"):
-                        last_sign = now
-                elif beat != last_beat:
-                    last_beat, last_sign = beat, now
-                if now - last_sign > self.spec.timeout:
-                    raise CollectiveTimeoutError(
-                        [chief],
-                        step=self.step,
-                        operation=operation,
-                        cause=f"stopped, or its heartbeat silent, for {self.spec.timeout:g}s",
-                        hint="a stopped chief (SIGSTOP, a debugger) holds the job; PHALANX_COLLECTIVE_TIMEOUT bounds "
-                        "how long the others wait for a chief that shows no sign of life",
-                    )
-                time.sleep(0.05)
-        finally:
-            self._waiting_for_chief = None
+    def wait_for_chief(self, what: str = "chief-only work") -> contextlib.AbstractContextManager[None]:
+        """Work that the chief (rank 0) does alone inside the block; the others wait at its end, for
+        as long as rank 0 is alive (:meth:`PeerFailures.wait_for_chief`)."""
+        return self.failures.wait_for_chief(what)
 
     def explain(self, error: BaseException) -> BaseException:
-        """The error to raise for a failed collective: ``error`` with the job's diagnosis.
-
-        The first time only (the first failure is the one that matters; a diagnosis takes up to
-        :data:`DIAGNOSIS_WAIT` seconds): asks every replica where it is, writes the diagnosis to the
-        run directory, if any, for the launcher to print (or, where no launcher prints it: a
-        ``TF_CONFIG`` job started by hand, a notebook, prints it on this process's stderr), and
-        returns a typed error that names the replica that caused the failure
-        and its line. A timeout or a lost peer becomes an error of the same class naming the cause;
-        any other error keeps its class and gains the diagnosis in its message. Never raises.
-        """
-        if (
-            self._explained
-            or not self.spec.explain_failures
-            or not isinstance(error, DistributedRuntimeError)
-            or not hasattr(self, "_peers")
-        ):
-            return error
-        self._explained = True
-        trigger = {"rank": self.rank, "name": self.spec.name(self.rank), "error": type(error).__name__}
-        marked = diagnosis.diagnosing(self.spec.run_dir, self.rank) if self.spec.run_dir else contextlib.nullcontext()
-        kept = ""
-        with marked:  # the launcher does not stop this replica before the diagnosis is written
-            try:
-                found = self.diagnose(trigger=trigger)
-            except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
-                return error
-            if self.spec.run_dir:
-                try:
-                    kept = diagnosis.write(
-                        found, self.spec.run_dir, keep_within=self.spec.timeout + DIAGNOSIS_WAIT + 10
-                    )
-                except OSError:
-                    kept = ""
-        if not (kept and self.spec.launcher_prints):
-            with contextlib.suppress(Exception):  # a closed or broken stderr never hides the error
-                sys.stderr.write("phalanx: " + diagnosis.render(found, where=kept or None) + "\n")
-                sys.stderr.flush()
-        return _with_diagnosis(error, found, self.spec.name(self.rank))
+        """The error to raise for a failed collective: ``error`` with the job's diagnosis, the first
+        time only (:meth:`PeerFailures.explain`). Never raises."""
+        return self.failures.explain(error)
 
     _translate = errors_for  # the former private name
 
@@ -495,7 +285,7 @@ class ProcessGroupCommunicator:
                 # them; else those found dead or stopped.
                 local = [int(p.split()[-1]) for p in e.peers if p.startswith("rank ") and p.split()[-1].isdigit()]
                 peers = [self.spec.name(self._host_ranks[j]) for j in local if j < len(self._host_ranks)]
-                peers = peers or [self.spec.name(r) for r in self._unresponsive_peers()]
+                peers = peers or [self.spec.name(r) for r in self.failures.unresponsive_peers()]
                 raise type(e)(
                     peers,
                     step=self.step,
@@ -608,23 +398,19 @@ class ProcessGroupCommunicator:
         self._subgroups.append(group)
         return group
 
-    def unresponsive_peers(self) -> list[int]:
-        """The ranks that are dead or stopped now (a process gone from ``/proc``, a silent heartbeat)."""
-        return self._unresponsive_peers()
+    def _groups(self) -> list[Any]:
+        return [*self._subgroups, self.pg] + ([self._cpu_pg] if self._cpu_pg is not self.pg else [])
 
     def abort(self) -> None:
-        """Leaves this group's collectives for good, so that no peer waits for this rank in one.
-
-        A peer waiting in shared memory raises at its next liveness check; one waiting in gloo
-        sees its connections to this rank close. The heartbeat goes on (peers still see this rank
-        alive) until :meth:`close`. An elastic job calls it before it re-forms its group.
-        """
+        """Leaves this group's collectives for good, so that no peer waits for this rank in one: a
+        peer waiting in shared memory raises at its next liveness check, one in gloo sees this
+        rank's connections close. The heartbeat goes on until :meth:`close` (an elastic job calls
+        this before it re-forms its group, while its peers still look for the dead)."""
         if self._shm is not None:
             self._shm.abort()
-        for group in [*self._subgroups, self.pg] + ([self._cpu_pg] if self._cpu_pg is not self.pg else []):
-            if group is not None:
-                with contextlib.suppress(Exception):
-                    group.shutdown()
+        for group in self._groups():
+            with contextlib.suppress(Exception):
+                group.shutdown()
 
     def close(self) -> None:
         """Stops the heartbeat and releases the process group; idempotent.
@@ -639,55 +425,16 @@ class ProcessGroupCommunicator:
         atexit.unregister(self.close)
         if self.spec.run_dir and self.recorder.seq:
             with contextlib.suppress(Exception):  # a diagnosis never fails a job
-                snapshot.leave_final(self.spec.run_dir, {**self._snapshot(sample_cpu=False), "ended": True})
+                snapshot.leave_final(
+                    self.spec.run_dir, {**self.failures.take_snapshot(sample_cpu=False), "ended": True}
+                )
         if self._shm is not None:
             self._shm.close()
         self._heartbeat.stop()
         # Shut the groups down while the interpreter is whole: gloo's worker threads may still hold
         # work objects whose tensors need the GIL to be freed.
-        groups = [*self._subgroups, self.pg] + ([self._cpu_pg] if self._cpu_pg is not self.pg else [])
-        for group in groups:
+        for group in self._groups():
             with contextlib.suppress(Exception):
                 group.shutdown()
         self._subgroups.clear()
         self.pg = self._cpu_pg = None
-
-
-def _with_diagnosis(error: BaseException, found: dict[str, Any], me: str) -> BaseException:
-    """``error`` rewritten from a diagnosis: the cause named, its line, and the diagnosis' hint.
-
-    A timeout or a lost peer (:class:`~phalanx.errors.PeerUnavailableError`) becomes an error of the
-    same class naming the replicas that caused it (the launcher's report reads them from the
-    message too); any other error keeps its class and instance, with the diagnosis appended.
-    """
-    culprits = found.get("culprits") or []
-    names = {e["rank"]: e["name"] for e in found.get("replicas") or []}
-    parting = found.get("parting")
-    if isinstance(error, PeerUnavailableError):
-        if parting is not None:
-            named = [names[r] for r in culprits if names.get(r) != me] or list(error.peers)
-            cause = f"the replicas' collectives part at #{parting['seq']}, {parting['verdict']}: {parting['text']}; "
-            cause += "; ".join(parting.get("calls") or [])
-        elif culprits:
-            named = [names[r] for r in culprits]
-            where = {e["rank"]: e["where"] for e in found.get("replicas") or []}
-            cause = "; ".join(f"{names[r]} is {where[r]}" for r in culprits)
-            if isinstance(error, CollectiveTimeoutError) and found.get("timeout"):
-                cause += f"; it did not arrive within {found['timeout']:g}s"
-            else:
-                cause += f"; {error.cause}"
-        else:
-            named, cause = list(error.peers), f"{error.cause}; {found.get('summary')}"
-        new = type(error)(
-            named, step=error.step, operation=error.operation, cause=cause[:2000], hint=found.get("hint") or None
-        )
-        new.diagnosis = found
-        return new
-    if parting is not None:
-        text = f"{error.args[0].split(' HINT: ')[0]} The replicas' collectives part at #{parting['seq']}, "
-        text += f"{parting['verdict']}: {parting['text']} ({'; '.join(parting.get('calls') or [])})."
-        error.args = (f"{text} HINT: {parting['hint']}",)
-        if hasattr(error, "hint"):
-            error.hint = parting["hint"]
-    error.diagnosis = found  # type: ignore[attr-defined]
-    return error

@@ -47,6 +47,9 @@ every replica the sum: an all-reduce (MirroredStrategy, and CentralStorage on th
 shared-memory transport, whose other replicas drop the sum). Where only one replica gets it
 (CentralStorage's gloo reduce to replica 0), ``guard_collective`` runs the guard in a small
 all-reduce of its own just before the first bucket.
+
+Here: the hooks, launching buckets and finishing each pass. The buckets' layout, buffers and flags
+are :mod:`phalanx.comm.buckets`; sparse gradients are summed by :mod:`phalanx.comm.sparse_gradients`.
 """
 
 from __future__ import annotations
@@ -65,100 +68,15 @@ from phalanx._compat.torch import (
     tracing,
     will_accumulate,
 )
-from phalanx.errors import GroupChangedError, SparseGradientError
+from phalanx.comm.buckets import Bucket, aliases, plan, write_flags
+from phalanx.comm.sparse_gradients import sum_sparse
+from phalanx.errors import GroupChangedError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 
 
-class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        # Each parameter's place in the flat buffer, computed once: the hooks run every pass.
-        self.sizes = [p.numel() for p in params]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
-        self.numel = sum(self.sizes)
-        self.ready: set[int] = set()
-        self.handle: Any = None
-        # The persistent buffer: the gradients, one "used" flag per parameter, then the guard's room.
-        self.flat: torch.Tensor | None = None
-        # Per parameter: its gradient's place in `flat`, shaped as the parameter; None for a
-        # parameter that is not contiguous (channels_last): its .grad keeps autograd's layout.
-        self.views: list[torch.Tensor | None] = []
-        # One flag per parameter after the gradients, as a view of `flat`: 1 where this replica's
-        # pass gave the parameter a (dense) gradient, 0 where not; summed, 0 means no replica used
-        # it. A second row flags the parameters this replica gave a sparse gradient.
-        self.flags: torch.Tensor | None = None
-        self.sparse_flags: torch.Tensor | None = None
-        # The guard's room after the flags (bucket 0), as a view of `flat`: made once, not per pass.
-        self.tail: torch.Tensor | None = None
-        # Whether this synchronisation zeroed the buffer for its first gradient (see _start_bucket).
-        self.started = False
-        # Positions of the parameters this replica did not use in the pass being synchronised,
-        # and, once summed, of those no replica used.
-        self.unused_here: list[int] = []
-        self.unused_everywhere: set[int] = set()
-        self.sparse_here: list[int] = []  # given a sparse gradient here (nn.Embedding(sparse=True))
-
-    @property
-    def head(self) -> int:
-        """Elements before the guard's room: the gradients and the two rows of flags."""
-        return self.numel + 2 * len(self.params)
-
-    def buffer(self, room: int = 0) -> torch.Tensor:
-        """The bucket's flat buffer with ``room`` elements after the gradients and flags; made on first use.
-
-        Made again, bigger, when the guard first needs room (bucket 0's first pass): gradients
-        already moved in are carried over, and their parameters' ``.grad`` follow.
-        """
-        flat = self.flat
-        if flat is not None and flat.numel() - self.head >= room:
-            return flat
-        first = self.params[0]
-        grown = torch.empty(self.head + room, dtype=first.dtype, device=first.device)
-        views: list[torch.Tensor | None] = []
-        for i, p in enumerate(self.params):
-            offset, n = self.offsets[i], self.sizes[i]
-            view = grown[offset : offset + n].view(p.shape) if p.is_contiguous() else None
-            if view is not None and flat is not None and p.grad is not None and _aliases(p.grad, self.views[i]):
-                view.copy_(p.grad)
-                p.grad = view
-            views.append(view)
-        self.flat, self.views, self.tail = grown, views, None
-        n = len(self.params)
-        self.flags = grown[self.numel : self.numel + n]
-        self.sparse_flags = grown[self.numel + n : self.head]
-        return grown
-
-
-def _write_flags(flags: torch.Tensor, value: int, others: list[int]) -> None:
-    """Sets every flag of a bucket's row to ``value``, but those at ``others`` to ``1 - value``."""
-    flags.fill_(value)
-    if not others:
-        return
-    if flags.is_cuda:  # one small kernel each, no index tensor copied from the host (which would wait)
-        for pos in others:
-            flags[pos : pos + 1].fill_(1 - value)
-    else:
-        flags[others] = 1 - value
-
-
-def _nnz(g: torch.Tensor | None) -> int:
-    """The rows a coalesced sparse gradient holds (0 for none)."""
-    return 0 if g is None else int(g.indices().shape[1])
-
-
 def _shape_of(param: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(param.shape)}"
-
-
-def _aliases(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
-    """Whether ``grad`` is ``view`` (the same memory, the same layout; a sparse one never is)."""
-    return (
-        view is not None
-        and grad.layout == torch.strided
-        and grad.data_ptr() == view.data_ptr()
-        and grad.is_contiguous()
-    )
 
 
 class GradientReducer:
@@ -205,7 +123,7 @@ class GradientReducer:
         # False where the summed gradient is not needed (CentralStorage's non-chief replicas):
         # dropping .grad frees its memory and makes the optimizer skip the parameter.
         self._keep_grads = keep_grads
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self._hooks: list[Any] = []
         self._pending = False
@@ -222,8 +140,8 @@ class GradientReducer:
         # Returns parameters to join at the end of a pass (thawed inside it); None: none can.
         self.late: Callable[[], list[torch.nn.Parameter]] | None = None
         self.reductions = 0  # completed backward passes, for strategies that act after one
-        # An elastic job's vote, after every bucket's sum arrived and before any is used: returns
-        # when every replica has its sum, raises GroupChangedError when the step is abandoned.
+        # An elastic job's vote once every bucket has its sum, before any is used: returns when
+        # every replica has them, raises GroupChangedError when the step is abandoned (comm/elastic.py).
         self.commit: Callable[[], None] | None = None
         self.skipped = 0  # backward passes under no_sync()
         # id(param) -> the .grad it held before this synchronisation's first backward (summed already)
@@ -240,29 +158,12 @@ class GradientReducer:
     ) -> None:
         """Registers more parameters (created in a later ``scope()``) in new buckets."""
         params = [p for p in params if p.requires_grad and id(p) not in self._where]
-        if not params:
-            return
-        total = sum(p.numel() * p.element_size() for p in params)
-        cap = max(1, min(bucket_bytes, -(-total // num_packs))) if num_packs > 1 else bucket_bytes
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for p in reversed(params):
-            # A bucket holds one dtype and one device, so it can be flattened into one tensor.
-            if current and (
-                size + p.numel() * p.element_size() > cap
-                or p.dtype != current[0].dtype
-                or p.device != current[0].device
-            ):
-                self._new_bucket(current)
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self._new_bucket(current)
+        for group in plan(params, bucket_bytes, num_packs):
+            self._new_bucket(group)
 
     def _new_bucket(self, params: list[torch.nn.Parameter]) -> None:
         index = len(self._buckets)
-        bucket = _Bucket(params)
+        bucket = Bucket(params)
         self._buckets.append(bucket)
         if len({p.device for bucket in self._buckets for p in bucket.params[:1]}) > 1:
             # Hooks of different devices run on different autograd threads: a bucket is launched
@@ -272,9 +173,7 @@ class GradientReducer:
             self._where[id(p)] = (index, pos)
             self._hooks.append(p.register_hook(self._make_hook(p, bucket, index, pos)))
 
-    def _make_hook(
-        self, p: torch.nn.Parameter, bucket: _Bucket, index: int, pos: int
-    ) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, p: torch.nn.Parameter, bucket: Bucket, index: int, pos: int) -> Callable[[torch.Tensor], None]:
         """The one hook of ``p``: runs just before autograd accumulates its gradient into ``.grad``.
 
         It points ``.grad`` at the parameter's place in the bucket (zeroed when the bucket started
@@ -306,7 +205,7 @@ class GradientReducer:
                 if key not in dirty:
                     dirty.add(key)
                     if not bucket.started:
-                        self._start_bucket(bucket)
+                        bucket.start()
                     current = p.grad
                     if current is not None:
                         # Summed in an earlier pass: kept out of this pass's all-reduce, added back after.
@@ -333,21 +232,6 @@ class GradientReducer:
         self._task = task
         self._task_accumulates = will_accumulate(node)
 
-    def _start_bucket(self, bucket: _Bucket) -> None:
-        """The first gradient of ``bucket`` in this synchronisation: its buffer is zeroed for autograd
-        to accumulate into. A parameter whose ``.grad`` lives there (an earlier sum, kept by a user
-        who did not zero it) gets a copy of its own first: the zeroing must not touch it."""
-        bucket.started = True
-        fresh = bucket.flat is None
-        flat = bucket.buffer()
-        if not fresh:
-            views = bucket.views
-            for i, p in enumerate(bucket.params):
-                g = p.grad
-                if g is not None and _aliases(g, views[i]):
-                    p.grad = g.clone()
-        flat[: bucket.numel].zero_()
-
     def _launch_complete(self) -> None:
         """Launches, in order, every bucket whose parameters have all been reached and accumulated."""
         self._deferred = False
@@ -359,15 +243,12 @@ class GradientReducer:
         except BaseException as e:
             # The pass is over (autograd re-raises this from backward): leave .grad as the user
             # left it and the reducer ready for the next pass.
-            if isinstance(e, GroupChangedError):
-                self._abandon()
-            self._reset()
+            self._reset(abandoned=isinstance(e, GroupChangedError))
             raise
 
     def _in_bucket(self, p: torch.nn.Parameter) -> bool:
         b, pos = self._where[id(p)]
-        views = self._buckets[b].views
-        return bool(views) and p.grad is not None and _aliases(p.grad, views[pos])
+        return self._buckets[b].holds_grad_of(pos)
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradient is synchronised here."""
@@ -404,7 +285,7 @@ class GradientReducer:
             if p.requires_grad and p.grad is not None:
                 self._dirty.add(id(p))  # its gradient is this pass's: autograd made .grad, no hook of ours ran
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if bucket is self._buckets[0] and self.guard is not None and self._guard_collective is not None:
             self._guard_collective(self.guard)  # before any bucket: its collective comes first on every replica
         # The guard rides in room after bucket 0's gradients: one collective per bucket, as before,
@@ -424,7 +305,7 @@ class GradientReducer:
             place = flat[offset : offset + bucket.sizes[pos]]
             if grad is not None and grad.layout != torch.strided and key in dirty and p.requires_grad:
                 # A sparse gradient (nn.Embedding(sparse=True)): summed apart, as TF's IndexedSlices
-                # are (see _sum_sparse); here it adds zeros, flagged sparse and not densely used.
+                # are (see sparse_gradients.sum_sparse); here it adds zeros, flagged sparse and not densely used.
                 place.zero_()
                 unused.append(pos)
                 sparse.append(pos)
@@ -447,12 +328,12 @@ class GradientReducer:
                 unused.append(pos)
             elif p.grad is None:
                 place.zero_()
-            elif not _aliases(p.grad, bucket.views[pos]):
+            elif not aliases(p.grad, bucket.views[pos]):
                 place.view(p.shape).copy_(p.grad)  # not contiguous (channels_last), or replaced by the user
         if self.scale != 1.0:
             flat[: bucket.numel].mul_(self.scale)
-        _write_flags(bucket.flags, 1, unused)
-        _write_flags(bucket.sparse_flags, 0, sparse)
+        write_flags(bucket.flags, 1, unused)
+        write_flags(bucket.sparse_flags, 0, sparse)
         if room:
             tail = bucket.tail
             if tail is None or tail.numel() != room:
@@ -461,20 +342,6 @@ class GradientReducer:
             self._checked_by = guard
         end = bucket.head + room
         bucket.handle = self._all_reduce(flat if flat.numel() == end else flat[:end])
-
-    def _unused_everywhere(self, bucket: _Bucket, summed: torch.Tensor) -> tuple[set[int], set[int]]:
-        """The positions of ``bucket``'s parameters that no replica used (their summed flag is 0),
-        and of those some replica gave a sparse gradient (summed apart).
-
-        Read only where this replica did not use one densely itself (a parameter it used is used),
-        so the usual pass reads nothing back: on a GPU, reading would wait for the all-reduce.
-        """
-        if not bucket.unused_here:
-            return set(), set()
-        n = len(bucket.params)
-        flags = summed[bucket.numel : bucket.head].tolist()
-        sparse = {pos for pos in bucket.unused_here if flags[n + pos] > 0}
-        return {pos for pos in bucket.unused_here if flags[pos] == 0 and pos not in sparse}, sparse
 
     def check_pending(self) -> None:
         """Checks the guard of the last pass if it is still unread (GPU replicas read it one pass late).
@@ -500,6 +367,7 @@ class GradientReducer:
     def _finish(self) -> None:
         if not self._pending:
             return  # the pass failed in a hook and was reset there
+        abandoned = False
         try:
             with self._lock:
                 if self.late is not None and self.sync:
@@ -508,8 +376,7 @@ class GradientReducer:
                     self._launch(self._buckets[self._next])
                     self._next += 1
             self.check_pending()  # the previous pass's guard, on a GPU (long finished by now)
-            if self.commit is not None:
-                # An elastic job: every replica applies this pass's sum, or none does (see commit).
+            if self.commit is not None:  # an elastic job: every replica uses the sums, or none does
                 for bucket in self._buckets:
                     bucket.handle.wait()
                 self.commit()
@@ -530,7 +397,7 @@ class GradientReducer:
                         tail = flat[flat.numel() - self._guard_len :]
                     self._checked_by.verify_later(tail)  # type: ignore[union-attr]
                 views = bucket.views
-                gone, sparse = self._unused_everywhere(bucket, flat)
+                gone, sparse = bucket.read_unused(flat)
                 bucket.unused_everywhere = gone
                 for pos, p in enumerate(bucket.params):
                     if not p.requires_grad:
@@ -569,74 +436,21 @@ class GradientReducer:
                     else:
                         p.grad.copy_(chunk)  # keeps the layout autograd gave it (channels_last, ...)
             if sparse_sums:
-                self._sum_sparse(sparse_sums)
+                sum_sparse(sparse_sums, self._all_gather, self._name_of)
             self.reductions += 1
         except GroupChangedError:
-            self._abandon()
+            abandoned = True
             raise
         finally:
-            self._reset()
+            self._reset(abandoned)
 
-    def _abandon(self) -> None:
-        """An elastic job's group changed during this pass, which every replica abandons: ``.grad``
-        goes back to what it held before the pass (None after ``zero_grad()``), not summed with a
-        partial sum, so the step can run again on the re-formed group."""
-        base = self._base
-        for bucket in self._buckets:
-            for p in bucket.params:
-                key = id(p)
-                if key in self._dirty or key in base:
-                    p.grad = base.pop(key, None)
-        base.clear()
-
-    def _sum_sparse(self, items: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
-        """Sums the sparse gradients of ``items`` across the replicas, as TF sums ``IndexedSlices``:
-        every replica's indices and values are gathered (none from a replica that did not use the
-        parameter) and the result is one coalesced sparse gradient, added to what ``.grad`` held.
-
-        Every replica reaches this with the same parameters in the same order (the summed flags
-        say which). One all-gather of the counts for them all, then two per parameter.
-
-        Raises:
-            SparseGradientError: this strategy's reduction cannot gather (CentralStorage's).
-        """
-        if self._all_gather is None:
-            raise SparseGradientError(
-                self._name_of(items[0][0]),
-                "this strategy (its gradients reach one replica)",
-                hint="use MirroredStrategy or MultiWorkerMirroredStrategy, or a dense embedding (sparse=False)",
-            )
-        local = []
-        for p, _ in items:
-            g = p.grad if p.grad is not None and p.grad.layout != torch.strided else None
-            local.append(g.coalesce() if g is not None else None)
-        device = items[0][0].device
-        counts = torch.tensor([_nnz(g) for g in local], dtype=torch.int64, device=device)
-        every = [c.tolist() for c in self._all_gather(counts)]
-        for i, ((p, prior), g) in enumerate(zip(items, local)):
-            nnz = [row[i] for row in every]
-            most = max(nnz)
-            dense_shape = tuple(p.shape)
-            if most == 0:
-                p.grad = prior
-                continue
-            sparse_dims = g.sparse_dim() if g is not None else 1
-            indices = torch.zeros(sparse_dims, most, dtype=torch.int64, device=device)
-            values = torch.zeros((most, *dense_shape[sparse_dims:]), dtype=p.dtype, device=device)
-            if g is not None:
-                indices[:, : _nnz(g)] = g.indices()
-                values[: _nnz(g)] = g.values()
-            all_indices = self._all_gather(indices)
-            all_values = self._all_gather(values)
-            summed = torch.sparse_coo_tensor(
-                torch.cat([ix[:, :n] for ix, n in zip(all_indices, nnz)], dim=1),
-                torch.cat([v[:n] for v, n in zip(all_values, nnz)]),
-                dense_shape,
-            ).coalesce()
-            p.grad = summed if prior is None else prior + summed
-
-    def _reset(self) -> None:
-        """Ends a pass, finished or failed: clears its state and puts set-aside gradients back."""
+    def _reset(self, abandoned: bool = False) -> None:
+        """Ends a pass, finished or failed: clears its state and puts set-aside gradients back; an
+        ``abandoned`` one (an elastic job's group changed) leaves ``.grad`` as before it, no partial sum."""
+        if abandoned:
+            for p in [p for bucket in self._buckets for p in bucket.params]:
+                if id(p) in self._dirty or id(p) in self._base:
+                    p.grad = self._base.pop(id(p), None)
         for bucket in self._buckets:
             bucket.ready.clear()
             bucket.handle = None

@@ -57,8 +57,8 @@ import numpy as np
 import torch
 
 from phalanx.comm import wait_stats
+from phalanx.comm.core_packing import Placement
 from phalanx.comm.health import alive, start_time
-from phalanx.comm.placement import Placement
 from phalanx.comm.wait_stats import WaitStats
 from phalanx.config import Settings
 from phalanx.errors import (
@@ -221,7 +221,7 @@ class _Spin:
     replica's waits cost it a median 1.5 % of its CPU time (the yields hand the core over), and
     the loaded jobs that collapse, DDP's as often as phalanx's, lose seconds runnable in the run
     queue, mostly while the scheduler keeps the replicas on different cores (which
-    `~phalanx.comm.placement` now prevents on a crowded host). Other budgets did not do better in the
+    `~phalanx.comm.core_packing` now prevents on a crowded host). Other budgets did not do better in the
     same interleaved runs: sleeping at once 1,595 samples/s against 2,259 for this one (median of
     6 jobs), 20 ms of spin 1,597 against 2,259, 50 ms 1,995 against 3,065 (5 jobs); sleeping after
     50 us when more tasks were runnable than cores, 0.70x the pre-futex wait (5 rounds). Sleeping
@@ -342,7 +342,7 @@ class ShmAllReduce:
         stats_dir: a directory where, at close, this rank writes its wait statistics (see
             `~phalanx.comm.wait_stats.record_wait_stats`); default: the one it set, if any.
         packing: whether the ranks move onto one core while the host is crowded, and back when
-            it calms down (see `~phalanx.comm.placement`); default: ``PHALANX_SHM_PACKING``
+            it calms down (see `~phalanx.comm.core_packing`); default: ``PHALANX_SHM_PACKING``
             (on unless set to 0).
 
     Example:

@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from phalanx.comm.placement import Placement
+    from phalanx.comm.core_packing import Placement
 
 __all__ = ["WaitStats", "record_wait_stats", "stats_dir"]
 

@@ -3,7 +3,7 @@
 * :mod:`~phalanx.core.strategy`: ``Strategy``, ``StrategyExtended`` (the contract the rest of
   phalanx relies on), ``DefaultStrategy`` and the extension points integrations join;
 * :mod:`~phalanx.core.context`: the scope stack, ``ReplicaContext`` and ``merge_call``;
-* :mod:`~phalanx.core.variables`, :mod:`~phalanx.core.distributed_variable`: capturing the
+* :mod:`~phalanx.core.capture`, :mod:`~phalanx.core.distributed_variable`: capturing the
   variables created in ``scope()``; ``phalanx.Variable`` and TF's aggregation rules;
 * :mod:`~phalanx.core.losses` (public as ``phalanx.nn``), :mod:`~phalanx.core.regroup`,
   :mod:`~phalanx.core.process`, :mod:`~phalanx.core.compiled`,

@@ -21,7 +21,7 @@ import torch
 from phalanx import config
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.guard import ReplicaGuard
-from phalanx.core import variables
+from phalanx.core import capture
 from phalanx.input import global_batch
 
 
@@ -96,4 +96,4 @@ class ConsistencyChecks:
 
     def labelled(self) -> list[tuple[str, torch.Tensor]]:
         """The synchronised parameters with their names, for the fingerprint (a mismatch names one)."""
-        return [(variables.label_of(p), p) for p in self._parameters()]
+        return [(capture.label_of(p), p) for p in self._parameters()]

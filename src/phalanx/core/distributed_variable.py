@@ -348,7 +348,7 @@ class Variable(torch.nn.Parameter, DistributedValues):
             self._apply(kind, t)
 
     # ---------------------------------------------------------------- checkpoints
-    # The protocol of phalanx.checkpoint.sharding: a checkpoint stores one full tensor, read on
+    # The protocol of phalanx.checkpoint.sharded_variables: a checkpoint stores one full tensor, read on
     # every process during save, and gives it back through a cross-replica assign.
     def _phalanx_full_tensor_(self) -> torch.Tensor:
         return self._read().detach()

@@ -54,7 +54,7 @@ from phalanx.errors import (
     ContextError,
     NotCallableError,
 )
-from phalanx.interactive import hooks as _interactive
+from phalanx.interactive import step_hook as _interactive
 from phalanx.values import DistributedValues, PerReplica, ReduceOp, local_results, mean_dtype
 
 # The strategies this process built, oldest first (weak: a strategy nobody holds is gone).
@@ -307,7 +307,7 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """Calls ``value_fn(ValueContext)`` for this process's replica and wraps the result."""
-        from phalanx.input.context import ValueContext
+        from phalanx.input.input_context import ValueContext
 
         if not callable(value_fn):
             raise NotCallableError(value_fn, what="value_fn")

@@ -29,7 +29,7 @@ import torch
 from phalanx import hooks
 from phalanx._sidetable import IdentityTable
 from phalanx.comm.communicator import Communicator
-from phalanx.core import context, variables
+from phalanx.core import capture, context
 from phalanx.errors import UnsynchronizedParameterError
 
 _TAGS = itertools.count(1)
@@ -96,9 +96,9 @@ class VariableSync:
         self.frozen: list[torch.nn.Parameter] = []
         # Modules that registered a variable under this capture since the last sweep: what they hold
         # that no registration announced (copy.deepcopy, to_empty) is captured at scope exit and
-        # before the next run (variables.capture_modules).
+        # before the next run (capture.capture_modules).
         self._new_modules: dict[int, tuple[torch.nn.Module, bool]] = {}  # id -> (module, with sub-modules)
-        self.tag = next(_TAGS)  # marks the modules this strategy's scopes saw (variables.Capture.tag)
+        self.tag = next(_TAGS)  # marks the modules this strategy's scopes saw (capture.Capture.tag)
         #: Whether the next step may skip the first-step watch (no new module since the last one).
         self.checked_first_run = comm.world_size == 1
         # Told of each module (and each container, for strategies that work on whole models) a
@@ -109,12 +109,12 @@ class VariableSync:
             hooks.install("phalanx.core.strategy.optimizer_check", "optimizer_step_pre", _check_optimizer)
 
     # ---------------------------------------------------------------- the capture
-    def scope(self, owner: object) -> variables.capture:
+    def scope(self, owner: object) -> capture.capture:
         """The capture of ``owner``'s scope (``scope()``, and each ``run``)."""
-        return variables.capture(self._spec(owner))
+        return capture.capture(self._spec(owner))
 
-    def _spec(self, owner: object) -> variables.Capture:
-        return variables.Capture(
+    def _spec(self, owner: object) -> capture.Capture:
+        return capture.Capture(
             owner,
             self._device,
             self._on_new_parameter,
@@ -144,7 +144,7 @@ class VariableSync:
 
     def capture_new_modules(self) -> None:
         """Captures what the modules seen since the last call hold that no registration announced
-        (``copy.deepcopy``, ``to_empty``, ...): see :func:`phalanx.core.variables.capture_modules`.
+        (``copy.deepcopy``, ``to_empty``, ...): see :func:`phalanx.core.capture.capture_modules`.
 
         Called by every replica at the same point (scope exit, start of ``run``), before the
         strategy synchronises new variables; nothing to do on a step that follows no new module.
@@ -156,7 +156,7 @@ class VariableSync:
         # standalone copy.deepcopy of one of them (see first_run).
         self.checked_first_run = self._comm.world_size == 1
         owner = self._owner()
-        unfinished = variables.capture_modules(
+        unfinished = capture.capture_modules(
             modules,
             self._spec(owner.container_strategy if owner is not None else None),
             lambda t: self.created.get(id(t)) is t,
@@ -264,7 +264,7 @@ class VariableSync:
             if self._elsewhere(module):
                 return
             pending = {id(p) for p in self.new_params}  # created in this run: synchronised at the next
-            if variables.copied_from_scope(module, self.tag) and any(
+            if capture.copied_from_scope(module, self.tag) and any(
                 isinstance(p, torch.nn.Parameter) and id(p) not in self.synced and id(p) not in pending
                 for p in module.parameters(recurse=False)
             ):
@@ -279,7 +279,7 @@ class VariableSync:
                 # A plain tensor in a parameter's place is torch.func.functional_call's stand-in:
                 # the caller's tensor, whose gradient is the caller's, not a variable of the model.
                 stand_in = not isinstance(p, torch.nn.Parameter)
-                if variables.is_lazy(p):
+                if capture.is_lazy(p):
                     continue  # materialised by this call, then synchronised (on_materialized)
                 if p.requires_grad and not stand_in and id(p) not in self.synced and id(p) not in pending:
                     raise UnsynchronizedParameterError(
@@ -316,6 +316,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         for p in group["params"]:
             if p.grad is not None and books.unsynchronised(p):
                 raise UnsynchronizedParameterError(
-                    variables.label_of(p), ext.process_name(), ext.step, updated_by=type(optimizer).__name__
+                    capture.label_of(p), ext.process_name(), ext.step, updated_by=type(optimizer).__name__
                 )
     _CHECKED_OPTIMIZERS.add(optimizer)

@@ -1,6 +1,5 @@
 """Distributed input: splitting global batches, per-process pipelines, input contexts."""
 
-from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
 from phalanx.input.distributed_dataset import (
     DatasetFromFunction,
     DistributedDataset,
@@ -8,7 +7,8 @@ from phalanx.input.distributed_dataset import (
     SmallBatchWarning,
     UnbatchedElementError,
 )
-from phalanx.input.spec import EmptyOptionalError, Optional, TensorSpec
+from phalanx.input.element_spec import EmptyOptionalError, Optional, TensorSpec
+from phalanx.input.input_context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, ValueContext
 
 __all__ = [
     "AutoShardPolicy",

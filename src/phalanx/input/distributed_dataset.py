@@ -55,8 +55,8 @@ from phalanx import nest
 from phalanx.comm.flight_recorder import recording
 from phalanx.errors import InputMismatchError, PhalanxError
 from phalanx.input import global_batch
-from phalanx.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
-from phalanx.input.spec import Optional, spec_of
+from phalanx.input.element_spec import Optional, spec_of
+from phalanx.input.input_context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from phalanx.values import local_results
 
 # The first global batches of each pass that are compared across processes.
@@ -173,7 +173,7 @@ class DistributedIterator:
     """Iterator over per-replica batches (``tf.distribute.DistributedIterator``).
 
     ``next()`` / ``get_next()`` raise ``StopIteration`` at the end (TF: ``OutOfRangeError``);
-    ``get_next_as_optional()`` returns an :class:`~phalanx.input.spec.Optional` instead. The end is
+    ``get_next_as_optional()`` returns an :class:`~phalanx.input.element_spec.Optional` instead. The end is
     the same step on every replica.
     """
 
@@ -205,7 +205,7 @@ class DistributedIterator:
 
     @property
     def element_spec(self) -> Any:
-        """The :class:`~phalanx.input.spec.TensorSpec` structure of this replica's batches
+        """The :class:`~phalanx.input.element_spec.TensorSpec` structure of this replica's batches
         (reads the first batch if none was read yet)."""
         if self._spec is None and self._peeked is _END:
             self._peeked = next(self._source, _END)
@@ -365,7 +365,7 @@ class DistributedDataset:
 
     @property
     def element_spec(self) -> Any:
-        """The :class:`~phalanx.input.spec.TensorSpec` structure of a replica's batch (reads one batch)."""
+        """The :class:`~phalanx.input.element_spec.TensorSpec` structure of a replica's batch (reads one batch)."""
         first = next(iter(self._dataset), _END)
         return None if first is _END else spec_of(nest.map_structure(_to_tensor, first))
 
@@ -466,7 +466,7 @@ class DatasetFromFunction:
 
     @property
     def element_spec(self) -> Any:
-        """The :class:`~phalanx.input.spec.TensorSpec` structure of this pipeline's elements (reads one)."""
+        """The :class:`~phalanx.input.element_spec.TensorSpec` structure of this pipeline's elements (reads one)."""
         first = next(iter(self._dataset), _END)
         return None if first is _END else spec_of(nest.map_structure(_to_element, first))
 

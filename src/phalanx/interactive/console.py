@@ -1,10 +1,12 @@
-"""The plain Python REPL once an interactive session runs: each statement runs on every replica.
+"""The console of an interactive session: how each cell (or statement) reaches every replica.
 
-The C REPL gives no hook per statement; it does ask ``str(sys.ps1)`` before each one. So the
-session makes ``sys.ps1`` a :class:`LeaderPrompt`, which at the next prompt runs a
-:class:`Console` on the same ``__main__``: each complete statement is shipped to the replicas
-(``session.before_cell``), run here, and its outcome on every replica collected
-(``session.after_cell``), as IPython's ``pre_run_cell``/``post_run_cell`` events do in a notebook.
+In IPython (a notebook's kernel, IPython's terminal), :class:`ShellEvents` hooks the shell's
+``pre_run_cell`` and ``post_run_cell`` events: each cell is shipped to the replicas before it runs
+here (``session.before_cell``), and its outcome on every replica is collected after it
+(``session.after_cell``). The plain REPL gives no hook per statement; it does ask
+``str(sys.ps1)`` before each one. So the session makes ``sys.ps1`` a :class:`LeaderPrompt`, which
+at the next prompt runs a :class:`Console` on the same ``__main__`` that does the same per
+statement. :func:`attach` chooses; the session keeps the cells themselves.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import os
 import sys
 from typing import Any
 
-from phalanx.interactive import hooks
+from phalanx.interactive import step_hook
 
-__all__ = ["Console", "LeaderPrompt", "end_input"]
+__all__ = ["Console", "LeaderPrompt", "ShellEvents", "attach", "end_input"]
 
 
 class Console(code.InteractiveConsole):
@@ -34,7 +36,7 @@ class Console(code.InteractiveConsole):
             return False
         if compiled is None:
             return True
-        session = hooks.session or self.session
+        session = step_hook.session or self.session
         session.before_cell(source)
         error = None
         try:
@@ -83,3 +85,58 @@ class LeaderPrompt:
         self.session.close()
         end_input()
         return ""
+
+
+class ShellEvents:
+    """IPython's side of a session: its ``pre_run_cell`` / ``post_run_cell`` events, and the short
+    traceback of a cell stopped at the agreed step (unless the user set a handler of their own)."""
+
+    def __init__(self, session: Any, shell: Any) -> None:
+        self.session, self.shell = session, shell
+
+    def attach(self) -> None:
+        self.shell.events.register("pre_run_cell", self._pre_run_cell)
+        self.shell.events.register("post_run_cell", self._post_run_cell)
+        if not self.shell.custom_exceptions:  # never replace a handler the user set
+            self.shell.set_custom_exc((step_hook.InterruptedAtStep,), step_hook.short_traceback)
+
+    def detach(self) -> None:
+        for event, callback in (("pre_run_cell", self._pre_run_cell), ("post_run_cell", self._post_run_cell)):
+            try:
+                self.shell.events.unregister(event, callback)
+            except ValueError:
+                pass
+        if self.shell.custom_exceptions == (step_hook.InterruptedAtStep,):
+            self.shell.set_custom_exc((), None)
+
+    def _pre_run_cell(self, info: Any) -> None:
+        self.session.before_cell(info.raw_cell)
+
+    def _post_run_cell(self, result: Any) -> None:
+        error = (result.error_before_exec or result.error_in_exec) if result is not None else None
+        failure = self.session.after_cell(error)
+        if failure is None or result is None:
+            return
+        # Shown as the cell's own error: its message carries the replica's traceback. Raised
+        # here so that it has a traceback object (IPython 8.0's formatter requires one); the
+        # offset hides this frame.
+        try:
+            raise failure
+        except type(failure):
+            self.shell.showtraceback(tb_offset=1)
+        result.error_in_exec = failure
+
+
+def attach(session: Any, mode: str, shell: Any) -> ShellEvents | None:
+    """Makes every cell (IPython) or statement (the plain REPL) of ``session`` run on every replica.
+
+    Returns the IPython events to detach when the session closes (None for the REPL, whose
+    console ends with its input, and for a program, which has no console).
+    """
+    if shell is not None:
+        events = ShellEvents(session, shell)
+        events.attach()
+        return events
+    if mode == "repl":
+        sys.ps1 = LeaderPrompt(session, getattr(sys, "ps1", ">>> "))
+    return None

@@ -26,7 +26,7 @@ from typing import Any
 
 from phalanx._compat.python import set_traceback_printer
 from phalanx.errors import LaunchError
-from phalanx.interactive import hooks
+from phalanx.interactive import step_hook
 from phalanx.interactive.control import Control
 from phalanx.launch.channel import Channel
 from phalanx.launch.env import ReplicaEnv
@@ -93,7 +93,7 @@ class ReplicaSession:
         self.control.set_steps(self.rank, self.steps)
         stop = self.control.stop
         if stop and self.steps >= stop:
-            raise hooks.InterruptedAtStep(self.steps)
+            raise step_hook.InterruptedAtStep(self.steps)
 
     # ------------------------------------------------------------------ serving cells
     def run_source(self, source: str) -> BaseException | None:
@@ -191,7 +191,7 @@ def quiet_shell(shell: Any) -> None:
     with contextlib.redirect_stdout(io.StringIO()):  # "Exception reporting mode: Plain"
         run_line_magic("xmode", "plain")
         run_line_magic("colors", "nocolor")
-    shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
+    shell.set_custom_exc((step_hook.InterruptedAtStep,), step_hook.short_traceback)
 
 
 def _no_input(prompt: str = "") -> str:
@@ -265,7 +265,7 @@ def become_forked_replica(session: ReplicaSession, parent_pid: int, log_path: st
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         redirect_output(log_path)
-        hooks.attach(session, JobMode.NOTEBOOK_REPLICA)
+        step_hook.attach(session, JobMode.NOTEBOOK_REPLICA)
         if session.mode == "ipython":
             quiet_shell(session.shell)
             # Replica 0 registers its own callbacks after the fork: this copy of the shell has none of them.
@@ -333,7 +333,7 @@ def main() -> None:
         shell = InteractiveShell.instance()
         quiet_shell(shell)  # IPython made its user namespace this process's __main__
     session = ReplicaSession(rank, env.world_size, channel, control, env, init["mode"], shell)
-    hooks.attach(session, JobMode.NOTEBOOK_REPLICA)
+    step_hook.attach(session, JobMode.NOTEBOOK_REPLICA)
     session.serve()
     sys.stdout.flush()
     sys.stderr.flush()

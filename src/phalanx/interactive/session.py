@@ -18,15 +18,17 @@ replica 0 waits for every replica's outcome: a failure on any replica fails the 
 replica's traceback; a dead replica is named, the others are stopped, and the notebook stays
 usable (the next cell says the strategy is gone; a new strategy starts new replicas).
 
-Interrupts. Replicas are in their own process group: the kernel's SIGINT reaches replica 0
-only. If a strategy step has run in the cell, replica 0 chooses a stop step just past every
-replica's current one (shared counters, :mod:`phalanx.interactive.control`), and every replica
-raises ``KeyboardInterrupt`` when it starts that step, so they all stop after the same number of
-complete steps and stay in step. Otherwise (or at a second interrupt, or if no step starts within
-:data:`ESCALATE_S`) every replica is interrupted at once. A replica's report that it stopped as
-asked is not a failure of the cell: replica 0 is stopping too, and the others get
-:data:`MAX_AGREED_STOP_S` to end the cell (a loaded host can take seconds to unwind a Keras ``fit``)
-before they are interrupted anywhere.
+Interrupts (:class:`~phalanx.interactive.interrupts.Interrupts`, which the session holds; IPython's
+events and the REPL's prompt are :mod:`phalanx.interactive.console`'s). Replicas are in their own
+process group: the kernel's SIGINT reaches replica 0 only. If a strategy step has run in the cell,
+replica 0 chooses a stop step just past every replica's current one (shared counters,
+:mod:`phalanx.interactive.control`), and every replica raises ``KeyboardInterrupt`` when it starts
+that step, so they all stop after the same number of complete steps and stay in step. Otherwise (or
+at a second interrupt, or if no step starts within
+:data:`~phalanx.interactive.interrupts.ESCALATE_S`) every replica is interrupted at once. A
+replica's report that it stopped as asked is not a failure of the cell: replica 0 is stopping too,
+and the others get :data:`~phalanx.interactive.interrupts.MAX_AGREED_STOP_S` to end the cell (a
+loaded host can take seconds to unwind a Keras ``fit``) before they are interrupted anywhere.
 
 Ending. ``strategy.close()`` of the last strategy, the kernel's shutdown or restart, and the end
 of the REPL stop the replicas (``exit``, then SIGKILL after
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import select
 import signal
 import sys
 import threading
@@ -47,8 +48,9 @@ import weakref
 from typing import Any
 
 from phalanx.errors import LaunchError, PhalanxError
-from phalanx.interactive import console, hooks
+from phalanx.interactive import console, step_hook
 from phalanx.interactive.control import Control
+from phalanx.interactive.interrupts import FAILURE_GRACE_S, MAX_AGREED_STOP_S, Interrupts
 from phalanx.interactive.replica import ReplicaSession, become_forked_replica
 from phalanx.launch.channel import Channel
 from phalanx.launch.env import ReplicaEnv, free_port
@@ -57,10 +59,6 @@ from phalanx.launch.mode import JobMode, interactive_mode, ipython_shell
 from phalanx.launch.notebook import SPAWN_TIMEOUT_S, NotebookLauncher, NotebookReplica, describe_end, start_method
 from phalanx.launch.run_dir import new_run_id
 from phalanx.launch.settings import log_root
-
-FAILURE_GRACE_S = 0.75  # after one replica failed, how long the others get to end the cell themselves
-ESCALATE_S = 1.0  # no step started for this long: the agreed stop becomes an immediate interrupt everywhere
-MAX_AGREED_STOP_S = 10.0  # steps still starting, but the stop step not reached: the same
 
 
 class ReplicaCellError(PhalanxError):
@@ -99,15 +97,10 @@ class Session:
         self.closed = False
         self._done: dict[int, dict] = {}
         self._cond = threading.Condition()
-        self._prev_sigint: Any = None
-        self._stop_requested = False
-        self._stopped = False
-        self._interrupted = False  # the user interrupted the cell in progress (replica 0's SIGINT)
-        # (cell, rank): a replica failed the cell that replica 0 was still running after
-        # FAILURE_GRACE_S; replica 0 is interrupted with that replica's error (see _peer_failed).
-        self._peer_failure: tuple[int, int] | None = None
-        self._peer_raised = False  # that error was raised into the cell's own code (not its end)
+        # The user's interrupt and a replica's failure, reaching every replica (interrupts.py).
+        self.interrupts = Interrupts(self, self._cond)
         self._watcher: threading.Thread | None = None
+        self.shell_events: console.ShellEvents | None = None  # IPython's pre/post_run_cell (console.py)
         self._exit_code = 0
 
     def log_path(self, rank: int) -> str:
@@ -122,22 +115,9 @@ class Session:
     def launch(self, strategy: Any) -> tuple[Any, ReplicaEnv]:
         """Starts replicas 1..N-1. Returns ``(session, env)`` for this process: in a forked child,
         the child's own :class:`ReplicaSession` and identity."""
-        if self.mode == "program" and self.method == "spawn":
-            raise LaunchError(
-                "A multi-replica strategy in `python -c` or `python -` cannot spawn fresh "
-                "replicas (CUDA is initialised, or PHALANX_INTERACTIVE_START=spawn): "
-                "there is no source to start them from.",
-                hint="save the code to train.py and run `python train.py`",
-            )
-        if self.mode == "repl" and self.method == "spawn":
-            raise LaunchError(
-                "The plain Python REPL cannot spawn fresh replicas (CUDA is initialised, or "
-                "PHALANX_INTERACTIVE_START=spawn): it keeps no history of what ran before.",
-                hint="create the strategy before anything touches CUDA, or use IPython "
-                "(`ipython`, Jupyter), which replays its history",
-            )
+        _check_start_method(self.mode, self.method)
         started = time.perf_counter()
-        hooks.attach(self, JobMode.NOTEBOOK_SESSION)
+        step_hook.attach(self, JobMode.NOTEBOOK_SESSION)
         try:
             if self.method == "fork":
                 child = self._fork()
@@ -151,17 +131,16 @@ class Session:
             raise
         self.startup_s = time.perf_counter() - started
         self.strategies.append(weakref.ref(strategy))
-        self._watcher = threading.Thread(target=self._watch, name="phalanx-interactive-watch", daemon=True)
+        self._watcher = threading.Thread(
+            target=self.launcher.watch,
+            args=(self._on_message, self._on_exit, lambda: self.closed),
+            name="phalanx-interactive-watch",
+            daemon=True,
+        )
         self._watcher.start()
         atexit.register(self.close)
         self.running = True  # the cell constructing the strategy runs on every replica now
-        if self.shell is not None:
-            self.shell.events.register("pre_run_cell", self._pre_run_cell)
-            self.shell.events.register("post_run_cell", self._post_run_cell)
-            if not self.shell.custom_exceptions:  # never replace a handler the user set
-                self.shell.set_custom_exc((hooks.InterruptedAtStep,), hooks.short_traceback)
-        elif self.mode == "repl":
-            sys.ps1 = console.LeaderPrompt(self, getattr(sys, "ps1", ">>> "))
+        self.shell_events = console.attach(self, self.mode, self.shell)  # cells reach every replica
         what = "the rest of the program" if self.mode == "program" else "every cell from this one on"
         print(
             f"phalanx: started replicas 1..{self.world_size - 1} ({self.method}); they run {what}. "
@@ -262,74 +241,15 @@ class Session:
         self.control.set_steps(0, self.steps)
         stop = self.control.stop
         if stop and self.steps >= stop:
-            self._stopped = True
-            raise hooks.InterruptedAtStep(self.steps)
+            self.interrupts.stopped = True
+            raise step_hook.InterruptedAtStep(self.steps)
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        peer_error = self._peer_error()
-        if peer_error is not None:
-            # Raised only into the cell's own code (the user's, torch's, phalanx's collectives):
-            # a cell already ending (IPython's or this module's frames) fails with the replica's
-            # report in after_cell anyway.
-            if self.running and not _in_cell_machinery(frame):
-                self._peer_raised = True
-                raise peer_error
-            return
-        self._interrupted = True
-        if (
-            self._stop_requested
-            or not self.running
-            or self.broken
-            or self.closed
-            or threading.current_thread() is not threading.main_thread()
-            or max(self.control.steps()) == 0
-        ):
-            self._interrupt_everyone(signum, frame)
-            return
-        self._stop_requested = True
-        # A replica can be at most one step past the slowest one that gates a collective; +2 leaves
-        # every replica room to finish the step it is in, and none can start the stop step first.
-        self.control.stop = max(self.control.steps()) + 2
-        threading.Thread(target=self._escalate_later, daemon=True).start()
-
-    def _peer_failed(self, cell: int, rank: int) -> None:
-        """Replica ``rank`` failed ``cell``, which replica 0 is still running: end it there too.
-
-        Replica 0 may be waiting for that replica in a collective it will never join (a loop
-        whose step raised on replica 1 only), which would last until the collective timeout,
-        minutes, and then name a timeout rather than the replica's error. It gets
-        FAILURE_GRACE_S to end the cell by itself (its own error, or a cell that needed no
-        collective); then it is interrupted, and the cell fails with the replica's error.
-        """
-        deadline = time.monotonic() + FAILURE_GRACE_S
-        while time.monotonic() < deadline:
-            if not self.running or self.cell != cell or self.closed:
-                return
-            time.sleep(0.02)
-        with self._cond:
-            if not self.running or self.cell != cell or self.closed or self._peer_failure is not None:
-                return
-            self._peer_failure = (cell, rank)
-            # Sent under the lock that after_cell takes to end the cell, so never after it ended:
-            # _on_sigint raises the replica's error in the main thread, or lets a cell that is
-            # already ending end.
-            os.kill(os.getpid(), signal.SIGINT)
-
-    def _stopped_as_asked(self, report: dict) -> bool:
-        """Whether a replica's failed report is only the interrupt this session asked of it.
-
-        After the user's interrupt, every replica stops at the agreed step (``InterruptedAtStep``)
-        or, escalated, at once (``KeyboardInterrupt``), replica 0 included: no replica waits in a
-        collective for it, and replica 0 must not be stopped again with its report (an
-        interrupted replica 0 ends the cell out of step and the session with it).
-        """
-        return self._interrupted and report.get("type") in ("InterruptedAtStep", "KeyboardInterrupt")
-
-    def _peer_error(self) -> ReplicaCellError | None:
+    def peer_error(self) -> ReplicaCellError | None:
         """The error replica 0 is interrupted with after another replica failed this cell."""
-        if self._peer_failure is None or self._peer_failure[0] != self.cell:
+        failure = self.interrupts.peer_failure
+        if failure is None or failure[0] != self.cell:
             return None
-        rank = self._peer_failure[1]
+        rank = failure[1]
         report = self._done.get(rank, {})
         return ReplicaCellError(
             rank,
@@ -337,33 +257,6 @@ class Session:
             "replica 0 was still running the cell (waiting for it in a collective?) and was stopped",
             report.get("error", ""),
         )
-
-    def _escalate_later(self) -> None:
-        # Steps still starting means the stop step will come (a loaded host makes steps slow); no
-        # step started for ESCALATE_S means the replicas are somewhere else (data loading, a sleep).
-        start = time.monotonic()
-        seen, last_progress = self.control.steps(), start
-        while self.running and not self._stopped:
-            now = time.monotonic()
-            steps = self.control.steps()
-            if steps != seen:
-                seen, last_progress = steps, now
-            if now - last_progress > ESCALATE_S or now - start > MAX_AGREED_STOP_S:
-                break
-            time.sleep(0.02)
-        if self.running and not self._stopped:
-            os.kill(os.getpid(), signal.SIGINT)  # handled again: now an immediate interrupt everywhere
-
-    def _interrupt_everyone(self, signum: int, frame: Any) -> None:
-        self._signal_replicas(signal.SIGINT)
-        previous = self._prev_sigint
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
-
-    def _signal_replicas(self, sig: int) -> None:
-        self.launcher.signal(sig)
 
     # ------------------------------------------------------------------ cells
     def before_cell(self, source: str) -> None:
@@ -382,7 +275,7 @@ class Session:
             return
         self.cell += 1
         self.steps = 0
-        self._stop_requested = self._stopped = self._interrupted = self._peer_raised = False
+        self.interrupts.start_cell()
         self.control.reset()
         with self._cond:
             self._done.clear()
@@ -393,8 +286,7 @@ class Session:
                 except OSError:
                     pass
         self.running = True
-        if threading.current_thread() is threading.main_thread():
-            self._prev_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        self.interrupts.catch_sigint()
 
     def after_cell(self, error: BaseException | None) -> ReplicaCellError | None:
         """Waits for every replica to finish the cell; returns the error the cell should fail with."""
@@ -402,13 +294,11 @@ class Session:
             return None
         with self._cond:  # _peer_failed interrupts replica 0 only while this is True
             self.running = False
-        if self._prev_sigint is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._prev_sigint)
-            self._prev_sigint = None
+        self.interrupts.end_cell()
         trouble_since = time.monotonic() if error is not None else None
         # Replica 0 stopped at the agreed step: the others stop there too, with no collective left
         # to wait in; on a loaded host unwinding a Keras fit and reporting can take seconds.
-        grace = MAX_AGREED_STOP_S if isinstance(error, hooks.InterruptedAtStep) else FAILURE_GRACE_S
+        grace = MAX_AGREED_STOP_S if isinstance(error, step_hook.InterruptedAtStep) else FAILURE_GRACE_S
         interrupted = killed = False
         while True:
             with self._cond:
@@ -428,7 +318,7 @@ class Session:
                     trouble_since = time.monotonic() - grace
             if trouble_since is not None and time.monotonic() - trouble_since > grace and not interrupted:
                 interrupted = True
-                self._signal_replicas(signal.SIGINT)
+                self.launcher.signal(signal.SIGINT)
             if trouble_since is not None and time.monotonic() - trouble_since > grace + FAILURE_GRACE_S:
                 killed = True
                 break
@@ -436,8 +326,7 @@ class Session:
         dead = [r for r in self.replicas.values() if r.exit is not None]
         # Only an error raised into the cell's own code stopped replica 0 mid-cell; one that came
         # as the cell was ending stopped nothing.
-        peer_stopped = self._peer_raised and self._peer_error() is not None
-        self._peer_failure, self._peer_raised = None, False
+        peer_stopped = self.interrupts.stopped_by_peer(self.peer_error())
         if peer_stopped:
             # Replica 0 was stopped somewhere in the cell (in a collective, maybe half done) after
             # the others had left it: they are out of step, and a next collective could mix steps.
@@ -488,58 +377,23 @@ class Session:
             self.broken = reason
         self._stop_replicas(graceful=False)
 
-    # ------------------------------------------------------------------ IPython events
-    def _pre_run_cell(self, info: Any) -> None:
-        self.before_cell(info.raw_cell)
-
-    def _post_run_cell(self, result: Any) -> None:
-        error = (result.error_before_exec or result.error_in_exec) if result is not None else None
-        failure = self.after_cell(error)
-        if failure is None or result is None:
-            return
-        # Shown as the cell's own error: its message carries the replica's traceback. Raised
-        # here so that it has a traceback object (IPython 8.0's formatter requires one); the
-        # offset hides this frame.
-        try:
-            raise failure
-        except ReplicaCellError:
-            self.shell.showtraceback(tb_offset=1)
-        result.error_in_exec = failure
-
     # ------------------------------------------------------------------ watching
-    def _watch(self) -> None:
-        while not self.closed:
-            live = [r for r in self.replicas.values() if r.exit is None]
-            if not live:
-                return
-            try:
-                readable, _, _ = select.select([r.channel for r in live], [], [], 0.1)
-            except (OSError, ValueError):
-                if self.closed:
-                    return
-                continue
-            for replica in readable:
-                replica = next(r for r in live if r.channel is replica)
-                try:
-                    message = replica.channel.recv()
-                except (PhalanxError, ValueError):
-                    message = None
-                if message is None:
-                    self._on_exit(replica)
-                elif message.get("op") == "done":
-                    with self._cond:
-                        if int(message["id"]) == self.cell:
-                            self._done[replica.rank] = message
-                            if not message.get("ok", True) and self.running and not self._stopped_as_asked(message):
-                                threading.Thread(
-                                    target=self._peer_failed, args=(self.cell, replica.rank), daemon=True
-                                ).start()
-                        self._cond.notify_all()
-                elif message.get("op") == "port":
-                    threading.Thread(target=self._answer_port, args=(replica, message), daemon=True).start()
+    def _on_message(self, replica: NotebookReplica, message: dict) -> None:
+        """A replica's report on its control channel (read by the launcher's watch)."""
+        if message.get("op") == "done":
+            with self._cond:
+                if int(message["id"]) == self.cell:
+                    self._done[replica.rank] = message
+                    if not message.get("ok", True) and self.running and not self.interrupts.stopped_as_asked(message):
+                        threading.Thread(
+                            target=self.interrupts.peer_failed, args=(self.cell, replica.rank), daemon=True
+                        ).start()
+                self._cond.notify_all()
+        elif message.get("op") == "port":
+            threading.Thread(target=self._answer_port, args=(replica, message), daemon=True).start()
 
-    def _on_exit(self, replica: NotebookReplica) -> None:
-        code = self.launcher.reap(replica)
+    def _on_exit(self, replica: NotebookReplica, code: int | None) -> None:
+        """A replica ended (the launcher's watch reaped it with status ``code``)."""
         with self._cond:
             replica.exit = describe_end(code)
             self._cond.notify_all()
@@ -590,15 +444,9 @@ class Session:
         if self.mode == "program":
             self._finish_program()
         self.closed = True
-        hooks.detach(self)
-        if self.shell is not None:
-            for event, callback in (("pre_run_cell", self._pre_run_cell), ("post_run_cell", self._post_run_cell)):
-                try:
-                    self.shell.events.unregister(event, callback)
-                except ValueError:
-                    pass
-            if self.shell.custom_exceptions == (hooks.InterruptedAtStep,):
-                self.shell.set_custom_exc((), None)
+        step_hook.detach(self)
+        if self.shell_events is not None:
+            self.shell_events.detach()
         self._stop_replicas(graceful=True)
         self.launcher.close(self._exit_code)
         self.control.remove()
@@ -607,13 +455,7 @@ class Session:
 
     def _finish_program(self) -> None:
         """``python -c``/stdin: replicas run the same program to its end; a failed one fails this one."""
-        failed = None
-        for replica in self.replicas.values():
-            deadline = time.monotonic() + 60
-            while replica.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if replica.poll() and failed is None:
-                failed = replica
+        failed = self.launcher.wait_for_end(60.0)
         if failed is not None:
             self.closed = True
             self._stop_replicas(graceful=False)
@@ -628,10 +470,23 @@ class Session:
             os._exit(1)
 
 
-def _in_cell_machinery(frame: Any) -> bool:
-    """Whether ``frame`` is IPython's, ipykernel's, this module's or the console's: around the cell, not in it."""
-    name = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return name in (__name__, console.__name__) or name.split(".", 1)[0] in ("IPython", "ipykernel", "code")
+def _check_start_method(mode: str, method: str) -> None:
+    """Raises :class:`LaunchError` where ``mode``'s replicas cannot be started by ``method``: spawned
+    replicas replay the cells, which only IPython keeps."""
+    if mode == "program" and method == "spawn":
+        raise LaunchError(
+            "A multi-replica strategy in `python -c` or `python -` cannot spawn fresh "
+            "replicas (CUDA is initialised, or PHALANX_INTERACTIVE_START=spawn): "
+            "there is no source to start them from.",
+            hint="save the code to train.py and run `python train.py`",
+        )
+    if mode == "repl" and method == "spawn":
+        raise LaunchError(
+            "The plain Python REPL cannot spawn fresh replicas (CUDA is initialised, or "
+            "PHALANX_INTERACTIVE_START=spawn): it keeps no history of what ran before.",
+            hint="create the strategy before anything touches CUDA, or use IPython "
+            "(`ipython`, Jupyter), which replays its history",
+        )
 
 
 def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
@@ -640,7 +495,7 @@ def start(strategy: Any, world_size: int) -> tuple[Any, ReplicaEnv]:
     Returns ``(launcher, env)``: the session (replica 0's or, in a forked child, the child's) and
     this process's identity.
     """
-    current = hooks.session
+    current = step_hook.session
     if current is not None and (current.rank != 0 or not current.broken):
         return current, current.env_for(strategy, world_size)
     if current is not None:

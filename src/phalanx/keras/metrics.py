@@ -231,7 +231,7 @@ def place_on_parameter_servers(metric: Any, extended: Any) -> None:
     if tensors:
         extended.adopt_variables(tensors)  # creates them on the servers (chief only)
     original = metric.result
-    names = [extended._spec_of(v.value).name for v in metric.variables]  # friend: the PS extended's own
+    names = [extended.server_variables.spec_of(v.value).name for v in metric.variables]
 
     def result() -> Any:
         extended.pull_variables(names)  # the sum of every worker's updates

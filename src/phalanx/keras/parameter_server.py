@@ -349,7 +349,7 @@ def _is_batch_iterable(x: Any) -> bool:
 # ---------------------------------------------------------------------------------- the chief's loop
 def fit(dm: Any, arguments: dict[str, Any]) -> Any:
     """``model.fit`` on the chief under ParameterServerStrategy; see the module docstring."""
-    from phalanx.ps.coordinator import ClusterCoordinator
+    from phalanx.ps.cluster_coordinator import ClusterCoordinator
 
     model, strategy = dm.model, dm.strategy
     if getattr(model, "optimizer", None) is None:

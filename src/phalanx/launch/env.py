@@ -108,7 +108,7 @@ _LOWEST_PORT = 1025
 _HIGHEST_PORT = 65535
 _MIN_ROOM = 1000  # ports outside the range: fewer, and candidates would collide too often
 _TRIES = 100
-# The ports handed out lately: callers (ps/launcher) pick several before binding any, and nothing
+# The ports handed out lately: callers (ps/cluster_launcher) pick several before binding any, and nothing
 # bound in between tells a bind check that a port is already promised.
 _RECENT_PORTS: deque[int] = deque(maxlen=256)
 _RECENT_LOCK = threading.Lock()

@@ -1,6 +1,6 @@
 """The vocabulary of a launcher's replicas: the state they are in, and how their run ended.
 
-Every route that starts replicas is a :class:`~phalanx.launch.api.Launcher` over the one
+Every route that starts replicas is a :class:`~phalanx.launch.launcher.Launcher` over the one
 :class:`~phalanx.launch.supervisor.Supervisor` (self-launch and an embedding R host,
 :mod:`phalanx.launch.self_launch`; ``phalanx run``, :mod:`phalanx.launch.runner`; a notebook's
 replicas, :mod:`phalanx.interactive.session`), and each one says where its replicas are with

@@ -22,9 +22,9 @@ everything that used to re-derive it: the chooser of a strategy's launcher
 (:func:`phalanx.strategies.launchers.replicas`), process identity outside a strategy
 (:mod:`phalanx.core.process`) and :mod:`phalanx.interactive`. A process's mode changes only when a
 launcher starts or joins replicas: a notebook session and its replicas record it
-(:func:`record`, from :mod:`phalanx.interactive.hooks`); self-launch is read from the job it
+(:func:`record`, from :mod:`phalanx.interactive.step_hook`); self-launch is read from the job it
 keeps (:func:`phalanx.launch.self_launch.current_job`), which an embedded host's end clears; the
-rest is read from the launcher's environment (:func:`phalanx.launch.api.job_env`). Those are read
+rest is read from the launcher's environment (:func:`phalanx.launch.launcher.job_env`). Those are read
 at each call rather than cached, so that a test may change the environment.
 
 Which mode *starting* replicas here would make is :func:`starting_mode`: a notebook session where
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.launch import host, self_launch
-from phalanx.launch.api import Launcher, job_env
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.launcher import Launcher, job_env
 
 __all__ = [
     "JobMode",

@@ -13,14 +13,16 @@ made from the interactive process itself (Lightning's ``ddp_notebook`` is a fork
 Each replica is a :class:`NotebookReplica`: its process and its control
 :class:`~phalanx.launch.channel.Channel`. What travels on the channel (cells, reports, interrupts)
 is the session's (:mod:`phalanx.interactive.session`); this launcher only starts the replicas,
-reaps them and stops them (``exit``, then SIGKILL after :data:`EXIT_GRACE_S`), and says where
-they are (:class:`~phalanx.launch.lifecycle.JobState`).
+watches their channels (:meth:`NotebookLauncher.watch`), reaps them and stops them (``exit``, then
+SIGKILL after :data:`EXIT_GRACE_S`), says where they are (:class:`~phalanx.launch.lifecycle.JobState`)
+and how their run ended (:meth:`NotebookLauncher.result`, a :class:`~phalanx.launch.lifecycle.RunResult`).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import select
 import signal
 import socket
 import sys
@@ -28,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.errors import ClusterSpecError, LaunchError
+from phalanx.errors import ClusterSpecError, LaunchError, PhalanxError
 from phalanx.launch.channel import Channel, accept_authenticated
-from phalanx.launch.lifecycle import JobState, Lifecycle
-from phalanx.launch.root_cause import Running, Task
+from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
+from phalanx.launch.root_cause import Running, Task, root_cause
 from phalanx.launch.supervisor import Supervisor
 
 __all__ = ["EXIT_GRACE_S", "SPAWN_TIMEOUT_S", "START_ENV", "NotebookLauncher", "NotebookReplica", "start_method"]
@@ -107,6 +109,14 @@ class NotebookLauncher:
     def state(self) -> JobState:
         """Where the replicas are (:mod:`phalanx.launch.lifecycle`)."""
         return self.lifecycle.state
+
+    def result(self) -> RunResult:
+        """How the run stands, or ended: the state, every replica's end and the root cause."""
+        self.supervisor.poll()  # ends not yet recorded (a replica reaped by its exit status only)
+        exits = tuple(self.supervisor.exits)
+        failed = self.state is JobState.FAILED
+        cause = root_cause(exits) if failed else None
+        return RunResult(self.state, (cause.status or 1) if cause is not None else int(failed), exits, cause)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"replica_{rank}.log")
@@ -185,8 +195,41 @@ class NotebookLauncher:
         self.lifecycle.to(JobState.RUNNING)
 
     # ------------------------------------------------------------------ watching
+    def watch(
+        self,
+        on_message: Callable[[NotebookReplica, dict], None],
+        on_exit: Callable[[NotebookReplica, int | None], None],
+        closed: Callable[[], bool],
+    ) -> None:
+        """Reads the replicas' control channels until every replica has ended, or ``closed()``.
+
+        Each message goes to ``on_message(replica, message)``. A channel that closes is a replica
+        that ended: it is reaped (:meth:`reap`) and ``on_exit(replica, status)`` is told how.
+        """
+        while not closed():
+            live = [r for r in self.replicas.values() if r.exit is None]
+            if not live:
+                return
+            try:
+                readable, _, _ = select.select([r.channel for r in live], [], [], 0.1)
+            except (OSError, ValueError):
+                if closed():
+                    return
+                continue
+            for channel in readable:
+                replica = next(r for r in live if r.channel is channel)
+                try:
+                    message = replica.channel.recv()
+                except (PhalanxError, ValueError):
+                    message = None
+                if message is None:
+                    on_exit(replica, self.reap(replica))
+                else:
+                    on_message(replica, message)
+
     def reap(self, replica: NotebookReplica, wait: float = 1.0) -> int | None:
-        """``replica``'s exit status once its channel closed (it may take ``wait`` seconds to end)."""
+        """``replica``'s exit status once its channel closed (it may take ``wait`` seconds to end);
+        its end is recorded for :meth:`result`."""
         code = None
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -194,7 +237,22 @@ class NotebookLauncher:
             if code is not None:
                 break
             time.sleep(0.01)
+        if code is not None:
+            self.supervisor.poll()
         return code
+
+    def wait_for_end(self, timeout: float) -> NotebookReplica | None:
+        """Waits, up to ``timeout`` seconds each, for every replica to end by itself (a program's
+        replicas run it to its end); returns the first that failed, if any."""
+        failed = None
+        for replica in self.replicas.values():
+            deadline = time.monotonic() + timeout
+            while replica.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if replica.poll() and failed is None:
+                failed = replica
+        self.supervisor.poll()
+        return failed
 
     def signal(self, sig: int) -> None:
         """Sends ``sig`` to every replica still running."""
@@ -216,6 +274,7 @@ class NotebookLauncher:
             while time.monotonic() < deadline and any(r.poll() is None for r in self.replicas.values()):
                 time.sleep(0.01)
         self.supervisor.kill([r.run for r in self.replicas.values() if r.poll() is None])
+        self.supervisor.poll()  # their ends, stopped by the supervisor, for result()
         for replica in self.replicas.values():
             if replica.exit is None:
                 replica.exit = "was stopped"

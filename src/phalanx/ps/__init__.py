@@ -3,22 +3,23 @@
 The user-facing pieces are :class:`phalanx.ParameterServerStrategy` and
 :class:`phalanx.coordinator.ClusterCoordinator`; this package holds what they are built from:
 
-=================  ==========================================================================
-``wire``           signed frames: JSON header + raw tensors (+ blobs for shipped code), replay guard
-``service``        what every service does first: verify, refuse (rate-limited logs), lifetime
-``tls``            optional TLS settings; throwaway certificates for ``phalanx run --tls``
-``transport``      gRPC with generic handlers (no generated code); an in-process fake for tests
-``client``         calls to one task with timeouts, transient retries and typed errors
-``server``         the parameter server's fixed operations and its optimizers
-``worker``         running scheduled functions; pushing gradients from ``optimizer.step()``
-``pickling``       cloudpickle with per-worker objects (variables, datasets) by reference
-``coordinator``    ``ClusterCoordinator``: dispatch to workers, heartbeats, fault handling
-``closures``       ``RemoteValue``, per-worker datasets, the queue of scheduled functions
-``partitioners``   ``FixedShardsPartitioner``, ``MinSizePartitioner``, ``MaxSizePartitioner``
-``variables``      variable layout, ``ShardedVariable``, ``RemoteVariable``
-``launcher``       ``phalanx run --ps M --workers N``: a local cluster
-``testing``        ``InProcessCluster``: every task in one process, for tests
-=================  ==========================================================================
+=============================  ==========================================================================
+``parameter_server_strategy``  ``ParameterServerStrategy``, its extended, serving a ps or worker task
+``wire``                       signed frames: JSON header + raw tensors (+ blobs for shipped code), replay guard
+``service``                    what every service does first: verify, refuse (rate-limited logs), lifetime
+``tls``                        optional TLS settings; throwaway certificates for ``phalanx run --tls``
+``transport``                  gRPC with generic handlers (no generated code); an in-process fake for tests
+``client``                     calls to one task with timeouts, transient retries and typed errors
+``variable_server``            the parameter server's fixed operations and its optimizers
+``worker``                     running scheduled functions; pushing gradients from ``optimizer.step()``
+``pickling``                   cloudpickle with per-worker objects (variables, datasets) by reference
+``cluster_coordinator``        ``ClusterCoordinator``: dispatch to workers, heartbeats, fault handling
+``closures``                   ``RemoteValue``, per-worker datasets, the queue of scheduled functions
+``partitioners``               ``FixedShardsPartitioner``, ``MinSizePartitioner``, ``MaxSizePartitioner``
+``remote_variables``           variable layout, ``ShardedVariable``, ``RemoteVariable``
+``cluster_launcher``           ``phalanx run --ps M --workers N``: a local cluster
+``testing``                    ``InProcessCluster``: every task in one process, for tests
+=============================  ==========================================================================
 
 Importing this package does not import gRPC or cloudpickle (the ``phalanx[ps]`` extra); they are
 loaded when a cluster is started.
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING
 
 from phalanx._lazy import attach
 
-# Lazy (phalanx._lazy): the cluster launcher imports phalanx.ps.launcher, which needs no torch.
+# Lazy (phalanx._lazy): the cluster launcher (phalanx.ps.cluster_launcher) needs no torch.
 if TYPE_CHECKING:
     from phalanx.ps.closures import PerWorkerDataset, PerWorkerIterator, RemoteValue
-    from phalanx.ps.coordinator import ClusterCoordinator, WorkerState
+    from phalanx.ps.cluster_coordinator import ClusterCoordinator, WorkerState
     from phalanx.ps.errors import (
         AuthenticationError,
         CancelledError,
@@ -44,14 +45,14 @@ if TYPE_CHECKING:
         WorkerUnavailableError,
     )
     from phalanx.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
-    from phalanx.ps.variables import RemoteVariable, ShardedVariable
+    from phalanx.ps.remote_variables import RemoteVariable, ShardedVariable
 
 _ATTRIBUTES = {
     "PerWorkerDataset": "phalanx.ps.closures",
     "PerWorkerIterator": "phalanx.ps.closures",
     "RemoteValue": "phalanx.ps.closures",
-    "ClusterCoordinator": "phalanx.ps.coordinator",
-    "WorkerState": "phalanx.ps.coordinator",
+    "ClusterCoordinator": "phalanx.ps.cluster_coordinator",
+    "WorkerState": "phalanx.ps.cluster_coordinator",
     "AuthenticationError": "phalanx.ps.errors",
     "CancelledError": "phalanx.ps.errors",
     "ClusterSecretError": "phalanx.ps.errors",
@@ -65,8 +66,8 @@ _ATTRIBUTES = {
     "MaxSizePartitioner": "phalanx.ps.partitioners",
     "MinSizePartitioner": "phalanx.ps.partitioners",
     "Partitioner": "phalanx.ps.partitioners",
-    "RemoteVariable": "phalanx.ps.variables",
-    "ShardedVariable": "phalanx.ps.variables",
+    "RemoteVariable": "phalanx.ps.remote_variables",
+    "ShardedVariable": "phalanx.ps.remote_variables",
 }
 
 
@@ -80,7 +81,7 @@ def serve(cluster_resolver=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Pa
     Raises:
         ContextError: this task is the chief.
     """
-    from phalanx.ps.strategy import ParameterServerStrategy
+    from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
     return ParameterServerStrategy(cluster_resolver, serve_and_exit=False, **kwargs).serve()
 

@@ -19,7 +19,7 @@ from phalanx.ps.errors import CancelledError
 
 
 class ClusterCoordinator(Protocol):
-    """What closures and remote values need of their coordinator (``phalanx.ps.coordinator``
+    """What closures and remote values need of their coordinator (``phalanx.ps.cluster_coordinator``
     provides it; that module imports this one)."""
 
     def _check_progress(self) -> None: ...

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.cluster import SimpleClusterResolver
-from phalanx.ps.server import ParameterServerService
 from phalanx.ps.transport import InProcessTransport
+from phalanx.ps.variable_server import ParameterServerService
 from phalanx.ps.worker import WorkerService
 
 _SECRET = "in-process-test-secret-0123456789"
@@ -35,7 +35,7 @@ class InProcessCluster:
     def __init__(
         self, num_ps: int = 2, num_workers: int = 2, *, variable_partitioner: Any = None, rpc_timeout: float = 2.0
     ) -> None:
-        from phalanx.ps.strategy import ParameterServerStrategy
+        from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
         self.transport = InProcessTransport()
         self.spec = {
@@ -60,7 +60,7 @@ class InProcessCluster:
         return service
 
     def _start_worker(self, i: int) -> WorkerService:
-        from phalanx.ps.strategy import ParameterServerStrategy
+        from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
         strategy = ParameterServerStrategy(
             SimpleClusterResolver(self.spec, task_type="worker", task_id=i),
@@ -74,7 +74,7 @@ class InProcessCluster:
         return service
 
     def coordinator(self) -> Any:
-        from phalanx.ps.coordinator import ClusterCoordinator
+        from phalanx.ps.cluster_coordinator import ClusterCoordinator
 
         return ClusterCoordinator(self.strategy)
 

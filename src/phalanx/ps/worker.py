@@ -43,9 +43,9 @@ from phalanx._compat.torch import version_counter
 from phalanx.ps import pickling, wire
 from phalanx.ps.client import WORKER_SERVICE
 from phalanx.ps.errors import ParameterServerUnavailableError, ProtocolError
+from phalanx.ps.remote_variables import ShardIO, VariableSpec
 from phalanx.ps.service import SignedService
 from phalanx.ps.transport import ServiceError
-from phalanx.ps.variables import ShardIO, VariableSpec
 
 log = logging.getLogger("phalanx.ps")
 
@@ -277,7 +277,7 @@ class WorkerService(SignedService):
         return {"status": "ok"}, []
 
     def _call_dataset_fn(self, fn: Callable[..., Any]) -> Any:
-        from phalanx.input.context import InputContext
+        from phalanx.input.input_context import InputContext
 
         try:
             params = [

@@ -88,14 +88,14 @@ from phalanx.comm.flight_recorder import recording
 from phalanx.comm.reducer import GradientReducer
 from phalanx.comm.shm import DTYPES as SHM_DTYPES
 from phalanx.config import settings
-from phalanx.core import variables
+from phalanx.core import capture
 from phalanx.core.cross_replica import by_dtype
 from phalanx.core.extended import tf_device_name
 from phalanx.core.gradient_sync import GradientSync, ReducerSync
 from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice, canonicalize
 from phalanx.errors import InvalidDeviceError
-from phalanx.launch.api import job_env
+from phalanx.launch.launcher import job_env
 from phalanx.strategies.common import SyncExtended, local_devices
 
 _ALIGN = 64  # bytes; keeps every parameter's data cache-line aligned in the shared mapping
@@ -280,7 +280,7 @@ class Central(ReducerSync):
         guarding = {
             "guard": self._guard,
             "guard_collective": None if self._all_reduce_buckets else self._exchange_guard,
-            "name_of": variables.label_of,
+            "name_of": capture.label_of,
         }
         if self.reducer is not None:
             self.reducer.add(params, self._bucket_bytes)

@@ -25,9 +25,9 @@ from phalanx.core.strategy import close_at_exit
 from phalanx.devices import LogicalDevice, canonicalize, default_devices
 from phalanx.errors import ClusterSpecError, DuplicateDeviceError, InvalidDeviceError
 from phalanx.launch import replica_hooks
-from phalanx.launch.api import Launcher, engine
 from phalanx.launch.cores import cpu_oversubscription_warning
 from phalanx.launch.env import ReplicaEnv, free_port
+from phalanx.launch.launcher import Launcher, engine
 from phalanx.strategies.launchers import replicas
 
 

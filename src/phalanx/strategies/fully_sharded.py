@@ -56,7 +56,7 @@ from phalanx._compat.torch import untraced
 from phalanx.cluster import resolve_from_environment
 from phalanx.comm import process_group
 from phalanx.comm.flight_recorder import recording
-from phalanx.core import context, variables
+from phalanx.core import capture, context
 from phalanx.core.extended import StrategyExtended
 from phalanx.core.gradient_sync import AllReduce, GradientSync
 from phalanx.core.strategy import Strategy
@@ -153,7 +153,7 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
                 continue
             if optimizer.state.get(p):
                 raise ShardingError(
-                    variables.label_of(p),
+                    capture.label_of(p),
                     "the optimizer holds state for this parameter from before FullyShardedStrategy sharded it",
                     hint="build the model and optimizer in strategy.scope(), restore a checkpoint after the scope, "
                     "and take the first step in strategy.run",
@@ -261,7 +261,7 @@ class Sharded(GradientSync):
         # Identical on every replica by now (broadcast from the chief): shard their modules.
         if context.get_replica_context() is not None:
             raise ShardingError(
-                variables.label_of(params[0]),
+                capture.label_of(params[0]),
                 "a parameter was created inside strategy.run, where FullyShardedStrategy cannot shard it",
                 hint="build (or call once) the model in strategy.scope() before the first step",
             )
@@ -292,7 +292,7 @@ class Sharded(GradientSync):
             self._whole.attach(ignored)  # whole on every replica, as under Mirrored
         mesh = self._device_mesh()
         shard = self._fsdp.fully_shard
-        with variables.not_captured():  # FSDP2's own registrations are not new variables
+        with capture.not_captured():  # FSDP2's own registrations are not new variables
             for root in roots:
                 before = dict(root.named_parameters())
                 adaptation = adaptations[id(root)]

@@ -2,8 +2,8 @@
 
 It sits above the launchers it chooses among (Lightning's strategy configures its own launcher the
 same way): the launcher's environment and self-launch (:mod:`phalanx.launch`), and a notebook
-session (:mod:`phalanx.interactive.session`). :mod:`phalanx.launch.api` says what each route is and
-what a strategy holds afterwards (a :class:`~phalanx.launch.api.Launcher`).
+session (:mod:`phalanx.interactive.session`). :mod:`phalanx.launch.launcher` says what each route is and
+what a strategy holds afterwards (a :class:`~phalanx.launch.launcher.Launcher`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from phalanx.interactive import session
 from phalanx.launch import mode, self_launch
-from phalanx.launch.api import Launcher
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.launcher import Launcher
 from phalanx.launch.mode import JobMode
 
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from phalanx.comm.cross_device_ops import CrossDeviceOps
 from phalanx.core.extended import tf_device_name
 from phalanx.core.strategy import Strategy
-from phalanx.launch.api import job_env
+from phalanx.launch.launcher import job_env
 from phalanx.strategies.common import SyncExtended, local_devices
 
 

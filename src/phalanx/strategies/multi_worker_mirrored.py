@@ -35,8 +35,8 @@ from phalanx.core.strategy import Strategy
 from phalanx.devices import LogicalDevice
 from phalanx.errors import ClusterSpecError, InvalidDeviceError
 from phalanx.launch import mismatch
-from phalanx.launch.api import job_env
 from phalanx.launch.env import ReplicaEnv
+from phalanx.launch.launcher import job_env
 from phalanx.strategies.common import SyncExtended
 
 

@@ -61,7 +61,7 @@ from phalanx.ps.errors import (
 from phalanx.ps.transport import TransportError
 
 if TYPE_CHECKING:
-    from phalanx.ps.strategy import ParameterServerStrategy
+    from phalanx.ps.parameter_server_strategy import ParameterServerStrategy
 
 log = logging.getLogger("phalanx.ps")
 
@@ -295,7 +295,7 @@ class ClusterCoordinator:
     def __init__(self, strategy: ParameterServerStrategy) -> None:
         if getattr(self, "_initialized", False):
             return
-        from phalanx.ps.strategy import ParameterServerExtended
+        from phalanx.ps.parameter_server_strategy import ParameterServerExtended
 
         ext = getattr(strategy, "extended", None)
         if not isinstance(ext, ParameterServerExtended):

@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> from phalanx.input.spec import Optional, spec_of
+    >>> from phalanx.input.element_spec import Optional, spec_of
     >>> spec_of((torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)))
     (TensorSpec(shape=(None, 3), dtype=torch.float32), TensorSpec(shape=(None,), dtype=torch.int64))
     >>> Optional.empty().has_value()

@@ -10,7 +10,7 @@ A strategy over N local devices needs N processes, this one among them. They com
 * **a notebook session** (:mod:`phalanx.interactive.session`): a notebook, the REPL, ``python -c``
   or stdin has no script to start again; its replicas are forked (or spawned) and replay the cells;
 * **a parameter-server cluster** is started from outside, task by task (``phalanx run --ps``,
-  :mod:`phalanx.ps.launcher`), so a task finds its identity in its environment as in the first case.
+  :mod:`phalanx.ps.cluster_launcher`), so a task finds its identity in its environment as in the first case.
 
 :func:`phalanx.strategies.launchers.replicas` chooses among them, above what it chooses (as
 Lightning's strategy configures its launcher); every strategy asks it, and nothing else starts
@@ -35,9 +35,11 @@ class Launcher(Protocol):
     One implementation per route, each over the one :class:`~phalanx.launch.supervisor.Supervisor`:
     :class:`~phalanx.launch.self_launch.ReplicaLauncher` (self-launch, and an embedding R host),
     :class:`~phalanx.launch.runner.ScriptLauncher` (``phalanx run``; it runs the job rather than
-    serving a strategy), and a notebook's :class:`~phalanx.interactive.session.Session` over its
+    serving a strategy), a notebook's :class:`~phalanx.interactive.session.Session` over its
     :class:`~phalanx.launch.notebook.NotebookLauncher` (a notebook replica's
-    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there).
+    :class:`~phalanx.interactive.replica.ReplicaSession` stands for it there), and the
+    parameter-server cluster's :class:`~phalanx.ps.cluster_launcher.ClusterLauncher` (``phalanx run
+    --ps``; ``launch/`` never imports it). Each ends with a :class:`~phalanx.launch.lifecycle.RunResult`.
     """
 
     @property

@@ -350,7 +350,7 @@ class ShardedVariable:
         """Splits ``value`` into the shards and writes each to its parameter server."""
         self._io.assign([self._spec], [torch.as_tensor(value, dtype=self.dtype).reshape(self._spec.shape)])
 
-    # Checkpoint protocol (phalanx.checkpoint.sharding): stored as one full tensor.
+    # Checkpoint protocol (phalanx.checkpoint.sharded_variables): stored as one full tensor.
     def _phalanx_full_tensor_(self) -> torch.Tensor:
         return self.read_value()
 

@@ -17,6 +17,13 @@ finished fails a synchronous one: it is named with its stack as the root cause, 
 stopped, and the status is 1. After a failed chief the root cause (the first failure across
 tasks; when the chief only lost a task, that task's failure, awaited briefly) is printed once, and
 the rest are stopped after ``shutdown_grace`` seconds.
+
+:class:`ClusterLauncher` is this route's :class:`~phalanx.launch.launcher.Launcher` over the one
+:class:`~phalanx.launch.supervisor.Supervisor`: its :attr:`~ClusterLauncher.state` is a
+:class:`~phalanx.launch.lifecycle.JobState` (``RUNNING`` once every task was started, ``STOPPING``
+once the chief ended, then ``SUCCEEDED`` or ``FAILED``) and :meth:`~ClusterLauncher.run` returns a
+:class:`~phalanx.launch.lifecycle.RunResult` (every task's end, the root cause), as
+``ScriptLauncher.run()`` does for ``phalanx run -n N``.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from phalanx.launch.env import free_port
 from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
-from phalanx.launch.root_cause import Task, describe_exit_code, exit_status
+from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
+from phalanx.launch.root_cause import Task, describe_exit_code, exit_status, root_cause
 from phalanx.launch.run_dir import RunDirectory
 from phalanx.launch.supervisor import Supervisor
 from phalanx.ps.secret import SECRET_ENV, generate_secret
@@ -141,37 +150,78 @@ class _Cluster:
 
 
 def run_cluster(job: ClusterJob) -> int:
-    """Runs the cluster until the chief ends; returns the chief's exit code."""
-    if job.num_ps < 1 or job.num_workers < 1:
-        raise ValueError(
-            f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
-            f"ps={job.num_ps}, workers={job.num_workers}"
+    """Runs the cluster until the chief ends; returns the job's exit status."""
+    return ClusterLauncher(job).run().status
+
+
+class ClusterLauncher:
+    """``phalanx run --ps``'s launcher: starts the cluster's tasks on this host and supervises them.
+
+    The cluster's tasks find their identity in ``TF_CONFIG``, so no strategy holds this launcher:
+    :meth:`check_peers`, :meth:`strategy_opened` and :meth:`strategy_closed` have nothing to do.
+    """
+
+    def __init__(self, job: ClusterJob) -> None:
+        if job.num_ps < 1 or job.num_workers < 1:
+            raise ValueError(
+                f"a parameter-server cluster needs --ps >= 1 and --workers >= 1; received "
+                f"ps={job.num_ps}, workers={job.num_workers}"
+            )
+        self.job = job
+        self.lifecycle = Lifecycle()
+        self.supervisor = Supervisor(tee=job.tee, start_method=job.start_method, preload=job.preload)
+
+    @property
+    def state(self) -> JobState:
+        """Where the cluster's tasks are (:mod:`phalanx.launch.lifecycle`)."""
+        return self.lifecycle.state
+
+    def check_peers(self) -> None:
+        """Nothing to raise: the tasks are this launcher's, not a strategy's local replicas."""
+
+    def strategy_opened(self, strategy: Any) -> None:
+        """No strategy runs on this launcher's tasks from here (each task makes its own)."""
+
+    def strategy_closed(self, strategy: Any) -> None:
+        """See :meth:`strategy_opened`."""
+
+    def run(self) -> RunResult:
+        """Runs the cluster until the chief ends (then the rest); how it ended."""
+        status = self._run()
+        self.lifecycle.end(status)
+        exits = tuple(self.supervisor.exits)
+        return RunResult(self.state, status, exits, root_cause(exits) if status != 0 else None)
+
+    def _run(self) -> int:
+        job, sup = self.job, self.supervisor
+        cluster = _Cluster(job, sup)
+        here = "every task writes here, prefixed; " if job.tee else "the chief writes here; "
+        sup.say(
+            f"chief + {job.num_workers} worker(s) + {job.num_ps} parameter server(s) on {job.host}; "
+            f"{here}logs in {cluster.log_dir}"
         )
-    sup = Supervisor(tee=job.tee, start_method=job.start_method, preload=job.preload)
-    cluster = _Cluster(job, sup)
-    here = "every task writes here, prefixed; " if job.tee else "the chief writes here; "
-    sup.say(
-        f"chief + {job.num_workers} worker(s) + {job.num_ps} parameter server(s) on {job.host}; "
-        f"{here}logs in {cluster.log_dir}"
-    )
-    with forwarded_signals():
-        try:
-            cluster.start_all()
-            code = cluster.supervise()
-            if code == 0:  # the others must end too, and soon: one still running is a failure
-                return sup.job_status(wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace))
-            # The chief often fails only because a task it needed is gone (ParameterServerUnavailableError):
-            # that task's own failure is the root cause, and it may still be exiting (its error
-            # recorded, its teardown under way) or its end not yet seen. Wait for it, briefly.
-            sup.await_cause()
-            sup.end_failing()
-            sup.report_root_cause()
-            cluster.stop(job.shutdown_grace)
-            return sup.job_status(exit_status(code))
-        except Interrupted as e:
-            return stop_on_signal(sup, e.signum)
-        except BaseException:
-            sup.kill()
-            raise
-        finally:
-            sup.close()
+        with forwarded_signals():
+            try:
+                cluster.start_all()
+                self.lifecycle.to(JobState.RUNNING)
+                code = cluster.supervise()
+                self.lifecycle.to(JobState.STOPPING)
+                if code == 0:  # the others must end too, and soon: one still running is a failure
+                    return sup.job_status(wait_for_the_rest(sup, primary="chief:0", limit=job.shutdown_grace))
+                # The chief often fails only because a task it needed is gone (ParameterServerUnavailableError):
+                # that task's own failure is the root cause, and it may still be exiting (its error
+                # recorded, its teardown under way) or its end not yet seen. Wait for it, briefly.
+                sup.await_cause()
+                sup.end_failing()
+                sup.report_root_cause()
+                cluster.stop(job.shutdown_grace)
+                return sup.job_status(exit_status(code))
+            except Interrupted as e:
+                self.lifecycle.to(JobState.STOPPING)
+                return stop_on_signal(sup, e.signum)
+            except BaseException:
+                self.lifecycle.to(JobState.FAILED)
+                sup.kill()
+                raise
+            finally:
+                sup.close()

@@ -16,7 +16,7 @@ collectives or RPC to fetch remote shards.
 
 Example:
     >>> import torch
-    >>> from phalanx.checkpoint.sharding import split_full
+    >>> from phalanx.checkpoint.sharded_variables import split_full
     >>> [tuple(s.shape) for s in split_full(torch.zeros(10, 4), 3)]
     [(4, 4), (3, 4), (3, 4)]
 """

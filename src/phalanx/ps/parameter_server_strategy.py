@@ -19,7 +19,7 @@ the cluster shuts down::
 
 Variables. Parameters and buffers registered in ``scope()`` on the chief are created on the
 parameter servers, round robin, with their initial values; a ``variable_partitioner`` splits large
-ones along dimension 0 into shards on several servers (:class:`~phalanx.ps.variables.ShardedVariable`).
+ones along dimension 0 into shards on several servers (:class:`~phalanx.ps.remote_variables.ShardedVariable`).
 The chief's module keeps ordinary tensors, a local copy:
 
 * ``coordinator.join()`` (and :meth:`ParameterServerExtended.pull_variables`) refreshes it
@@ -33,7 +33,7 @@ Optimizer. Create it on the chief over the model's parameters, in or after ``sco
 scheduled function calls ``optimizer.step()`` as usual. On the worker that step sends the
 gradients to the servers, which apply them with an optimizer of the same ``torch.optim`` class and
 hyperparameters; optimizer state (momentum, Adam moments) lives on the server next to its
-variable (:mod:`phalanx.ps.worker`, :mod:`phalanx.ps.server`).
+variable (:mod:`phalanx.ps.worker`, :mod:`phalanx.ps.variable_server`).
 
 Security. Code goes from the coordinator to the workers pickled, so every message is signed with
 the cluster's shared secret (``PHALANX_CLUSTER_SECRET``; ``phalanx run --ps`` makes one) and
@@ -47,7 +47,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,21 +54,20 @@ import torch
 
 from phalanx import config
 from phalanx._compat.python import run_exit_handlers
-from phalanx._compat.torch import version_counter
 from phalanx.cluster import ClusterResolver, resolve_from_environment
 from phalanx.cluster.validation import validate_cluster
 from phalanx.comm.communicator import LocalCommunicator
-from phalanx.comm.rendezvous import WaitNotice
 from phalanx.core.extended import StrategyExtended
 from phalanx.core.strategy import Strategy, close_at_exit
 from phalanx.devices import LogicalDevice
-from phalanx.errors import ClusterSpecError, ContextError, RendezvousTimeoutError
+from phalanx.errors import ClusterSpecError, ContextError
 from phalanx.launch import replica_hooks
 from phalanx.ps import pickling, wire
 from phalanx.ps.client import RemoteTask, call_all
-from phalanx.ps.errors import TaskUnavailableError, task_device
-from phalanx.ps.partitioners import num_shards_for, shard_sizes
-from phalanx.ps.variables import RemoteVariable, Shard, ShardedVariable, ShardIO, VariableSpec
+from phalanx.ps.cluster_connection import ClusterConnection
+from phalanx.ps.errors import task_device
+from phalanx.ps.remote_variables import RemoteVariable, ShardedVariable, ShardIO
+from phalanx.ps.server_variables import ServerVariables
 
 log = logging.getLogger("phalanx.ps")
 
@@ -98,27 +96,17 @@ class ParameterServerExtended(StrategyExtended):
         self._worker_recovery_timeout = config.settings().worker_recovery_timeout
         self._partitioner = partitioner
         ps_indices = cluster.task_indices("ps")
-        self._ps_tasks = [
-            RemoteTask("ps", i, cluster.task_address("ps", i), transport, secret, rpc_timeout, sender=self._task_name)
-            for i in ps_indices
-        ]
-        self._ps_incarnations: list[str | None] = [None] * len(self._ps_tasks)
-        self._io = ShardIO(self._ps_tasks)
+        # The coordinator's client: connections to the parameter servers and workers (cluster_connection.py).
+        self.cluster = ClusterConnection(role, self._task_name, cluster, transport, secret, rpc_timeout)
+        self._io = ShardIO(self.cluster.ps_tasks)
         workers = tuple(f"{task_device('worker', i)}/device:CPU:0" for i in cluster.task_indices("worker"))
         parameters = tuple(f"{task_device('ps', i)}/device:CPU:0" for i in ps_indices)
         super().__init__(LocalCommunicator(), LogicalDevice("cpu", 0), workers, parameters)
-        self._specs: list[VariableSpec] = []
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._spec_by_id: dict[int, VariableSpec] = {}
-        self._by_storage: dict[tuple, VariableSpec] = {}
-        self._json: dict[str, str] = {}
-        self._versions: dict[str, int] = {}
-        self._next_ps = 0
-        self._count = 0
+        # Variable placement on the servers and the chief's copies (server_variables.py).
+        self.server_variables = ServerVariables(
+            self._io, len(self.cluster.ps_tasks), partitioner, self.variable_sync.mark_owned
+        )
         self._coordinator: Any = None
-        self._worker_tasks: list[RemoteTask] = []
-        self._stopped = False
-        self._warned_outside_scope = False
 
     # ---------------------------------------------------------------- TF's properties
     @property
@@ -146,7 +134,7 @@ class ParameterServerExtended(StrategyExtended):
 
     def leave_cluster_running(self) -> None:
         """Closing this chief will not shut the cluster down (another coordinator takes over)."""
-        self._stopped = True
+        self.cluster.stopped = True
 
     @property
     def shard_io(self) -> ShardIO:
@@ -184,169 +172,20 @@ class ParameterServerExtended(StrategyExtended):
 
     def parameter_servers(self) -> list[tuple[RemoteTask, str | None]]:
         """Each parameter server and the incarnation it had when the chief connected."""
-        return list(zip(self._ps_tasks, self._ps_incarnations))
+        return list(zip(self.cluster.ps_tasks, self.cluster.ps_incarnations))
 
     def connect_workers(self) -> list[RemoteTask]:
         """Connections to every worker (made once)."""
-        return self._connect_workers()
+        return self.cluster.workers()
 
     def stop_cluster(self, timeout: float = 5.0) -> None:
         """Tells every worker and parameter server to exit (best effort, bounded by ``timeout``)."""
-        self._stop_cluster(timeout)
+        self.cluster.stop(timeout)
 
     def persistent_id(self, obj: Any) -> Any:
         """The reference a scheduled function carries for ``obj`` instead of a pickled copy, or None."""
-        return self._persistent_id(obj)
-
-    # ---------------------------------------------------------------- connecting
-    def _wait_for_parameter_servers(self, timeout: float, notice_after: float | None = None) -> None:
-        """Pings every parameter server until each answered, within ``timeout``; names the ones still
-        silent on stderr after ``notice_after`` seconds, once (rather than two minutes of silence)."""
-        deadline = time.monotonic() + timeout
-        notice = WaitNotice(notice_after)
-        pending = dict(enumerate(self._ps_tasks))
-        while pending:
-            for i, task in list(pending.items()):
-                try:
-                    reply = task.call("ping", timeout=min(2.0, self._rpc_timeout), attempts=1)
-                except TaskUnavailableError:
-                    continue
-                self._ps_incarnations[i] = reply.header.get("incarnation")
-                del pending[i]
-            if pending:
-                if time.monotonic() > deadline:
-                    raise RendezvousTimeoutError([t.name for t in pending.values()], timeout)
-                notice.poll(lambda: [f"{t.name} at {t.address}" for t in pending.values()], deadline)
-                time.sleep(0.1)
-
-    def _connect_workers(self) -> list[RemoteTask]:
-        if not self._worker_tasks:
-            self._worker_tasks = [
-                RemoteTask(
-                    "worker",
-                    i,
-                    self._cluster.task_address("worker", i),
-                    self._transport,
-                    self._secret,
-                    self._rpc_timeout,
-                    sender=self._task_name,
-                )
-                for i in self._cluster.task_indices("worker")
-            ]
-        return self._worker_tasks
-
-    def _stop_cluster(self, timeout: float = 5.0) -> None:
-        """Tells every worker and parameter server to exit (best effort, bounded by ``timeout``)."""
-        if self._stopped or self._role != "chief":
-            return
-        self._stopped = True
-        tasks = self._connect_workers() + self._ps_tasks
-        per_call = max(0.1, min(2.0, timeout))
-        deadline = time.monotonic() + timeout
-        threads = [threading.Thread(target=_tell_to_stop, args=(t, per_call, deadline), daemon=True) for t in tasks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        for task in tasks:
-            task.close()
-
-    def _start_keepalive(self) -> None:
-        """The chief pings every task, so none of them counts itself orphaned (see :mod:`phalanx.ps.service`)."""
-        from phalanx.ps.client import Keepalive
-
-        orphan = config.settings().orphan_timeout
-        tasks = [
-            (job, i, self._cluster.task_address(job, i))
-            for job in ("ps", "worker")
-            for i in self._cluster.task_indices(job)
-        ]
-        self._keepalive = Keepalive(
-            tasks, self._transport, self._secret, max(0.2, min(10.0, orphan / 4)), sender=self._task_name
-        )
-
-    def _close(self) -> None:
-        keepalive, self._keepalive = getattr(self, "_keepalive", None), None
-        if keepalive is not None:
-            keepalive.stop()
-        if self._coordinator is not None:
-            self._coordinator.shutdown()
-        self._stop_cluster()
-
-    # ---------------------------------------------------------------- variables
-    def _sync_new_variables(self) -> None:
-        params, buffers = self.variable_sync.take_new()
-        if self._role != "chief" or not (params or buffers):
-            return  # variables made inside a scheduled function stay local to its worker
-        new = []
-        for tensor, kind in [*((p, "parameter") for p in params), *((b, "buffer") for b in buffers)]:
-            if id(tensor) in self._spec_by_id:
-                continue
-            alias = self._by_storage.get(_storage_key(tensor)) if tensor.numel() else None
-            if alias is not None:
-                # A new tensor object over an existing variable's memory (Keras re-wraps its
-                # variables in new Parameters as a model is built): the same variable, now
-                # reached through this object.
-                self._tensors[alias.name] = tensor
-                self._spec_by_id[id(tensor)] = alias
-                self._versions[alias.name] = version_counter(tensor)
-                self.variable_sync.mark_owned(tensor)
-                continue
-            new.append((tensor, kind))
-        # Within this batch too, one variable per memory: the last object over it is the one in use.
-        latest = {_storage_key(t): i for i, (t, _) in enumerate(new) if t.numel()}
-        new = [(t, kind) for i, (t, kind) in enumerate(new) if not t.numel() or latest[_storage_key(t)] == i]
-        specs = [self._place(t, kind) for t, kind in new]
-        tensors = [t for t, _ in new]
-        existing = self._io.create(specs, tensors)
-        for spec, tensor in zip(specs, tensors):
-            self._register(spec, tensor)
-        if existing:
-            # A restarted coordinator: the servers kept these variables; adopt their values.
-            log.info("phalanx: %d variables already exist on the parameter servers; using their values", len(existing))
-            self.pull_variables([n for n in (s.name for s in specs) if n in existing])
-
-    def _place(self, tensor: torch.Tensor, kind: str) -> VariableSpec:
-        name = f"v{self._count}"
-        self._count += 1
-        shape = tuple(int(d) for d in tensor.shape)
-        num_ps = len(self._ps_tasks)
-        sizes = shard_sizes(shape[0], num_shards_for(self._partitioner, shape, tensor.dtype)) if shape else [1]
-        if len(sizes) == 1:
-            shards: tuple[Shard, ...] = (Shard(self._next_ps % num_ps, name, 0, -1),)
-        else:
-            starts = [sum(sizes[:j]) for j in range(len(sizes))]
-            shards = tuple(
-                Shard((self._next_ps + j) % num_ps, f"{name}/part_{j}", starts[j], rows) for j, rows in enumerate(sizes)
-            )
-        self._next_ps += len(shards)  # round robin over servers, shards included (as TF places them)
-        trainable = kind == "parameter" and tensor.requires_grad
-        return VariableSpec(name, shape, wire.dtype_name(tensor.dtype), trainable, kind, shards)
-
-    def _register(self, spec: VariableSpec, tensor: torch.Tensor) -> None:
-        self._specs.append(spec)
-        self._tensors[spec.name] = tensor
-        self._spec_by_id[id(tensor)] = spec
-        self._json[spec.name] = spec.to_json()
-        self._versions[spec.name] = version_counter(tensor)
-        if tensor.numel():
-            self._by_storage[_storage_key(tensor)] = spec  # registered tensors stay alive: no address reuse
-        self.variable_sync.mark_owned(tensor)  # a Checkpoint made outside scope() finds the servers' state through it
-
-    def _persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            spec = self._spec_by_id.get(id(obj))
-            if spec is not None and self._tensors.get(spec.name) is obj:
-                return ("var", self._json[spec.name])
-            if isinstance(obj, torch.nn.Parameter) and not self._warned_outside_scope:
-                self._warned_outside_scope = True
-                log.warning(
-                    "phalanx: a scheduled function uses a parameter %s that was not created in "
-                    "strategy.scope(): it is copied to the worker with every function and its updates "
-                    "are lost. Create the model inside `with strategy.scope():`.",
-                    tuple(obj.shape),
-                )
-            return None
+            return self.server_variables.reference(obj)
         ref = pickling.reference_to(obj, self)  # objects of integrations (a Keras model built in scope)
         if ref is not None:
             return ref
@@ -358,10 +197,23 @@ class ParameterServerExtended(StrategyExtended):
             return ("extended",)
         return None
 
+    def _close(self) -> None:
+        self.cluster.close()
+        if self._coordinator is not None:
+            self._coordinator.shutdown()
+        self.cluster.stop()
+
+    # ---------------------------------------------------------------- variables (server_variables.py)
+    def _sync_new_variables(self) -> None:
+        params, buffers = self.variable_sync.take_new()
+        if self._role != "chief" or not (params or buffers):
+            return  # variables made inside a scheduled function stay local to its worker
+        self.server_variables.create(params, buffers)
+
     @property
     def variables(self) -> list[RemoteVariable | ShardedVariable]:
         """Handles to every variable on the parameter servers, in creation order."""
-        return [ShardedVariable(s, self._io) if s.partitioned else RemoteVariable(s, self._io) for s in self._specs]
+        return self.server_variables.handles
 
     def remote_variable(self, tensor: torch.Tensor) -> RemoteVariable | ShardedVariable:
         """The handle of the variable behind one of the chief's parameters or buffers.
@@ -369,104 +221,39 @@ class ParameterServerExtended(StrategyExtended):
         Raises:
             KeyError: ``tensor`` was not created in this strategy's scope.
         """
-        spec = self._spec_by_id.get(id(tensor))
-        if spec is None or self._tensors.get(spec.name) is not tensor:
-            raise KeyError("this tensor is not a variable of the strategy (create it inside strategy.scope())")
-        return ShardedVariable(spec, self._io) if spec.partitioned else RemoteVariable(spec, self._io)
+        return self.server_variables.remote_variable(tensor)
 
     def pull_variables(self, names: Sequence[str] | None = None) -> None:
         """Copies the servers' current values into the chief's tensors (after sending the chief's own changes)."""
-        if self._role != "chief" or not self._specs:
-            return
-        self.push_variables()
-        specs = [s for s in self._specs if names is None or s.name in names]
-        targets = [self._tensors[s.name] for s in specs]
-        self._io.read_into(specs, targets)
-        for s, t in zip(specs, targets):
-            self._versions[s.name] = version_counter(t)
+        if self._role == "chief":
+            self.server_variables.pull(names)
 
     def push_variables(self, force: bool = False) -> None:
         """Sends the chief's tensors that changed since they were last synchronised (all with ``force``)."""
-        if self._role != "chief" or not self._specs:
-            return
-        changed = [s for s in self._specs if force or version_counter(self._tensors[s.name]) != self._versions[s.name]]
-        if not changed:
-            return
-        self._io.assign(changed, [self._tensors[s.name] for s in changed])
-        for s in changed:
-            self._versions[s.name] = version_counter(self._tensors[s.name])
+        if self._role == "chief":
+            self.server_variables.push(force)
 
     def variable_json(self, tensor: Any) -> str | None:
         """The wire description of the variable behind ``tensor`` (a chief's tensor), or None if it is not one."""
-        spec = self._spec_of(tensor)
-        return None if spec is None else self._json[spec.name]
+        return self.server_variables.variable_json(tensor)
 
-    def _spec_of(self, tensor: Any) -> VariableSpec | None:
-        spec = self._spec_by_id.get(id(tensor))
-        return spec if spec is not None and self._tensors.get(spec.name) is tensor else None
-
-    def _optimizer_variables(
-        self, optimizer: torch.optim.Optimizer
-    ) -> list[tuple[int, torch.Tensor, VariableSpec, dict[str, Any]]]:
-        """(index in ``state_dict()``, parameter, spec, group) of the optimizer's trainable PS variables."""
-        out, index = [], 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                spec = self._spec_of(p)
-                if spec is not None and spec.trainable:
-                    out.append((index, p, spec, group))
-                index += 1
-        return out
-
-    # Checkpoints: optimizer state lives on the servers, so a save fetches it into the optimizer's
-    # ordinary ``state_dict`` (restorable under any strategy, or none) and a restore sends it back.
+    # Checkpoints: optimizer state lives on the servers (see ServerVariables.state_to_save).
     def state_to_save(self, obj: Any) -> Any:
-        if self._role != "chief" or not self._specs:
-            return None
-        if isinstance(obj, torch.optim.Optimizer):
-            found = self._optimizer_variables(obj)
-            if not found:
-                return None
-            state = obj.state_dict()
-            for (index, _, _, _), saved in zip(found, self._io.read_optimizer_state([f[2] for f in found])):
-                if saved:
-                    state["state"][index] = saved
-                else:
-                    state["state"].pop(index, None)
-            return state
-        if isinstance(obj, torch.nn.Module) and any(
-            self._spec_of(t) is not None for t in [*obj.parameters(), *obj.buffers()]
-        ):
-            self.pull_variables()  # the chief's copy may lag the servers
-        return None
+        return self.server_variables.state_to_save(obj) if self._role == "chief" else None
 
     def after_restore(self, obj: Any) -> None:
-        if self._role != "chief" or not self._specs:
-            return
-        if isinstance(obj, torch.optim.Optimizer):
-            from phalanx.ps.worker import optimizer_config
-
-            found = self._optimizer_variables(obj)
-            states = [
-                {k: v for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor)} for _, p, _, _ in found
-            ]
-            configs = [optimizer_config(obj, group) for _, _, _, group in found]
-            self._io.assign_optimizer_state([f[2] for f in found], states, configs)
-            for _, p, _, _ in found:
-                # The servers hold it now; a copy here would also travel with every scheduled function.
-                obj.state.pop(p, None)
-        elif isinstance(obj, torch.nn.Module):
-            self.push_variables()
+        if self._role == "chief":
+            self.server_variables.after_restore(obj)
 
     def parameter_server_stats(self) -> list[dict[str, Any]]:
         """What each parameter server reports: its pid, number of variables and of applied updates."""
-        return [reply.header for reply in call_all([(t, "ping", {}, []) for t in self._ps_tasks])]
+        return [reply.header for reply in call_all([(t, "ping", {}, []) for t in self.cluster.ps_tasks])]
 
     # ---------------------------------------------------------------- serving (ps and worker tasks)
     def serve(self, strategy: ParameterServerStrategy) -> int:
         """Serves this task's operations until the coordinator shuts the cluster down (0) or the
         chief is not heard from for ``PHALANX_ORPHAN_TIMEOUT`` seconds (3)."""
-        from phalanx.ps.server import ParameterServerService
+        from phalanx.ps.variable_server import ParameterServerService
         from phalanx.ps.worker import WorkerService
 
         stop = threading.Event()
@@ -504,32 +291,6 @@ class ParameterServerExtended(StrategyExtended):
         service.refusals.flush()
         server.stop(grace=1.0)
         return code
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    return (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
-
-
-def _tell_to_stop(task: Any, per_call: float, deadline: float) -> None:
-    """Sends ``task`` the shutdown request (best effort, bounded by ``deadline``).
-
-    A task that never answered the chief may still be starting (a worker warms torch.optim up
-    before it serves, 1.5 s or more on a busy host): it is asked again until the deadline, so it
-    does not serve on until its orphan timeout after the chief has ended the cluster. One that
-    answered before and is unavailable now is gone (a killed parameter server): asked once.
-    """
-    while True:
-        try:
-            task.call("shutdown", timeout=min(per_call, max(0.1, deadline - time.monotonic())), attempts=1)
-            return
-        except TaskUnavailableError as e:
-            if task.answered or time.monotonic() + 0.1 >= deadline:
-                log.debug("phalanx: shutdown request not delivered: %s", e)
-                return
-            time.sleep(0.1)
-        except Exception as e:  # noqa: BLE001 - best effort: the task may be gone already
-            log.debug("phalanx: shutdown request not delivered: %s", e)
-            return
 
 
 def _resolve(cluster_resolver: ClusterResolver | None) -> tuple[ClusterResolver, Any, str, int]:
@@ -604,8 +365,8 @@ class ParameterServerStrategy(Strategy):
                 _exit_server(self.serve())
             return
         settings = config.settings()
-        extended._wait_for_parameter_servers(settings.rendezvous_timeout, settings.rendezvous_notice)
-        extended._start_keepalive()
+        extended.cluster.wait_for_parameter_servers(settings.rendezvous_timeout, settings.rendezvous_notice)
+        extended.cluster.start_keepalive()
         close_at_exit(self)
 
     def serve(self) -> int:
@@ -680,7 +441,7 @@ class ParameterServerStrategy(Strategy):
     def __repr__(self) -> str:
         ext = self._extended
         return (
-            f"ParameterServerStrategy(task={ext._task_name!r}, ps={len(ext._ps_tasks)}, "
+            f"ParameterServerStrategy(task={ext._task_name!r}, ps={len(ext.cluster.ps_tasks)}, "
             f"workers={len(ext.worker_devices)})"
         )
 

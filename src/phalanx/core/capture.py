@@ -204,9 +204,9 @@ def _on_module(module: torch.nn.Module, name: str, submodule: torch.nn.Module | 
 
 
 def _install() -> None:
-    hooks.install("phalanx.core.variables.parameter", "module_parameter_registration", _on_param)
-    hooks.install("phalanx.core.variables.buffer", "module_buffer_registration", _on_buffer)
-    hooks.install("phalanx.core.variables.module", "module_module_registration", _on_module)
+    hooks.install("phalanx.core.capture.parameter", "module_parameter_registration", _on_param)
+    hooks.install("phalanx.core.capture.buffer", "module_buffer_registration", _on_buffer)
+    hooks.install("phalanx.core.capture.module", "module_module_registration", _on_module)
 
 
 def capture_modules(
