@@ -21,8 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from phalanx.launch import elastic, settings
-from phalanx.launch.elastic import LAUNCHER_STORE
+from phalanx.launch import elastic_attempt, settings
+from phalanx.launch.elastic_attempt import LAUNCHER_STORE
 from phalanx.launch.env import ReplicaEnv, free_port
 from phalanx.launch.job_end import Interrupted, forwarded_signals, stop_on_signal, wait_for_the_rest
 from phalanx.launch.lifecycle import JobState, Lifecycle, RunResult
@@ -50,7 +50,7 @@ class JobSpec:
         preload: with ``fork``, modules to import once besides those found in the script (a
             module the script imports through one of its own, say).
         min_nproc: an elastic job (0: not one): it goes on while at least this many replicas
-            remain (:mod:`phalanx.launch.elastic`).
+            remain (:mod:`phalanx.launch.elastic_attempt`).
     """
 
     command: tuple[str, ...]
@@ -174,7 +174,9 @@ def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int
     port = spec.master_port or free_port(spec.master_addr)
     tasks = _tasks(spec, run, attempt, port)
     if spec.min_nproc:
-        return elastic.supervise(sup, elastic.store_task(run, spec.master_addr, port), tasks, spec.min_nproc, _fail)
+        return elastic_attempt.supervise(
+            sup, elastic_attempt.store_task(run, spec.master_addr, port), tasks, spec.min_nproc, _fail
+        )
     started = [sup.start(task) for task in tasks]
     primary = started[0] if spec.node_rank == 0 else None  # replica 0 lives on node 0
     exits: list[Exit] = []
