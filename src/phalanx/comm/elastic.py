@@ -37,6 +37,8 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import json
 import threading
 import time
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.comm import rendezvous
 from phalanx.comm.communicator import GroupSpec, Handle
 from phalanx.comm.group_communicator import ProcessGroupCommunicator
@@ -130,9 +133,17 @@ class ElasticCommunicator:
         self._votes = 0  # votes in the current step (several backward passes may each sync)
         self._after_vote = 0  # collectives since the vote, in this step (survivors must agree)
         self._closed = False
+        self.vote_seconds = 0.0  # spent in the votes so far (benchmarks/elastic.py: what being elastic costs)
         self._root = spec.store if spec.store is not None else self._connect(spec)
         self._control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._root)
         self._inner = ProcessGroupCommunicator(self._spec_for(0, self.members), backend)
+        self._pending: str | None = None  # the decision key a vote waits for
+        self._watch_control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._client(spec))
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="phalanx-elastic-watchdog", daemon=True)
+        with helper_threads_ignore_stop_signals():  # a Ctrl-C is for the main thread
+            self._watchdog.start()
+        atexit.register(self.close)  # the watchdog ends before the interpreter does
 
     @staticmethod
     def _connect(spec: GroupSpec) -> Any:
@@ -146,6 +157,20 @@ class ElasticCommunicator:
             master_task=spec.name(0),
             task=spec.name(spec.rank),
         )
+
+    @staticmethod
+    def _client(spec: GroupSpec) -> Any:
+        """A second client of the job's store, under the same prefix as the first."""
+        client = dist.TCPStore(
+            spec.master_addr,
+            spec.master_port,
+            None,
+            False,
+            datetime.timedelta(seconds=spec.rendezvous_timeout),
+            wait_for_workers=False,
+        )
+        prefix = rendezvous.joined_prefix(spec.master_addr, spec.master_port)
+        return dist.PrefixStore(prefix, client) if prefix else client
 
     def _spec_for(self, generation: int, members: list[int]) -> GroupSpec:
         names = tuple(self._label(m) for m in members)
@@ -217,40 +242,50 @@ class ElasticCommunicator:
     def commit(self) -> None:
         """Every replica applies this pass's sums, or none does; called once the last bucket has its sum.
 
+        Two store round trips: the vote (``add``), then the decision, which the last voter writes
+        and the others wait for in the store (``get``); the watchdog thread writes ``abort`` in
+        its place if a peer dies meanwhile.
+
         Raises:
             GroupChangedError: a replica failed or died before voting; the group re-formed
                 without it, and the pass's sums are to be dropped (the step runs again).
         """
         self._votes += 1
         key = f"{self.generation}/{self._step}.{self._votes}"
-        if self._control.add(f"{key}/ok", 1) == self.world_size:
-            decided = self._control.compare_set(f"{key}/decision", "", _COMMIT.decode())
-        else:
-            decided = self._await(f"{key}/decision")
+        start = time.perf_counter()
+        self._pending = f"{key}/decision"
+        try:
+            if self._control.add(f"{key}/ok", 1) == self.world_size:
+                decided = self._control.compare_set(f"{key}/decision", "", _COMMIT.decode())
+            else:
+                decided = self._control.get(f"{key}/decision")
+        except RuntimeError as e:  # DistStoreError: no decision within the store's timeout
+            raise CollectiveTimeoutError(
+                [], step=self._step, operation=f"the vote on {self.name(self.rank)}", cause=str(e)[:200]
+            ) from e
+        finally:
+            self._pending = None
+        self.vote_seconds += time.perf_counter() - start
         if decided == _COMMIT:
             self._committed = self._step
             self._after_vote = 0
             return
         self._left("the vote", None)
 
-    def _await(self, key: str) -> bytes:
-        """The step's decision, once written; writes ``abort`` itself when it finds a peer dead."""
-        start = time.monotonic()
-        nap, look = 0.0, start + _LIVENESS_S
-        deadline = start + self._spec.timeout
-        while not self._control.check([key]):
-            now = time.monotonic()
-            if now >= look:
-                look = now + _LIVENESS_S
-                if self._inner.failures.unresponsive_peers():
-                    return self._control.compare_set(key, "", _ABORT.decode())
-            if now >= deadline:
-                raise CollectiveTimeoutError(
-                    [], step=self._step, operation=f"the vote on {self.name(self.rank)}", cause="no decision in time"
-                )
-            time.sleep(nap)
-            nap = min(max(2 * nap, 5e-5), 1e-3)
-        return self._control.get(key)
+    def _watch(self) -> None:
+        """The watchdog thread: while a vote waits, looks for dead peers; writes ``abort`` if any.
+
+        It has a store client of its own: the main thread's waits inside its client's ``get``.
+        """
+        while not self._stop.wait(_LIVENESS_S):
+            pending = self._pending
+            if pending is None:
+                continue
+            try:
+                if self._inner.failures.unresponsive_peers() and self._pending == pending:
+                    self._watch_control.compare_set(pending, "", _ABORT.decode())
+            except Exception:  # noqa: BLE001 - the store is gone: the main thread's wait fails by itself
+                continue
 
     # ------------------------------------------------------------------ failures
     def _left(self, operation: str, error: BaseException | None) -> None:
@@ -406,4 +441,7 @@ class ElasticCommunicator:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            atexit.unregister(self.close)
+            self._stop.set()
+            self._watchdog.join(timeout=5)
             self._inner.close()
