@@ -264,3 +264,125 @@ def test_keras_fit_under_multi_worker_goes_on_and_its_callbacks_see_the_change(t
     reference = one_device(tmp_path, script, KERAS_ONE_DEVICE, "keras_one_device.json")
     for a, b in zip(outs[0]["weights"], reference):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+# A replacement joins: phalanx run starts one for the lost replica; it runs the program from the
+# top and joins at a step boundary with replica 0's state (Adam's moments included: the one-device
+# comparison fails if they were not sent). The members slow down while they wait for it, so that it
+# joins before the data ends however loaded the machine is.
+JOIN = f"""
+    import json, os, signal, time
+    import torch
+    import phalanx as px
+
+    member = int(os.environ.get("PHALANX_JOIN_AS") or os.environ.get("MEMBER") or os.environ["PHALANX_RANK"])
+    if os.environ.get("PHALANX_JOIN_AS") and os.environ.get("WAIT_FOR"):
+        while not os.path.exists(os.environ["WAIT_FOR"]):
+            time.sleep(0.05)
+    torch.manual_seed(0)
+    strategy = px.MultiWorkerMirroredStrategy() if os.environ.get("MWMS") else px.MirroredStrategy()
+    changes = []
+    px.on_membership_change(lambda c: changes.append(
+        {{"step": c.step, "lost": len(c.lost), "joined": list(c.joined), "now": strategy.num_replicas_in_sync}}))
+    width = 64 if os.environ.get("PHALANX_JOIN_AS") and os.environ.get("OTHER_MODEL") else 32
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    n = {BATCH} * {STEPS * 4}
+    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g), torch.arange(n))
+    loader = torch.utils.data.DataLoader(data, batch_size={BATCH})
+    seen = {{}}
+
+    def step_fn(x, y, ids):
+        seen[strategy.extended.step] = {{"ids": ids.tolist(), "n": strategy.num_replicas_in_sync}}
+        loss = px.nn.compute_average_loss(((model(x) - y) ** 2).sum(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    waited = 0.0
+    for i, (x, y, ids) in enumerate(strategy.experimental_distribute_dataset(loader)):
+        if i + 1 == {KILL_AT} and member == 2:
+            open("lost", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        strategy.reduce("SUM", strategy.run(step_fn, args=(x, y, ids)), axis=None)
+        if strategy.extended.step > {KILL_AT} and strategy.num_replicas_in_sync < 3 and waited < 15:
+            time.sleep(0.1)
+            waited += 0.1
+    json.dump({{"seen": seen, "changes": changes, "world": strategy.num_replicas_in_sync,
+               "weights": [p.detach().tolist() for p in model.parameters()]}}, open(f"join_{{member}}.json", "w"))
+"""
+
+JOIN_ONE_DEVICE = (
+    ONE_DEVICE.replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)", "torch.optim.Adam(model.parameters(), lr=0.01)"
+    )
+    .replace(f"range({STEPS})", f"range({STEPS * 4})")
+    .replace(f"n = {BATCH} * {STEPS}", f"n = {BATCH} * {STEPS * 4}")
+)
+
+
+def check_rejoined(tmp_path: Path, script, members: list[int], joiner: int) -> None:
+    steps = STEPS * 4
+    outs = {m: json.loads((tmp_path / f"join_{m}.json").read_text()) for m in members}
+    for m, out in outs.items():
+        assert out["world"] == 3, (m, out["world"], out["changes"])
+    first = min(int(s) for s in outs[joiner]["seen"])
+    for m in members:
+        if m != joiner:  # shrank at KILL_AT, grew back when the replacement joined
+            assert [(c["step"], c["lost"], c["now"]) for c in outs[m]["changes"]] == [(KILL_AT, 1, 2), (first, 0, 3)]
+            assert outs[m]["changes"][1]["joined"] == [f"replica:{joiner}"], outs[m]["changes"]
+    assert [(c["step"], c["joined"]) for c in outs[joiner]["changes"]] == [(first, [f"replica:{joiner}"])]
+    assert KILL_AT < first < steps, first
+    for step in range(KILL_AT, steps + 1):  # every example once, among those there
+        ids = sorted(i for m in members for i in outs[m]["seen"].get(str(step), {}).get("ids", []))
+        assert ids == list(range((step - 1) * BATCH, step * BATCH)), (step, ids)
+        there = [m for m in members if str(step) in outs[m]["seen"]]
+        assert len(there) == (3 if step >= first else 2), (step, there)
+    weights = [[torch.tensor(w) for w in outs[m]["weights"]] for m in members]
+    assert all(torch.equal(a, b) for other in weights[1:] for a, b in zip(weights[0], other))
+    for a, b in zip(weights[0], one_device(tmp_path, script, JOIN_ONE_DEVICE, "one_device.json")):
+        assert torch.allclose(a, torch.tensor(b), rtol=1e-5, atol=1e-5), (a, b)
+
+
+def test_a_replacement_joins_with_a_live_replicas_state_and_the_group_is_back_to_3(tmp_path, script):
+    job = script(JOIN)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+        timeout=200,
+        cwd=tmp_path,
+        env={"PHALANX_COLLECTIVE_TIMEOUT": "60"},
+    )
+    assert res.returncode == 0, res.logs()
+    assert "replica 3 started to replace it; it joins at a step boundary" in res.output, res.output
+    check_rejoined(tmp_path, script, [0, 1, 3], joiner=3)
+
+
+def test_a_replacement_with_another_model_is_refused_by_name_and_the_group_goes_on(tmp_path, script):
+    job = script(JOIN)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+        timeout=200,
+        cwd=tmp_path,
+        env={"PHALANX_COLLECTIVE_TIMEOUT": "60", "OTHER_MODEL": "1"},
+    )
+    assert res.returncode == 0, res.logs()
+    assert "replica 3 could not join: ElasticRecoveryError" in res.output, res.output
+    assert "replica:3 was refused: its model differs from the group's (variable 0: [[64, 8]" in res.output, res.output
+    outs = [json.loads((tmp_path / f"join_{m}.json").read_text()) for m in (0, 1)]
+    assert [o["world"] for o in outs] == [2, 2]
+
+
+def test_tf_config_job_takes_back_a_replacement_started_by_hand(tmp_path, script):
+    # What a cluster manager does: the lost worker's task started again, as a replacement (its id
+    # in PHALANX_JOIN_AS), once the worker is gone. The chief serves the store.
+    job = script(JOIN)
+    workers = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    env = {"MWMS": "1", "PHALANX_MIN_NPROC": "2", "PHALANX_COLLECTIVE_TIMEOUT": "60"}
+    tasks = [([sys.executable, str(job)], {**tf_config(workers, i), **env, "MEMBER": str(i)}) for i in range(3)]
+    replacement = {**tf_config(workers, 2), **env, "PHALANX_JOIN_AS": "3", "WAIT_FOR": str(tmp_path / "lost")}
+    results = run_jobs([*tasks, ([sys.executable, str(job)], replacement)], timeout=200, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0, -9, 0], [r.output[-3000:] for r in results]
+    check_rejoined(tmp_path, script, [0, 1, 3], joiner=3)

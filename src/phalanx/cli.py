@@ -64,6 +64,9 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.max_nproc and not args.min_nproc:
+        print("phalanx run: --max-nproc is for an elastic job (with --min-nproc)", file=sys.stderr)
+        return 2
     if args.min_nproc and (args.ps or args.nnodes > 1):
         print(
             "phalanx run: --min-nproc is for the replicas of one host (a parameter-server cluster recovers its "
@@ -121,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         start_method=start_method,
         preload=preload,
         min_nproc=args.min_nproc,
+        max_nproc=args.max_nproc,
     )
     return run_job(spec)
 
@@ -378,6 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="elastic: when replicas are lost (killed, out of memory), the others go on within the step "
         "while at least M remain (MirroredStrategy, MultiWorkerMirroredStrategy; docs/elastic.md)",
+    )
+    run.add_argument(
+        "--max-nproc",
+        type=_positive,
+        default=0,
+        metavar="N",
+        help="elastic: a lost replica is replaced while fewer than N run (default: -n); the replacement "
+        "joins at a step boundary with a live replica's state",
     )
     run.add_argument(
         "--ps",

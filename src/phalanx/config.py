@@ -144,6 +144,8 @@ class Settings:
         min_nproc: PHALANX_MIN_NPROC, the fewest replicas an elastic synchronous job goes on with
             after losing some (``phalanx run --min-nproc``; 0, the default: any loss ends the job).
             See :mod:`phalanx.comm.elastic`.
+        join_as: PHALANX_JOIN_AS, set by ``phalanx run --min-nproc`` for a replacement replica: its
+            id in the elastic group it joins at a step boundary (-1, the default: not a replacement).
         launcher_store: PHALANX_LAUNCHER_STORE=1 (set by ``phalanx run --min-nproc``): the launcher
             serves the job's store at the master address, and every replica connects to it.
         stack_signal: PHALANX_STACK_SIGNAL, the signal on which a launched replica writes every
@@ -187,6 +189,7 @@ class Settings:
     flight_recorder: int = field(default=FLIGHT_RECORDER, metadata={"env": "PHALANX_FLIGHT_RECORDER"})
     min_nproc: int = field(default=0, metadata={"env": "PHALANX_MIN_NPROC"})
     launcher_store: bool = field(default=False, metadata={"env": "PHALANX_LAUNCHER_STORE"})
+    join_as: int = field(default=-1, metadata={"env": "PHALANX_JOIN_AS"})
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import threading
@@ -51,7 +52,7 @@ import torch.distributed as dist
 
 from phalanx._signal_routing import helper_threads_ignore_stop_signals
 from phalanx.comm import rendezvous
-from phalanx.comm.communicator import GroupSpec, Handle
+from phalanx.comm.communicator import GroupSpec, Handle, LocalCommunicator
 from phalanx.comm.group_communicator import ProcessGroupCommunicator
 from phalanx.errors import (
     CollectiveTimeoutError,
@@ -74,6 +75,7 @@ class MembershipChange:
         before, after: the replicas (their names in the job, in rank order) before and after.
         lost: those that left.
         seconds: how long the survivors took to re-form the group.
+        joined: those that joined (replacements admitted at a step boundary).
     """
 
     step: int
@@ -81,6 +83,7 @@ class MembershipChange:
     after: tuple[str, ...]
     lost: tuple[str, ...]
     seconds: float
+    joined: tuple[str, ...] = ()
 
 
 _LISTENERS: list[Callable[[MembershipChange], None]] = []
@@ -104,6 +107,15 @@ def on_membership_change(callback: Callable[[MembershipChange], None]) -> Callab
     return remove
 
 
+def _differ(theirs: str, ours: str) -> str:
+    """Where two model digests (JSON lists of variable shapes and dtypes) first differ, in words."""
+    a, b = json.loads(theirs), json.loads(ours)
+    if len(a) != len(b):
+        return f"({len(a)} variables, the group's {len(b)})"
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"(variable {i}: {a[i]}, the group's {b[i]})"
+
+
 class ElasticCommunicator:
     """A :class:`~phalanx.comm.communicator.Communicator` whose group re-forms without lost replicas.
 
@@ -118,13 +130,20 @@ class ElasticCommunicator:
         backend: ``"gloo"`` (CPU replicas) or ``"nccl"``.
     """
 
-    def __init__(self, spec: GroupSpec, *, min_size: int, backend: str = "gloo") -> None:
+    def __init__(self, spec: GroupSpec, *, min_size: int, backend: str = "gloo", join_as: int | None = None) -> None:
         if not 1 <= min_size <= spec.world_size:
             raise ValueError(f"min_size={min_size} must be between 1 and the job's {spec.world_size} replicas")
         self.backend = backend
         self.min_size = min_size
-        self.member = spec.rank
-        self.members: list[int] = list(range(spec.world_size))
+        # A replacement joins a running group as a new member (phalanx run starts it after a loss):
+        # alone until its first step, when the group admits it at a step boundary (join()).
+        self.member = spec.rank if join_as is None else join_as
+        self.members: list[int] = list(range(spec.world_size)) if join_as is None else []
+        self.joining = join_as is not None
+        self.grow_pending = False  # the group admits the replicas that asked to join, at the next step
+        self._joiners_seen = 0  # how many have asked (the watchdog reads it); the last voter writes it
+        self._admitted = 0  # how many this group has admitted
+        self._grow_to = 0  # how many the last vote counted
         self.generation = 0
         self.changes: list[MembershipChange] = []
         self._spec = spec
@@ -136,7 +155,9 @@ class ElasticCommunicator:
         self.vote_seconds = 0.0  # spent in the votes so far (benchmarks/elastic.py: what being elastic costs)
         self._root = spec.store if spec.store is not None else self._connect(spec)
         self._control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._root)
-        self._inner = ProcessGroupCommunicator(self._spec_for(0, self.members), backend)
+        self._inner: Any = (
+            LocalCommunicator() if self.joining else ProcessGroupCommunicator(self._spec_for(0, self.members), backend)
+        )
         self._pending: str | None = None  # the decision key a vote waits for
         self._watch_control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._client(spec))
         self._stop = threading.Event()
@@ -256,7 +277,9 @@ class ElasticCommunicator:
         self._pending = f"{key}/decision"
         try:
             if self._control.add(f"{key}/ok", 1) == self.world_size:
-                decided = self._control.compare_set(f"{key}/decision", "", _COMMIT.decode())
+                # With the replicas that asked to join by now (the watchdog's count): every member
+                # reads the same number, and admits them at the next step.
+                decided = self._control.compare_set(f"{key}/decision", "", f"{_COMMIT.decode()} {self._joiners_seen}")
             else:
                 decided = self._control.get(f"{key}/decision")
         except RuntimeError as e:  # DistStoreError: no decision within the store's timeout
@@ -266,9 +289,12 @@ class ElasticCommunicator:
         finally:
             self._pending = None
         self.vote_seconds += time.perf_counter() - start
-        if decided == _COMMIT:
+        if decided.startswith(_COMMIT):
             self._committed = self._step
             self._after_vote = 0
+            joiners = int(decided.split()[1])
+            self.grow_pending = joiners > self._admitted
+            self._grow_to = max(joiners, self._admitted)
             return
         self._left("the vote", None)
 
@@ -279,6 +305,11 @@ class ElasticCommunicator:
         """
         while not self._stop.wait(_LIVENESS_S):
             pending = self._pending
+            if not self.joining:
+                try:
+                    self._joiners_seen = int(self._watch_control.add("joiners", 0))
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                    pass
             if pending is None:
                 continue
             try:
@@ -286,6 +317,97 @@ class ElasticCommunicator:
                     self._watch_control.compare_set(pending, "", _ABORT.decode())
             except Exception:  # noqa: BLE001 - the store is gone: the main thread's wait fails by itself
                 continue
+
+    # ------------------------------------------------------------------ joining
+    def join(self, digest: str) -> bool:
+        """A replacement asks to join and waits until the group admits it (at its next step).
+
+        ``digest`` describes this replica's model (its variables' shapes and dtypes): a group whose
+        model differs refuses it by name.
+
+        Returns:
+            False when the job ended before admitting it (nothing left to join).
+
+        Raises:
+            ElasticRecoveryError: the group refused it (another model), or never answered.
+        """
+        index = self._control.add("joiners", 1) - 1
+        self._control.set(f"joiner/{index}", json.dumps({"member": self.member, "digest": digest}))
+        key = f"admitted/{self.member}"
+        deadline = time.monotonic() + self._spec.rendezvous_timeout
+        while not self._control.check([key]):
+            if self._control.check(["ended"]):
+                return False
+            if time.monotonic() >= deadline:
+                raise ElasticRecoveryError(
+                    f"{self._label(self.member)} asked to join and was not admitted within "
+                    f"{self._spec.rendezvous_timeout:g}s",
+                    [],
+                )
+            time.sleep(_LIVENESS_S)
+        answer = json.loads(self._control.get(key))
+        if "refused" in answer:
+            raise ElasticRecoveryError(
+                f"{self._label(self.member)} was refused: {answer['refused']}",
+                [self._label(m) for m in answer["members"]],
+                hint="start the replacement with the same program and model as the running replicas",
+            )
+        self.joining = False
+        self._admitted = self._grow_to = answer["admitted"]
+        self._step = answer["step"]  # the group's (strategy.run takes it too, from replica 0's state)
+        self._become(answer["generation"], answer["members"], lost=[])
+        return True
+
+    def grow(self, digest: str, refusal: str | None = None) -> list[str]:
+        """The members admit the replicas that asked to join (the last vote counted them); returns
+        the names of those admitted. Called by every member at the same step boundary.
+
+        ``refusal``: why none can join now (every member gives the same).
+        """
+        self.grow_pending = False
+        asked = [json.loads(self._control.get(f"joiner/{i}")) for i in range(self._admitted, self._grow_to)]
+        fits = [a["member"] for a in asked if a["digest"] == digest and refusal is None]
+        members, generation = self.members + fits, self.generation + 1
+        if self.rank == 0:
+            for a in asked:
+                refused = refusal or (
+                    None
+                    if a["digest"] == digest
+                    else "its model differs from the group's " + _differ(a["digest"], digest)
+                )
+                answer = {"generation": generation, "members": members, "admitted": self._grow_to, "step": self._step}
+                self._control.set(
+                    f"admitted/{a['member']}", json.dumps({**answer, "refused": refused} if refused else answer)
+                )
+        self._admitted = self._grow_to
+        if fits:
+            self._become(generation, members, lost=[])
+        return [self._label(m) for m in fits]
+
+    def _become(self, generation: int, members: list[int], lost: list[str], start: float | None = None) -> None:
+        """Builds this replica's process group of ``generation`` among ``members``, closes the old one,
+        and tells the listeners."""
+        start = time.monotonic() if start is None else start
+        was, old = list(self.members), self._inner
+        before = tuple(old.name(r) for r in range(old.world_size)) if was else ()
+        self._inner = ProcessGroupCommunicator(self._spec_for(generation, members), self.backend)
+        self._inner.step = self._step
+        self.members, self.generation = members, generation
+        self._votes = 0  # the new generation's keys are its own
+        old.close()
+        change = MembershipChange(
+            self._step or 0,
+            before,
+            tuple(self.name(r) for r in range(self.world_size)),
+            tuple(lost),
+            time.monotonic() - start,
+            tuple(self._label(m) for m in members if m not in was) if was else (self._label(self.member),),
+        )
+        self.changes.append(change)
+        with _LOCK:
+            listeners = list(_LISTENERS)
+        for listener in listeners:
+            listener(change)
 
     # ------------------------------------------------------------------ failures
     def _left(self, operation: str, error: BaseException | None) -> None:
@@ -351,24 +473,8 @@ class ElasticCommunicator:
                 + ")",
                 survivors,
             )
-        self._inner = ProcessGroupCommunicator(self._spec_for(gen, members), self.backend)
-        self._inner.step = self._step
-        self.members, self.generation = members, gen
-        self._votes = 0  # the new generation's keys are its own
-        old_inner.close()
         lost = [old_names[old.index(m)] for m in old if m not in members]
-        change = MembershipChange(
-            self._step or 0,
-            tuple(old_names),
-            tuple(self.name(r) for r in range(self.world_size)),
-            tuple(lost),
-            time.monotonic() - start,
-        )
-        self.changes.append(change)
-        with _LOCK:
-            listeners = list(_LISTENERS)
-        for listener in listeners:
-            listener(change)
+        self._become(gen, members, lost, start)
         return lost
 
     def _recover(self, operation: str, error: PeerUnavailableError, tensor: torch.Tensor | None, saved: Any) -> None:
@@ -442,6 +548,9 @@ class ElasticCommunicator:
         if not self._closed:
             self._closed = True
             atexit.unregister(self.close)
+            if not self.joining:  # a replacement still waiting to join: the job has ended
+                with contextlib.suppress(Exception):
+                    self._control.set("ended", "1")
             self._stop.set()
             self._watchdog.join(timeout=5)
             self._inner.close()

@@ -23,7 +23,7 @@ from phalanx.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from phalanx.comm.flight_recorder import recording
 from phalanx.comm.guard import ReplicaGuard
 from phalanx.comm.reducer import DEFAULT_BUCKET_BYTES
-from phalanx.core import context
+from phalanx.core import context, rejoin
 from phalanx.core.consistency import ConsistencyChecks
 from phalanx.core.cross_replica import CrossReplicaValues
 from phalanx.core.extension_points import _DEVICE_CONTEXTS, _device_contexts
@@ -279,6 +279,9 @@ class StrategyExtended:
         if not self.elastic:
             return self._run_step(fn, args, kwargs, info)
         while True:
+            comm = self._comm
+            if comm.joining or comm.grow_pending:  # a replacement joins at this step boundary
+                args, kwargs, info = rejoin.admit(self, fn, args, kwargs, info)
             # A batch cut one ahead before the group changed is cut again by the current group.
             split = (self._comm.world_size, self._comm.rank)
             args, kwargs = global_batch.recut((args, kwargs), split, slice_bounds)
@@ -288,6 +291,11 @@ class StrategyExtended:
                 # Every survivor abandoned this step's update; the group re-formed: run it again.
                 self.gradient_sync.regrouped()
                 self.consistency.regrouped()
+
+    def caught_up(self, step: int) -> None:
+        """A replacement replica that joined takes the group's step count (:mod:`phalanx.core.rejoin`)."""
+        self._step = step
+        self._comm.step = step
 
     @property
     def elastic(self) -> bool:

@@ -182,6 +182,8 @@ class DistributedIterator:
         self._strategy = strategy
         self._peeked: Any = _END
         self._spec: Any = None
+        # An elastic job's replacement catches this iterator up with the group's when it joins.
+        self._elastic = bool(getattr(strategy.extended, "elastic", False))
 
     def __iter__(self) -> "DistributedIterator":
         return self
@@ -189,10 +191,14 @@ class DistributedIterator:
     def __next__(self) -> Any:
         if self._peeked is not _END:
             value, self._peeked = self._peeked, _END
+            if self._elastic:
+                global_batch.remember_iterator(value, self)
             return value
         value = next(self._source)
         if self._spec is None:
             self._spec = _local_spec(value)
+        if self._elastic:
+            global_batch.remember_iterator(value, self)
         return value
 
     def get_next(self) -> Any:

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,64 @@ def remember_sources(local: Any, whole: Any, split: tuple[int, int]) -> None:
     for part, source in zip(nest.flatten(local), nest.flatten(whole)):
         if hasattr(part, "dim") and hasattr(source, "dim") and source.dim() > 0:
             _SOURCES[part] = (source, split)
+
+
+# An elastic job's batches, by identity: a replica's part -> (its iterator, its place in the batch),
+# so that a replacement that joins mid-pass can catch its iterator up with the group's (catch_up).
+_ITERATORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _parts(batch: Any) -> list[Any]:
+    """The replica's own tensors of a batch an iterator yielded (its per-replica values unwrapped)."""
+    return [
+        leaf.values[0] if hasattr(leaf, "values") and isinstance(leaf.values, tuple) else leaf
+        for leaf in nest.flatten(batch)
+    ]
+
+
+def remember_iterator(batch: Any, iterator: Any) -> None:
+    """Records that ``iterator`` yielded ``batch`` (an elastic job's distributed iterator does)."""
+    ref = weakref.ref(iterator)
+    for index, part in enumerate(_parts(batch)):
+        try:
+            _ITERATORS[part] = (ref, index)
+        except TypeError:
+            continue
+
+
+def catch_up(structure: Any, ordinal: int) -> tuple[Any, BatchInfo | None]:
+    """``structure`` with its batch's parts replaced by those of batch ``ordinal`` of the same iterator,
+    which is advanced to it (the batches in between are read and dropped), and that batch's tag;
+    ``structure`` itself (and None) when its parts came from no such iterator, or already are of
+    that batch."""
+    leaves = nest.flatten(structure)
+    found = next((_ITERATORS[leaf] for leaf in leaves if _known(leaf)), None)
+    if found is None:
+        return structure, None
+    iterator = found[0]()
+    tags = [_TAGS.get(leaf) for leaf in leaves if _known(leaf)]
+    current = tags[0].ordinal if tags and tags[0] is not None else ordinal
+    batch, later = None, None
+    while iterator is not None and current < ordinal:
+        batch = next(iterator)
+        later = find((batch,), {})
+        current = later.ordinal if later is not None else ordinal
+    if batch is None:
+        return structure, None
+    parts = _parts(batch)
+
+    def swap(leaf: Any) -> Any:
+        where = _ITERATORS.get(leaf) if _known(leaf) else None
+        return parts[where[1]] if where is not None and where[1] < len(parts) else leaf
+
+    return nest.map_structure(swap, structure), later
+
+
+def _known(leaf: Any) -> bool:
+    try:
+        return leaf in _ITERATORS
+    except TypeError:
+        return False
 
 
 def follow_sources(local: Any, moved: Any) -> None:

@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import json
-import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ import torch
 
 from phalanx import nest
 from phalanx.core import context
+from phalanx.core.named_objects import objects_used_by
 from phalanx.errors import PhalanxError
 from phalanx.ps import pickling
 from phalanx.values import ReduceOp
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     from phalanx.core.strategy import Strategy
 
 _ATTR = "_phalanx_metric_strategy"
-_DEPTH = 2
 _FOUND: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
 
@@ -76,39 +75,6 @@ def metrics_used_by(fn: Callable[..., Any]) -> list[Any]:
             for metric in layer.metrics:
                 found.setdefault(id(metric), metric)
     return list(found.values())
-
-
-def objects_used_by(fn: Callable[..., Any], kind: type) -> list[Any]:
-    """The objects of ``kind`` that ``fn`` names (globals, closure, directly or in a list / tuple / dict),
-    following the functions it names ``_DEPTH`` deep, in the order found."""
-    found: dict[int, Any] = {}
-    seen: set[int] = set()
-
-    def visit(f: Any, depth: int) -> None:
-        f = getattr(f, "__func__", f)  # bound methods
-        code = getattr(f, "__code__", None)
-        if code is None or id(f) in seen:
-            return
-        seen.add(id(f))
-        values = [f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})]
-        values += [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
-        for v in values:
-            for item in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(item, kind):
-                    found.setdefault(id(item), item)
-                elif depth > 0 and isinstance(item, (types.FunctionType, types.MethodType)):
-                    visit(item, depth - 1)
-
-    visit(fn, _DEPTH)
-    return list(found.values())
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        _ = cell.cell_contents  # raises for a cell not filled yet
-    except ValueError:
-        return False
-    return True
 
 
 def observe_run(strategy: Strategy, fn: Callable[..., Any]) -> None:

@@ -50,7 +50,7 @@ from phalanx.core.distributed_variable import (
     in_replica_context_of,
     on_read_cross_replica_operand,
 )
-from phalanx.keras.metrics import objects_used_by
+from phalanx.core.named_objects import objects_used_by
 
 if TYPE_CHECKING:
     from phalanx.core.strategy import Strategy

@@ -63,12 +63,17 @@ def supervise(
     replicas: Sequence[Task],
     min_nproc: int,
     fail: Callable[[Supervisor, list[Exit], Exit | None], int],
+    *,
+    max_nproc: int = 0,
+    replacement: Callable[[Task, int], Task] | None = None,
 ) -> int:
     """Watches an elastic attempt until every replica not lost has finished; returns its status.
 
     ``fail(sup, exits, first)`` stops the job after a failure and returns its status (the
     launcher's usual root-cause report). Once a replica has finished normally, the others get
-    ``PHALANX_EXIT_TIMEOUT`` seconds to finish too, as in any job.
+    ``PHALANX_EXIT_TIMEOUT`` seconds to finish too, as in any job. After a loss, while fewer than
+    ``max_nproc`` replicas run, ``replacement(lost task, new member id)`` is started: it joins the
+    group at a step boundary (:mod:`phalanx.core.rejoin`), or exits 0 if the job ends first.
     """
     sup.start(store)
     for task in replicas:
@@ -76,6 +81,8 @@ def supervise(
     running = {t.name for t in replicas}
     exits: list[Exit] = []
     finished_at: float | None = None
+    next_member = len(replicas)  # a replacement's id: never one a lost replica had
+    replacements: set[str] = set()
     try:
         while True:
             for ended in sup.poll():
@@ -86,14 +93,27 @@ def supervise(
                 if not ended.failed:
                     finished_at = finished_at or time.monotonic()
                     continue
+                if ended.task.name in replacements and ended.message:
+                    # A replacement the group refused (another model, no input position to start
+                    # from): the group goes on without it.
+                    why = ended.message.strip().splitlines()[0][:400]
+                    sup.say(f"{ended.task.name} could not join: {why}")
+                    continue
                 if lost(ended) and len(running) >= min_nproc:
                     sup.say(
                         f"{ended.task.name} was lost ({describe(ended)}); the job goes on with "
                         f"{len(running)} replica(s) (--min-nproc {min_nproc})"
                     )
+                    if replacement is not None and len(running) < max_nproc:
+                        task = replacement(ended.task, next_member)
+                        next_member += 1
+                        sup.start(task)
+                        running.add(task.name)
+                        replacements.add(task.name)
+                        sup.say(f"{task.name} started to replace it; it joins at a step boundary")
                     continue
                 return fail(sup, exits, ended)
-            if sup.failing():
+            if any(r.task.name not in replacements for r in sup.failing()):  # a refused replacement ends by itself
                 return fail(sup, exits, None)
             if not running:
                 sup.stop(runs=[r for r in sup.alive() if r.task is store], grace=2.0)

@@ -17,6 +17,7 @@ rules every launcher shares:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class JobSpec:
             module the script imports through one of its own, say).
         min_nproc: an elastic job (0: not one): it goes on while at least this many replicas
             remain (:mod:`phalanx.launch.elastic_attempt`).
+        max_nproc: in an elastic job, a lost replica is replaced while fewer than this many run
+            (default: ``nproc``; the replacement joins at a step boundary).
     """
 
     command: tuple[str, ...]
@@ -65,6 +68,7 @@ class JobSpec:
     start_method: str = ""
     preload: tuple[str, ...] = ()
     min_nproc: int = 0
+    max_nproc: int = 0
 
 
 def run_job(spec: JobSpec) -> int:
@@ -174,8 +178,27 @@ def _run_attempt(spec: JobSpec, sup: Supervisor, run: RunDirectory, attempt: int
     port = spec.master_port or free_port(spec.master_addr)
     tasks = _tasks(spec, run, attempt, port)
     if spec.min_nproc:
+
+        def replacement(lost: Task, member: int) -> Task:
+            return dataclasses.replace(
+                lost,
+                name=f"replica {member}",
+                env={**lost.env, "PHALANX_JOIN_AS": str(member)},
+                log_path=run.log_path(f"replica_{member}"),
+                error_path=run.error_path(f"replica_{member}"),
+                done_path=run.done_path(f"replica_{member}"),
+                info=f"{lost.info}, replacing {lost.name}",
+            )
+
+        store = elastic_attempt.store_task(run, spec.master_addr, port)
         return elastic_attempt.supervise(
-            sup, elastic_attempt.store_task(run, spec.master_addr, port), tasks, spec.min_nproc, _fail
+            sup,
+            store,
+            tasks,
+            spec.min_nproc,
+            _fail,
+            max_nproc=spec.max_nproc or spec.nproc,
+            replacement=replacement,
         )
     started = [sup.start(task) for task in tasks]
     primary = started[0] if spec.node_rank == 0 else None  # replica 0 lives on node 0

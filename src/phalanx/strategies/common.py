@@ -204,7 +204,8 @@ class SyncExtended(StrategyExtended):
                     f"the job has {env.world_size} replicas",
                     hint="the minimum must be at most the number of replicas started",
                 )
-            return ElasticCommunicator(spec, min_size=settings.min_nproc, backend=backend)
+            join_as = settings.join_as if settings.join_as >= 0 else None
+            return ElasticCommunicator(spec, min_size=settings.min_nproc, backend=backend, join_as=join_as)
         return ProcessGroupCommunicator(spec, backend=backend)
 
     @staticmethod
