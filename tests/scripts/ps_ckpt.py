@@ -62,9 +62,9 @@ if MODE == "save":
     ckpt.write(str(OUT / "ckpt"))
 else:
     ckpt.read(str(OUT / "ckpt"))
-    specs = [ext._spec_of(p) for p in model.parameters()]
-    dump = {f"value/{i}": v for i, v in enumerate(ext._io.read(specs))}
-    for i, state in enumerate(ext._io.read_optimizer_state(specs)):
+    specs = [ext.server_variables.spec_of(p) for p in model.parameters()]
+    dump = {f"value/{i}": v for i, v in enumerate(ext.shard_io.read(specs))}
+    for i, state in enumerate(ext.shard_io.read_optimizer_state(specs)):
         dump.update({f"state/{i}/{k}": v for k, v in state.items()})
     dump["chief_state_entries"] = torch.tensor(len(optimizer.state))
     torch.save(dump, OUT / "on_servers.pt")
