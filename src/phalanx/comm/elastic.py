@@ -116,6 +116,90 @@ def _differ(theirs: str, ours: str) -> str:
     return f"(variable {i}: {a[i]}, the group's {b[i]})"
 
 
+def _connect(spec: GroupSpec) -> Any:
+    """The job's store, connected as the process group's rendezvous would (or served, by rank 0)."""
+    return rendezvous.connect_store(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+        bind_addr=spec.bind_addr,
+        timeout=spec.rendezvous_timeout,
+        master_task=spec.name(0),
+        task=spec.name(spec.rank),
+    )
+
+
+def _client(spec: GroupSpec) -> Any:
+    """A second client of the job's store, under the same prefix as the first."""
+    client = dist.TCPStore(
+        spec.master_addr,
+        spec.master_port,
+        None,
+        False,
+        datetime.timedelta(seconds=spec.rendezvous_timeout),
+        wait_for_workers=False,
+    )
+    prefix = rendezvous.joined_prefix(spec.master_addr, spec.master_port)
+    return dist.PrefixStore(prefix, client) if prefix else client
+
+
+class Ballot:
+    """The store's side of an elastic group's votes, and the watchdog thread beside them.
+
+    Args:
+        control: the group's keys in the job's store.
+        watch_control: the same keys through a second client: the main thread waits for a
+            decision inside the first client's ``get``, which holds it.
+        unresponsive: the ranks of the current group that are dead or stopped now.
+        members: whether this replica is a member (counts the replacements that ask to join).
+    """
+
+    def __init__(
+        self, control: Any, watch_control: Any, unresponsive: Callable[[], list[int]], members: Callable[[], bool]
+    ) -> None:
+        self._control, self._watch_control = control, watch_control
+        self._unresponsive, self._members = unresponsive, members
+        self.seconds = 0.0  # spent in votes so far
+        self.joiners_seen = 0  # how many replacements have asked to join (the last voter writes it)
+        self._pending: str | None = None  # the decision key a vote waits for
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="phalanx-elastic-watchdog", daemon=True)
+        with helper_threads_ignore_stop_signals():  # a Ctrl-C is for the main thread
+            self._thread.start()
+
+    def cast(self, key: str, voters: int) -> bytes:
+        """Votes for ``key``'s pass and returns the decision (``commit N``, N the replacements that
+        asked to join by then, or ``abort``): two store round trips, the vote (``add``) and the
+        decision, which the last voter writes and the others wait for in the store (``get``)."""
+        start = time.perf_counter()
+        self._pending = f"{key}/decision"
+        try:
+            if self._control.add(f"{key}/ok", 1) == voters:
+                return self._control.compare_set(f"{key}/decision", "", f"{_COMMIT.decode()} {self.joiners_seen}")
+            return self._control.get(f"{key}/decision")
+        finally:
+            self._pending = None
+            self.seconds += time.perf_counter() - start
+
+    def _watch(self) -> None:
+        """While a vote waits, looks for dead peers every 50 ms and writes ``abort`` if it finds one;
+        counts the replacements that asked to join."""
+        while not self._stop.wait(_LIVENESS_S):
+            pending = self._pending
+            try:
+                if self._members():
+                    self.joiners_seen = int(self._watch_control.add("joiners", 0))
+                if pending is not None and self._unresponsive() and self._pending == pending:
+                    self._watch_control.compare_set(pending, "", _ABORT.decode())
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending, the main thread's wait fails
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class ElasticCommunicator:
     """A :class:`~phalanx.comm.communicator.Communicator` whose group re-forms without lost replicas.
 
@@ -141,7 +225,6 @@ class ElasticCommunicator:
         self.members: list[int] = list(range(spec.world_size)) if join_as is None else []
         self.joining = join_as is not None
         self.grow_pending = False  # the group admits the replicas that asked to join, at the next step
-        self._joiners_seen = 0  # how many have asked (the watchdog reads it); the last voter writes it
         self._admitted = 0  # how many this group has admitted
         self._grow_to = 0  # how many the last vote counted
         self.generation = 0
@@ -152,46 +235,18 @@ class ElasticCommunicator:
         self._votes = 0  # votes in the current step (several backward passes may each sync)
         self._after_vote = 0  # collectives since the vote, in this step (survivors must agree)
         self._closed = False
-        self.vote_seconds = 0.0  # spent in the votes so far (benchmarks/elastic.py: what being elastic costs)
-        self._root = spec.store if spec.store is not None else self._connect(spec)
+        self._root = spec.store if spec.store is not None else _connect(spec)
         self._control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._root)
         self._inner: Any = (
             LocalCommunicator() if self.joining else ProcessGroupCommunicator(self._spec_for(0, self.members), backend)
         )
-        self._pending: str | None = None  # the decision key a vote waits for
-        self._watch_control = dist.PrefixStore(f"{spec.store_prefix}elastic/", self._client(spec))
-        self._stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="phalanx-elastic-watchdog", daemon=True)
-        with helper_threads_ignore_stop_signals():  # a Ctrl-C is for the main thread
-            self._watchdog.start()
+        self._ballot = Ballot(
+            self._control,
+            dist.PrefixStore(f"{spec.store_prefix}elastic/", _client(spec)),
+            lambda: self._inner.failures.unresponsive_peers(),
+            lambda: not self.joining,
+        )
         atexit.register(self.close)  # the watchdog ends before the interpreter does
-
-    @staticmethod
-    def _connect(spec: GroupSpec) -> Any:
-        return rendezvous.connect_store(
-            rank=spec.rank,
-            world_size=spec.world_size,
-            master_addr=spec.master_addr,
-            master_port=spec.master_port,
-            bind_addr=spec.bind_addr,
-            timeout=spec.rendezvous_timeout,
-            master_task=spec.name(0),
-            task=spec.name(spec.rank),
-        )
-
-    @staticmethod
-    def _client(spec: GroupSpec) -> Any:
-        """A second client of the job's store, under the same prefix as the first."""
-        client = dist.TCPStore(
-            spec.master_addr,
-            spec.master_port,
-            None,
-            False,
-            datetime.timedelta(seconds=spec.rendezvous_timeout),
-            wait_for_workers=False,
-        )
-        prefix = rendezvous.joined_prefix(spec.master_addr, spec.master_port)
-        return dist.PrefixStore(prefix, client) if prefix else client
 
     def _spec_for(self, generation: int, members: list[int]) -> GroupSpec:
         names = tuple(self._label(m) for m in members)
@@ -256,6 +311,11 @@ class ElasticCommunicator:
 
     # ------------------------------------------------------------------ the vote
     @property
+    def vote_seconds(self) -> float:
+        """Spent in the votes so far (``benchmarks/elastic.py``: what being elastic costs)."""
+        return self._ballot.seconds
+
+    @property
     def voted(self) -> bool:
         """Whether this step's update was agreed on (a failure now re-forms and goes on)."""
         return self._committed is not None and self._committed == self._step
@@ -272,23 +332,12 @@ class ElasticCommunicator:
                 without it, and the pass's sums are to be dropped (the step runs again).
         """
         self._votes += 1
-        key = f"{self.generation}/{self._step}.{self._votes}"
-        start = time.perf_counter()
-        self._pending = f"{key}/decision"
         try:
-            if self._control.add(f"{key}/ok", 1) == self.world_size:
-                # With the replicas that asked to join by now (the watchdog's count): every member
-                # reads the same number, and admits them at the next step.
-                decided = self._control.compare_set(f"{key}/decision", "", f"{_COMMIT.decode()} {self._joiners_seen}")
-            else:
-                decided = self._control.get(f"{key}/decision")
+            decided = self._ballot.cast(f"{self.generation}/{self._step}.{self._votes}", self.world_size)
         except RuntimeError as e:  # DistStoreError: no decision within the store's timeout
             raise CollectiveTimeoutError(
                 [], step=self._step, operation=f"the vote on {self.name(self.rank)}", cause=str(e)[:200]
             ) from e
-        finally:
-            self._pending = None
-        self.vote_seconds += time.perf_counter() - start
         if decided.startswith(_COMMIT):
             self._committed = self._step
             self._after_vote = 0
@@ -297,26 +346,6 @@ class ElasticCommunicator:
             self._grow_to = max(joiners, self._admitted)
             return
         self._left("the vote", None)
-
-    def _watch(self) -> None:
-        """The watchdog thread: while a vote waits, looks for dead peers; writes ``abort`` if any.
-
-        It has a store client of its own: the main thread's waits inside its client's ``get``.
-        """
-        while not self._stop.wait(_LIVENESS_S):
-            pending = self._pending
-            if not self.joining:
-                try:
-                    self._joiners_seen = int(self._watch_control.add("joiners", 0))
-                except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                    pass
-            if pending is None:
-                continue
-            try:
-                if self._inner.failures.unresponsive_peers() and self._pending == pending:
-                    self._watch_control.compare_set(pending, "", _ABORT.decode())
-            except Exception:  # noqa: BLE001 - the store is gone: the main thread's wait fails by itself
-                continue
 
     # ------------------------------------------------------------------ joining
     def join(self, digest: str) -> bool:
@@ -551,6 +580,5 @@ class ElasticCommunicator:
             if not self.joining:  # a replacement still waiting to join: the job has ended
                 with contextlib.suppress(Exception):
                     self._control.set("ended", "1")
-            self._stop.set()
-            self._watchdog.join(timeout=5)
+            self._ballot.close()
             self._inner.close()
