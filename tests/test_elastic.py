@@ -18,7 +18,7 @@ import torch
 
 from conftest import free_ports, run_job, run_jobs, tf_config
 
-STEPS, BATCH, KILL_AT = 40, 24, 20
+STEPS, BATCH, KILL_AT = 40, 24, 30  # the case: replica 2 killed at step 30
 
 # The program of the custom-loop tests: each replica records, per step, the example ids it
 # trained on in the attempt that counted and the group's size, its final weights, and what
@@ -386,3 +386,19 @@ def test_tf_config_job_takes_back_a_replacement_started_by_hand(tmp_path, script
     results = run_jobs([*tasks, ([sys.executable, str(job)], replacement)], timeout=200, cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0, -9, 0], [r.output[-3000:] for r in results]
     check_rejoined(tmp_path, script, [0, 1, 3], joiner=3)
+
+
+def test_a_replacement_running_another_version_of_the_program_is_refused_by_name(tmp_path, script):
+    job = script(JOIN)
+    changed = script(JOIN + "    # version 2\n", name="job_v2.py")
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    env = {"MWMS": "1", "PHALANX_MIN_NPROC": "1", "PHALANX_COLLECTIVE_TIMEOUT": "60"}
+    tasks = [([sys.executable, str(job)], {**tf_config(workers, i), **env, "MEMBER": str(i + 1)}) for i in range(2)]
+    # MEMBER 2 is lost at KILL_AT (the second worker); its replacement runs job_v2.py.
+    replacement = {**tf_config(workers, 1), **env, "PHALANX_JOIN_AS": "3", "WAIT_FOR": str(tmp_path / "lost")}
+    results = run_jobs([*tasks, ([sys.executable, str(changed)], replacement)], timeout=200, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, -9, 1], [r.output[-3000:] for r in results]
+    assert "ElasticRecoveryError" in results[2].output and "replica:3 was refused: its program differs" in (
+        results[2].output
+    ), results[2].output
+    assert json.loads((tmp_path / "join_1.json").read_text())["world"] == 1

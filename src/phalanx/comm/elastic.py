@@ -4,7 +4,7 @@
 ``TF_CONFIG`` job) makes each replica's communicator an :class:`ElasticCommunicator`: the same
 collectives, over a group that can re-form without the replicas that died.
 
-The model, in three rules:
+The model, in three rules (and a fourth for replacements, below):
 
 * **One vote per step, before any update.** When the last gradient bucket of a backward pass has
   its sum, each replica adds its vote to a counter in the job's store; the step's update is
@@ -25,6 +25,12 @@ The model, in three rules:
 
 A collective that fails after the vote (a loss reduced after the update, say) is made again on
 the re-formed group, from a copy of its input: its result then covers the survivors.
+
+A replacement (``PHALANX_JOIN_AS``; ``phalanx run`` starts one after a loss) is alone until its
+first step, where it asks to join (:meth:`ElasticCommunicator.join`); the :class:`Ballot`'s
+watchdog counts the requests, the last voter writes the count into a step's decision, and every
+member admits those counted at the next step boundary (:meth:`ElasticCommunicator.grow`), where
+:mod:`phalanx.core.rejoin` sends them replica 0's state.
 
 The job's store must outlive any replica: ``phalanx run`` serves it from a process of its own;
 in a ``TF_CONFIG`` job the chief serves it (a job that loses its chief ends).
@@ -108,12 +114,16 @@ def on_membership_change(callback: Callable[[MembershipChange], None]) -> Callab
 
 
 def _differ(theirs: str, ours: str) -> str:
-    """Where two model digests (JSON lists of variable shapes and dtypes) first differ, in words."""
+    """Where two replicas' digests (their program's hash, their variables' shapes and dtypes; see
+    :func:`phalanx.core.rejoin.digest`) first differ, in words."""
     a, b = json.loads(theirs), json.loads(ours)
+    if a["program"] != b["program"]:
+        return f"its program differs from the group's ({a['program'][:12]}, the group's {b['program'][:12]})"
+    a, b = a["variables"], b["variables"]
     if len(a) != len(b):
-        return f"({len(a)} variables, the group's {len(b)})"
+        return f"its model differs from the group's ({len(a)} variables, the group's {len(b)})"
     i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    return f"(variable {i}: {a[i]}, the group's {b[i]})"
+    return f"its model differs from the group's (variable {i}: {a[i]}, the group's {b[i]})"
 
 
 def _connect(spec: GroupSpec) -> Any:
@@ -205,13 +215,15 @@ class ElasticCommunicator:
 
     Every collective goes to the current generation's
     :class:`~phalanx.comm.group_communicator.ProcessGroupCommunicator`; ``rank`` and
-    ``world_size`` are that generation's. A replica's ``member`` id is its rank at the start and
-    names it for good.
+    ``world_size`` are that generation's. A replica's ``member`` id is its rank at the start (a
+    replacement's, one no replica had) and names it for good.
 
     Args:
         spec: this replica's place in the job as it started (every generation's spec derives from it).
         min_size: the fewest replicas the job goes on with.
         backend: ``"gloo"`` (CPU replicas) or ``"nccl"``.
+        join_as: a replacement's member id: it is alone (its collectives its own) until it joins
+            the running group at its first step (:meth:`join`).
     """
 
     def __init__(self, spec: GroupSpec, *, min_size: int, backend: str = "gloo", join_as: int | None = None) -> None:
@@ -399,11 +411,7 @@ class ElasticCommunicator:
         members, generation = self.members + fits, self.generation + 1
         if self.rank == 0:
             for a in asked:
-                refused = refusal or (
-                    None
-                    if a["digest"] == digest
-                    else "its model differs from the group's " + _differ(a["digest"], digest)
-                )
+                refused = refusal or (None if a["digest"] == digest else _differ(a["digest"], digest))
                 answer = {"generation": generation, "members": members, "admitted": self._grow_to, "step": self._step}
                 self._control.set(
                     f"admitted/{a['member']}", json.dumps({**answer, "refused": refused} if refused else answer)

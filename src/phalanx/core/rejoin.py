@@ -15,13 +15,14 @@ state, never read from disk:
   the batches the group has trained on in this pass, and the step runs on the group's batch, cut
   for the grown group.
 
-A replacement whose model differs (another number, shape or dtype of variables) is refused by
-name (:class:`~phalanx.errors.ElasticRecoveryError`); one that finds the job ended before it was
-admitted exits 0.
+A replacement whose program or model differs (another script; another number, shape or dtype of
+variables) is refused by name (:class:`~phalanx.errors.ElasticRecoveryError`); one that finds the
+job ended before it was admitted exits 0.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from typing import Any, Callable
@@ -40,10 +41,17 @@ _NO_POSITION = (
 
 
 def digest(ext: Any) -> str:
-    """The shapes and dtypes of the variables created in ``ext``'s scope, in creation order (JSON)."""
-    return json.dumps(
-        [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in ext.variable_sync.created.values()]
-    )
+    """What a replacement must share with the group (JSON): its program (the hash of the main
+    script's source, where there is one) and the shapes and dtypes of the variables created in
+    ``ext``'s scope, in creation order."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(main, "rb") as f:  # type: ignore[arg-type]
+            program = hashlib.sha256(f.read()).hexdigest()
+    except (OSError, TypeError):
+        program = ""  # -c, a notebook: no file to compare
+    variables = [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in ext.variable_sync.created.values()]
+    return json.dumps({"program": program, "variables": variables})
 
 
 def admit(ext: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, info: Any) -> tuple[tuple, dict, Any]:
@@ -96,7 +104,8 @@ def _skeleton(value: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            tensors.append(v.detach())
+            # On the host: the others' buffers are (load_state_dict moves them to the parameters' device).
+            tensors.append(v.detach().cpu())
             return {
                 "__tensor__": len(tensors) - 1,
                 "shape": list(v.shape),
