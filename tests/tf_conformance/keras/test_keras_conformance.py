@@ -1,5 +1,6 @@
 """tf_keras/distribute's tests, translated, under the four synchronous CPU strategies (issue 50):
-OneDevice and MultiWorkerMirrored here, Mirrored and CentralStorage in test_keras_conformance_mirrored.py.
+OneDevice and MultiWorkerMirrored here, Mirrored and CentralStorage in test_keras_conformance_mirrored.py
+and test_keras_conformance_central_storage.py.
 
 As tests/tf_conformance/test_conformance.py does for TF's tf.distribute tests: one job per strategy
 (``runner.py STRATEGY OUT 0 0 keras``) runs every case of the Keras suite on every process; each
@@ -15,8 +16,8 @@ from tf_conformance import harness, registry
 from tf_conformance.runner import load_cases
 
 CASES = load_cases("keras")
-# Two strategies here, the other two in test_keras_conformance_mirrored.py: CI's --dist loadfile
-# gives each file to one worker, so the suite's four jobs run two by two in parallel.
+# Two strategies here (the shorter jobs), the other two in a file each: CI's --dist loadfile gives
+# each file to one worker, so the suite's four jobs run in parallel with the rest of the suite.
 HERE = (registry.ONE_DEVICE, registry.MULTI_WORKER)
 PAIRS = [(c, s) for c, s in harness.pairs(CASES) if s in HERE]
 
