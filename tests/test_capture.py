@@ -175,3 +175,43 @@ def test_fingerprint_every_is_a_setting_and_a_knob():
         with pytest.raises(ValueError, match=repr(bad).replace(".", r"\.")):
             strategy.extended.set_consistency_checks(True, fingerprint_every=bad)
     strategy.extended.set_consistency_checks(True, fingerprint_every=5)
+
+
+def test_a_parameter_made_on_the_host_in_a_device_scope_is_moved_after_its_module_drew_it(monkeypatch, tmp_path):
+    """Issue 44, found on an H200: nn.Linear registers its weight, then draws its values
+    (reset_parameters); moved at registration, the weight got them from the GPU's generator, so a
+    model built in a GPU scope differed from plain ``Model().to("cuda")`` with the same seed (the
+    GPU test, tests/test_gpu.py, checks the values). Here, the logic on a CPU: a scope whose device
+    differs from the host's (``cpu:0``, a device this machine has) leaves the parameter where it
+    was made until the sweep (the module's first call, or scope exit), and moves it in place, so
+    an optimizer made in scope holds the moved parameter."""
+    import torch
+
+    import phalanx as px
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch's optimizer import sets it otherwise
+    strategy = px.OneDeviceStrategy("cpu")
+    books = strategy.extended.variable_sync
+    books._device = torch.device("cpu", 0)  # not equal to torch.device("cpu"): "another device"
+    try:
+        torch.manual_seed(5)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        torch.manual_seed(5)
+        with strategy.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+            weight = model[0].weight
+            assert not books.created_in_scope(weight)  # waits for the sweep: not moved at registration
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.ones(2, 4))  # its first call sweeps first
+            assert books.created_in_scope(weight)
+            assert [books.created_in_scope(p) for p in model.parameters()] == [True] * 4
+        assert model[0].weight is weight and opt.param_groups[0]["params"][0] is weight
+        for a, b in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        # A module made in scope and never called is swept at scope exit.
+        with strategy.scope():
+            late = torch.nn.Linear(3, 3)
+            assert not books.created_in_scope(late.weight)
+        assert books.created_in_scope(late.weight) and books.created_in_scope(late.bias)
+    finally:
+        strategy.close()

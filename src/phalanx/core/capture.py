@@ -61,6 +61,9 @@ class Capture:
     # Told of a lazy module (torch.nn.LazyLinear, ...) whose parameters its first forward has just
     # materialised, before that forward uses them: inside `run` they are synchronised at once.
     on_materialized: Callable[[torch.nn.Module], None] | None = None
+    # Captures what the modules seen so far hold that nobody captured yet (capture_modules): run
+    # before the first call of a module whose host-made parameters wait for the sweep (_defer).
+    sweep: Callable[[], None] | None = None
 
 
 MARK = "_phalanx_scope_tag"
@@ -160,6 +163,14 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
         _watch_materialisation(module, cap)
         return None  # a lazy module's: captured once its first forward gives it a shape
     if param.device != cap.device:
+        if param.device.type == "cpu" and context.get_replica_context() is None:
+            # Made on the host in scope: moved at the sweep (scope exit, the next `run`, or this
+            # module's first call), not now. A module registers a parameter before it draws the
+            # initial values (nn.Linear's reset_parameters runs after `self.weight = ...`): moved
+            # now, they would come from the device's generator, not from the CPU's, as the same
+            # program on a CPU and plain `Model().to("cuda")` draw them (issue 44).
+            _defer(module, cap)
+            return None
         param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
         _LABELS[param] = f"{type(module).__name__}.{name}"
         cap.on_parameter(param)
@@ -167,6 +178,29 @@ def _on_param(module: torch.nn.Module, name: str, param: torch.nn.Parameter | No
     _LABELS[param] = f"{type(module).__name__}.{name}"
     cap.on_parameter(param)
     return None
+
+
+_DEFERRED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # module -> its forward pre-hook's handle
+
+
+def _defer(module: torch.nn.Module, cap: Capture) -> None:
+    """Leaves ``module``'s new host parameter where it was made until the sweep moves it, and
+    sweeps before the module's first call if that comes first (a model called inside its scope).
+    The module is remembered already (``_remember``): the sweep finds the parameter uncaptured.
+    Weak on the capture's callback: the module does not keep its strategy alive."""
+    if cap.sweep is None or module in _DEFERRED:
+        return
+    sweep = weakref.WeakMethod(cap.sweep)  # type: ignore[arg-type]
+
+    def before_call(mod: torch.nn.Module, args: Any) -> None:
+        handle = _DEFERRED.pop(mod, None)
+        if handle is not None:
+            handle.remove()
+        callback = sweep()
+        if callback is not None:
+            callback()
+
+    _DEFERRED[module] = module.register_forward_pre_hook(before_call)
 
 
 def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None):
@@ -260,8 +294,8 @@ def _adopt_tensors(module: torch.nn.Module, cap: Capture, known: Callable[[torch
             meta = True
             continue
         if param.device != cap.device:
-            param = torch.nn.Parameter(param.detach().to(cap.device), requires_grad=param.requires_grad)
-            setattr(module, name, param)
+            # In place (as Module.to does): an optimizer made in scope holds this very parameter.
+            param.data = param.data.to(cap.device)
         _LABELS[param] = f"{type(module).__name__}.{name}"
         cap.on_parameter(param)
     for name, buffer in list(module.named_buffers(recurse=False)):

@@ -123,6 +123,7 @@ class VariableSync:
             self.tag,
             self.on_container,
             self.on_materialized,
+            self.capture_new_modules,
         )
 
     def on_materialized(self, module: torch.nn.Module) -> None:
