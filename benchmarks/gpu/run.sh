@@ -9,7 +9,7 @@
 # Python 3.12; docs/gpu.md gives the download command): they are installed into a private
 # directory, never over the machine's own packages. phalanx itself runs from src/.
 # Each part has its own time limit so that the whole stays under 8 minutes on one H100/H200;
-# everything it finds goes to OUT_DIR, 8 files (what the lending tool brings back):
+# everything it finds goes to OUT_DIR, 8 files and a folder per traced model (what the lending tool brings back):
 #   env.txt      nvidia-smi, versions
 #   tests.log    the GPU tests and their CPU twins
 #   hooks.json   per model, at world size 1 in one process: raw loop, DDP over NCCL, OneDevice,
@@ -18,6 +18,7 @@
 #   hooks.log    the same as tables
 #   syncs.json   where a step makes the host wait for the GPU (the transformer LM)
 #   profile.txt  the host time of each configuration's steps (cProfile)
+#   trace-M/     torch's profiler over the NCCL path, with and without the guard, and DDP (per model M)
 #   bench.log    phalanx bench on this GPU (separate processes)
 #   bench/latest.json
 # The variables GPU_*_TIMEOUT, GPU_HOOKS_MODELS, GPU_BENCH_CONFIGS, GPU_BENCH_MODELS and
@@ -87,6 +88,13 @@ timeout "${GPU_SYNCS_TIMEOUT:-70}" python3 -m benchmarks.gpu.syncs "$out" >"$out
 echo "syncs: exit $? after $(( $(date +%s) - start )) s"
 tail -8 "$out/syncs.log"
 rm -f "$out/syncs.log"
+start=$(date +%s)
+# Where the NCCL path's and the guard's time goes (torch's profiler; counts, not timings).
+for model in ${GPU_TRACE_MODELS:-transformer_lm large_mlp}; do
+    timeout "${GPU_TRACE_TIMEOUT:-60}" python3 -m benchmarks.gpu.trace "$out/trace-$model" --model "$model" \
+        --configs ddp_ws1,px_ws1,px_ws1_noguard,px_mirrored >/dev/null 2>"$out/trace-$model.err"
+    echo "trace $model: exit $? after $(( $(date +%s) - start )) s"
+done
 start=$(date +%s)
 # phalanx bench on this GPU: separate processes, one per configuration (a process start and CUDA
 # initialisation each); latest.json is written after each section. The CPU all-reduce section
