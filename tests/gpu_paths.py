@@ -28,7 +28,9 @@ def check_single_replica_collectives(tmp_path: Path, *, backend: str, device: st
         [sys.executable, str(JOB), "nccl1", str(tmp_path)],
         timeout=240,
         cwd=tmp_path,
-        env={"PHALANX_SINGLE_REPLICA_COLLECTIVES": "1", **_device_env(device)},
+        # The guard on every pass (a GPU's default is every 8th, docs/gpu.md): it must ride on the
+        # NCCL path's first bucket at each step, which the guard_checks below count.
+        env={"PHALANX_SINGLE_REPLICA_COLLECTIVES": "1", "PHALANX_GUARD_EVERY": "1", **_device_env(device)},
         fresh=True,  # a CUDA process is never forked from a server
     )
     assert res.returncode == 0, res.output

@@ -239,3 +239,26 @@ def test_different_global_batch_per_worker_is_caught(tmp_path):
         took = float(m.group(3)) - float(m.group(4))
         print(f"\ntime-to-error mwms batch_size: worker {m.group(2)} raised {took * 1000:.0f} ms after its first step")
         assert took < 2.0
+
+
+def test_with_the_gpu_cadence_a_skipped_step_is_raised_on_every_replica_at_the_next_check(tmp_path):
+    # PHALANX_GUARD_EVERY=3, a GPU's way of checking (every 8th pass by default there), on CPU
+    # replicas: replica 1 skips step 2 (a caught exception); passes 1, 4, 7, ... carry the fields,
+    # so both replicas raise at replica 0's step 4 rather than 3, the same error; a global batch
+    # of another size is raised at the first pass. Without the strategy.reduce of each step: its
+    # own check would come first.
+    res = run_job(
+        [sys.executable, str(SCRIPT), "diverge-many", "2", "skip,mirrored,noreduce", "batch_size,mirrored,noreduce"],
+        timeout=120,
+        cwd=tmp_path,
+        env={"PHALANX_SHM": "1", "PHALANX_GUARD_EVERY": "3"},
+    )
+    logs = res.logs()
+    assert res.returncode != 0, logs
+    for label, said in (
+        ("skip,mirrored,noreduce", "diverged at step 4: step is 4 on replica:0 (rank 0) but 5 on replica:1"),
+        ("batch_size,mirrored,noreduce", "diverged at step 1: global batch size is 24 on replica:0"),
+    ):
+        marks = {int(m.group(2)): m.group(6) for m in _MARK.finditer(logs) if m.group(1) == label}
+        assert set(marks) == {0, 1}, f"case {label}: not caught on every replica\n{logs[-5000:]}"
+        assert all(said in message for message in marks.values()), (label, marks)

@@ -85,3 +85,60 @@ def test_a_guard_writes_its_fields_and_fingerprint_as_it_encodes_them(dtype):
         assert torch.equal(tail, expected), (step[0], tail, expected)
         carried.append(FieldGuard(1, 2).decode(tail)[1][FIELDS.index("parameters")] != 0)
     assert carried == [True, False, True, False, True]  # the first step, then every 2
+
+
+def test_on_a_gpu_the_fields_ride_every_eighth_pass_and_a_restore_at_once():
+    """On a GPU a check costs two copies between host and device (100-300 us of host time on an
+    H200): the fields ride every GUARD_EVERY_GPU-th pass, the first included, and a pass after a
+    restore (a fingerprint due) at once. On a CPU every pass. Only the device's type is read here."""
+    from phalanx.config import GUARD_EVERY_GPU
+
+    comm = SimpleNamespace(rank=0, world_size=2, name=lambda r: f"replica:{r}")
+    guard = ReplicaGuard(comm, lambda: (1, 8, 1), lambda: [("w", torch.ones(3))])
+    guard.fingerprint_due = False
+    gpu = [p for p in range(1, 3 * GUARD_EVERY_GPU + 1) if guard.rides(torch.device("cuda", 0))]
+    assert GUARD_EVERY_GPU > 1 and gpu == [1, 1 + GUARD_EVERY_GPU, 1 + 2 * GUARD_EVERY_GPU]
+    guard.fingerprint_due = True  # mark_parameters_changed(): every replica marks it at the same point
+    assert guard.rides(torch.device("cuda", 0))
+    cpu = ReplicaGuard(comm, lambda: (1, 8, 1), lambda: [("w", torch.ones(3))])
+    assert all(cpu.rides(torch.device("cpu")) for _ in range(10))
+    # A pass that does not ride zeros the room (its sum is not read), one that rides writes the fields.
+    three = ReplicaGuard(comm, lambda: (4, 8, 2), lambda: [("w", torch.ones(3))], check_every=3)
+    three.fingerprint_due = False
+    tail = torch.full((three.size(torch.float32),), 7.0)
+    assert [three.ride(tail) for _ in range(4)] == [True, False, False, True]
+    assert tail.tolist() == FieldGuard(0, 2).encode((4, 8, 2, 0), torch.float32).tolist()
+    assert not three.ride(tail) and not tail.any()
+
+
+def test_guard_every_checks_every_nth_pass_of_a_real_process_group(monkeypatch, tmp_path):
+    """PHALANX_GUARD_EVERY=3 (a GPU's cadence, set on a CPU): a world-size-1 Mirrored job with its
+    process group checks passes 1, 4, 7 and 10 of ten; by default (a CPU) every pass."""
+    import phalanx as px
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch's optimizer import sets it otherwise
+    monkeypatch.setenv("PHALANX_SINGLE_REPLICA_COLLECTIVES", "1")
+    checks = {}
+    for every in ("3", None):
+        if every is None:
+            monkeypatch.delenv("PHALANX_GUARD_EVERY")
+        else:
+            monkeypatch.setenv("PHALANX_GUARD_EVERY", every)
+        strategy = px.MirroredStrategy(["cpu"])
+        try:
+            with strategy.scope():
+                model = torch.nn.Linear(4, 1)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad()
+                px.nn.compute_average_loss(model(torch.ones(2, 4)).sum(1)).backward()
+                opt.step()
+
+            for _ in range(10):
+                strategy.run(step)
+            strategy.extended.check_consistency()
+            checks[every] = strategy.extended.consistency.checks
+        finally:
+            strategy.close()
+    assert checks == {"3": 4, None: 10}

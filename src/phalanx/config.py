@@ -44,6 +44,11 @@ CLOCK_SKEW = 60.0  # how far a signed frame's time may be from the receiver's cl
 # Steps between two parameter fingerprints of the consistency guard (phalanx.comm.guard): at most
 # 1 % of a step on the benchmark models (benchmarks/fingerprint.py), drift named within 100 steps.
 FINGERPRINT_EVERY = 100
+# Passes between two checks of the guard's fields on a GPU (phalanx.comm.guard.ReplicaGuard.rides):
+# there a check costs two copies between host and device and their events, 100-300 us of host time
+# on an H200 (benchmarks/gpu/guard_parts.py), 5-10 % of a host-bound 2 ms step; every 8th pass it
+# is about 1 %, and a mismatch is raised at most 8 passes late. On a CPU every pass (a few us).
+GUARD_EVERY_GPU = 8
 # Collectives each replica's flight recorder keeps (phalanx.comm.flight_recorder): a few steps of a
 # model with a dozen gradient buckets, for the diagnosis of a hang or of collectives that part.
 FLIGHT_RECORDER = 128
@@ -130,6 +135,8 @@ class Settings:
         fingerprint_every: PHALANX_FINGERPRINT_EVERY, steps between two fingerprints of the
             synchronised parameters by the consistency guard (0: only at the first step and after
             a restore), so a replica that trains differently is named within that many steps.
+        guard_every: PHALANX_GUARD_EVERY, backward passes between two checks of the consistency
+            guard's fields (0, the default: every pass on a CPU, every ``GUARD_EVERY_GPU`` on a GPU).
         debug: PHALANX_DEBUG=1 shows phalanx's own frames in the traceback of an uncaught
             configuration error (a TF_CONFIG typo, a malformed setting), which otherwise shows the
             program's frames and the error's line (``phalanx run --debug`` sets it for its job).
@@ -183,6 +190,7 @@ class Settings:
     interactive_start: str | None = field(default=None, metadata={"env": "PHALANX_INTERACTIVE_START"})
     start_method: str | None = field(default=None, metadata={"env": "PHALANX_START_METHOD"})
     fingerprint_every: int = field(default=FINGERPRINT_EVERY, metadata={"env": "PHALANX_FINGERPRINT_EVERY"})
+    guard_every: int = field(default=0, metadata={"env": "PHALANX_GUARD_EVERY"})
     job_report: str | None = field(default=None, metadata={"env": "PHALANX_JOB_REPORT"})
     debug: bool = field(default=False, metadata={"env": "PHALANX_DEBUG"})
     stack_signal: str = field(default=STACK_SIGNAL, metadata={"env": "PHALANX_STACK_SIGNAL"})

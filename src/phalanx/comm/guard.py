@@ -19,8 +19,10 @@ On a GPU nothing of this waits for the device: this replica's fields go to the b
 two pinned host buffers used in turn (:class:`_Staging`), the parameter fingerprint is computed on
 the device in a few kernels over all parameters at once (:func:`fingerprint_tensor`) and written
 into the bucket there, and the sum is copied back to pinned memory and read at the next pass
-(:meth:`ReplicaGuard.check_pending`). So a divergence is named one step late on a GPU (at once on
-a CPU), and a parameter divergence within ``every`` steps (plus one on a GPU).
+(:meth:`ReplicaGuard.check_pending`). Even so those copies cost host time a short GPU step feels,
+so on a GPU the fields ride every ``GUARD_EVERY_GPU``-th pass (:meth:`ReplicaGuard.rides`). So a
+divergence is named at once on a CPU and up to ``GUARD_EVERY_GPU`` passes late on a GPU (plus the
+pass that reads the sum), and a parameter divergence within ``every`` steps (plus as many).
 
 Example (two replicas, as the sum would combine their vectors)::
 
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from phalanx.comm.flight_recorder import recording
+from phalanx.config import GUARD_EVERY_GPU
 from phalanx.errors import ReplicaDivergenceError
 
 FIELDS = ("step", "global batch size", "batch", "parameters")
@@ -312,6 +315,8 @@ class ReplicaGuard:
             order on every replica.
         every: fingerprint the parameters again once this many steps have passed since the last
             fingerprint (0: only at the first step and after a restore).
+        check_every: backward passes between two that carry the fields (:meth:`rides`; 0: every
+            pass on a CPU, every :data:`~phalanx.config.GUARD_EVERY_GPU` on a GPU).
 
     Attributes:
         fingerprint_due: the next contribution with parameters carries a fingerprint.
@@ -325,6 +330,7 @@ class ReplicaGuard:
         fields: Callable[[], tuple[int, int, int]],
         params: Callable[[], list[tuple[str, torch.Tensor]]],
         every: int = 0,
+        check_every: int = 0,
     ) -> None:
         self._comm = comm
         self._fields = FieldGuard(comm.rank, comm.world_size)  # type: ignore[attr-defined]
@@ -340,6 +346,8 @@ class ReplicaGuard:
         self._read_event: Any = None
         self.fingerprint_due = True
         self.every = every
+        self.check_every = check_every
+        self._passes = 0  # backward passes that asked whether to ride (the same count on every replica)
         self.checks = 0
 
     def regrouped(self) -> None:
@@ -349,6 +357,33 @@ class ReplicaGuard:
         self._fields = FieldGuard(self._comm.rank, self._comm.world_size)  # type: ignore[attr-defined]
         self._pending = None
         self.fingerprint_due = True
+        self._passes = 0
+
+    def rides(self, device: torch.device) -> bool:
+        """Whether this backward pass carries the guard's fields (one call per pass).
+
+        Every pass on a CPU, where writing and checking them costs a few microseconds. On a GPU
+        every ``check_every``-th (:data:`~phalanx.config.GUARD_EVERY_GPU` by default, the first
+        pass included): there a check costs a copy each way between host and device and their
+        events, 100-300 us of host time a pass on an H200 (``benchmarks/gpu/guard_parts.py``), so
+        a step or batch mismatch is raised up to that many passes late (one more: the sum is
+        read at the next pass). A fingerprint after a restore rides at once; the periodic one
+        (every ``every`` steps) at the first pass that rides from then on. Every replica counts
+        the same passes and marks the same restores, so all decide alike.
+        """
+        self._passes += 1
+        every = self.check_every or (GUARD_EVERY_GPU if device.type == "cuda" else 1)
+        return every == 1 or self.fingerprint_due or self._passes % every == 1
+
+    def ride(self, tail: torch.Tensor) -> bool:
+        """Writes this pass's contribution into ``tail`` (the room after the first bucket's
+        gradients) if it carries the guard (:meth:`rides`), else zeros it (its sum is not read);
+        returns whether it did."""
+        if self.rides(tail.device):
+            self.write_into(tail)
+            return True
+        tail.zero_()
+        return False
 
     def size(self, dtype: torch.dtype) -> int:
         """Elements the guard takes in a tensor of ``dtype`` (0: it cannot ride on that dtype)."""

@@ -44,9 +44,12 @@ class ConsistencyChecks:
     ) -> None:
         self._step = step
         self._parameters = parameters
-        every = config.settings().fingerprint_every
+        settings = config.settings()
+        every, check = settings.fingerprint_every, settings.guard_every
         #: The guard that runs, or None (one replica, or turned off by ``set``).
-        self.active: ReplicaGuard | None = ReplicaGuard(comm, self.fields, self.labelled, every) if enabled else None
+        self.active: ReplicaGuard | None = (
+            ReplicaGuard(comm, self.fields, self.labelled, every, check) if enabled else None
+        )
         self._off: ReplicaGuard | None = None  # the guard turned off, kept to be turned on again
 
     @property
