@@ -407,3 +407,124 @@ def test_a_replacement_running_another_version_of_the_program_is_refused_by_name
         results[2].output
     ), results[2].output
     assert json.loads((tmp_path / "join_1.json").read_text())["world"] == 1
+
+
+# A replacement joins Keras fit: at an epoch boundary (fit on arrays has no input position to catch
+# up within an epoch), with replica 0's weights, Adam's slots and step count, the epoch to start at,
+# and the random state fit shuffles with. Replica 2 is killed mid-epoch 1; the members slow down
+# while the group is short, so that the replacement joins before the last epoch however loaded the
+# machine is. The one-device comparison fails if any of those were not sent.
+K_STEPS, K_EPOCHS, K_KILL = 10, 12, 5  # steps per epoch, epochs, the batch of epoch 1 replica 2 dies in
+KERAS_JOIN = f"""
+    import json, os, signal, time
+    import numpy as np
+    import keras
+    import phalanx as px
+
+    member = int(os.environ.get("PHALANX_JOIN_AS") or os.environ.get("MEMBER") or os.environ["PHALANX_RANK"])
+    if os.environ.get("PHALANX_JOIN_AS") and os.environ.get("WAIT_FOR"):
+        while not os.path.exists(os.environ["WAIT_FOR"]):
+            time.sleep(0.05)
+    strategy = px.MultiWorkerMirroredStrategy()
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=({BATCH} * {K_STEPS}, 8)).astype("float32")
+    y = rng.normal(size=({BATCH} * {K_STEPS}, 1)).astype("float32")
+    width = 32 if os.environ.get("PHALANX_JOIN_AS") and os.environ.get("OTHER_MODEL") else 16
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(width, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+
+    class Watch(keras.callbacks.Callback):
+        changes, epoch, waited = [], None, 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == 1 and batch == {K_KILL} and member == 2:
+                open("lost", "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if strategy.num_replicas_in_sync < 3 and self.waited < 25:
+                time.sleep(0.25)
+                self.waited += 0.25
+
+        def on_membership_change(self, change):
+            self.changes.append({{"epoch": self.epoch, "lost": len(change.lost), "joined": list(change.joined),
+                                  "now": strategy.num_replicas_in_sync}})
+
+    watch = Watch()
+    history = model.fit(x, y, batch_size={BATCH}, epochs={K_EPOCHS}, shuffle=True, verbose=0, callbacks=[watch])
+    json.dump({{"changes": watch.changes, "epochs": history.epoch, "loss": history.history["loss"],
+               "world": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations),
+               "weights": [w.tolist() for w in model.get_weights()]}}, open(f"kjoin_{{member}}.json", "w"))
+"""
+
+KERAS_JOIN_ONE_DEVICE = f"""
+    import json
+    import numpy as np
+    import keras
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=({BATCH} * {K_STEPS}, 8)).astype("float32")
+    y = rng.normal(size=({BATCH} * {K_STEPS}, 1)).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size={BATCH}, epochs={K_EPOCHS}, shuffle=True, verbose=0)
+    json.dump([w.tolist() for w in model.get_weights()], open("keras_one_device.json", "w"))
+"""
+
+
+def check_keras_rejoined(tmp_path: Path, script, members: list[int], joiner: int) -> None:
+    """The group shrank in epoch 1 and grew back at the start of an epoch when ``joiner`` joined, which
+    then ran fit from that epoch; every member's weights equal, and equal to the one-device fit's."""
+    import numpy as np
+
+    outs = {m: json.loads((tmp_path / f"kjoin_{m}.json").read_text()) for m in members}
+    first = outs[joiner]["epochs"][0]  # the epoch the replacement's fit started at
+    assert 1 < first < K_EPOCHS and outs[joiner]["epochs"] == list(range(first, K_EPOCHS)), outs[joiner]["epochs"]
+    for m, out in outs.items():
+        assert out["world"] == 3, (m, out["world"], out["changes"])
+        assert out["iterations"] == K_EPOCHS * K_STEPS, (m, out["iterations"])
+        if m != joiner:  # shrank in epoch 1, grew back at the start of epoch `first`
+            assert out["changes"] == [
+                {"epoch": 1, "lost": 1, "joined": [], "now": 2},
+                {"epoch": first, "lost": 0, "joined": [f"replica:{joiner}"], "now": 3},
+            ], out["changes"]
+            assert out["epochs"] == list(range(K_EPOCHS))
+            # The epochs' losses are the group's: the replacement's History has the same from its first.
+            assert outs[joiner]["loss"] == out["loss"][first:], (m, out["loss"], outs[joiner]["loss"])
+    assert outs[joiner]["changes"] == [{"epoch": None, "lost": 0, "joined": [f"replica:{joiner}"], "now": 3}]
+    weights = [outs[m]["weights"] for m in members]
+    assert all(np.array_equal(a, b) for other in weights[1:] for a, b in zip(weights[0], other))
+    reference = one_device(tmp_path, script, KERAS_JOIN_ONE_DEVICE, "keras_one_device.json")
+    for a, b in zip(weights[0], reference):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_keras_fit_takes_a_replacement_back_at_an_epoch_boundary(tmp_path, script):
+    job = script(KERAS_JOIN)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+        timeout=200,
+        cwd=tmp_path,
+        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60"},
+    )
+    assert res.returncode == 0, res.logs()
+    assert "replica 3 started to replace it" in res.output, res.output
+    assert not (tmp_path / "kjoin_2.json").exists()
+    check_keras_rejoined(tmp_path, script, [0, 1, 3], joiner=3)
+
+
+def test_tf_config_keras_fit_takes_back_a_replacement_started_by_hand(tmp_path, script):
+    job = script(KERAS_JOIN)
+    workers = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    env = {"KERAS_BACKEND": "torch", "PHALANX_MIN_NPROC": "2", "PHALANX_COLLECTIVE_TIMEOUT": "60"}
+    tasks = [([sys.executable, str(job)], {**tf_config(workers, i), **env, "MEMBER": str(i)}) for i in range(3)]
+    replacement = {**tf_config(workers, 2), **env, "PHALANX_JOIN_AS": "3", "WAIT_FOR": str(tmp_path / "lost")}
+    results = run_jobs([*tasks, ([sys.executable, str(job)], replacement)], timeout=200, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0, -9, 0], [r.output[-3000:] for r in results]
+    check_keras_rejoined(tmp_path, script, [0, 1, 3], joiner=3)

@@ -126,6 +126,16 @@ def _differ(theirs: str, ours: str) -> str:
     return f"its model differs from the group's (variable {i}: {a[i]}, the group's {b[i]})"
 
 
+def _misplaced(asked: str, at: str) -> str | None:
+    """Why a replacement that joins at ``asked`` (``"step"``: a custom loop's first ``strategy.run``;
+    ``"epoch"``: Keras ``fit``'s epoch boundary) cannot join a group now at ``at``; None if it can."""
+    if asked == at:
+        return None
+    if asked == "epoch":
+        return "it joins Keras fit at an epoch boundary, and the group's steps are not in fit"
+    return "it joins at a step of a custom loop, and the group is in Keras fit (which takes one at an epoch boundary)"
+
+
 def _connect(spec: GroupSpec) -> Any:
     """The job's store, connected as the process group's rendezvous would (or served, by rank 0)."""
     return rendezvous.connect_store(
@@ -360,11 +370,12 @@ class ElasticCommunicator:
         self._left("the vote", None)
 
     # ------------------------------------------------------------------ joining
-    def join(self, digest: str) -> bool:
+    def join(self, digest: str, at: str = "step") -> bool:
         """A replacement asks to join and waits until the group admits it (at its next step).
 
         ``digest`` describes this replica's model (its variables' shapes and dtypes): a group whose
-        model differs refuses it by name.
+        model differs refuses it by name. ``at``: where it joins, ``"step"`` (a step boundary) or
+        ``"epoch"`` (Keras ``fit``'s next epoch boundary; the members admit it there).
 
         Returns:
             False when the job ended before admitting it (nothing left to join).
@@ -373,7 +384,7 @@ class ElasticCommunicator:
             ElasticRecoveryError: the group refused it (another model), or never answered.
         """
         index = self._control.add("joiners", 1) - 1
-        self._control.set(f"joiner/{index}", json.dumps({"member": self.member, "digest": digest}))
+        self._control.set(f"joiner/{index}", json.dumps({"member": self.member, "digest": digest, "at": at}))
         key = f"admitted/{self.member}"
         deadline = time.monotonic() + self._spec.rendezvous_timeout
         while not self._control.check([key]):
@@ -399,23 +410,33 @@ class ElasticCommunicator:
         self._become(answer["generation"], answer["members"], lost=[])
         return True
 
-    def grow(self, digest: str, refusal: str | None = None) -> list[str]:
+    def pending(self) -> list[dict[str, Any]]:
+        """The requests of the replacements the last vote counted and no member answered yet."""
+        return [json.loads(self._control.get(f"joiner/{i}")) for i in range(self._admitted, self._grow_to)]
+
+    def grow(self, digest: str, refusal: str | None = None, at: str = "step") -> list[str]:
         """The members admit the replicas that asked to join (the last vote counted them); returns
         the names of those admitted. Called by every member at the same step boundary.
 
-        ``refusal``: why none can join now (every member gives the same).
+        ``refusal``: why none can join now (every member gives the same). ``at``: where the group
+        is, ``"step"`` or ``"epoch"`` (Keras ``fit``); a replacement that asked to join elsewhere is
+        refused.
         """
         self.grow_pending = False
-        asked = [json.loads(self._control.get(f"joiner/{i}")) for i in range(self._admitted, self._grow_to)]
-        fits = [a["member"] for a in asked if a["digest"] == digest and refusal is None]
+        asked = self.pending()
+        refused = {
+            a["member"]: refusal
+            or _misplaced(a.get("at", "step"), at)
+            or (None if a["digest"] == digest else _differ(a["digest"], digest))
+            for a in asked
+        }
+        fits = [a["member"] for a in asked if refused[a["member"]] is None]
         members, generation = self.members + fits, self.generation + 1
         if self.rank == 0:
             for a in asked:
-                refused = refusal or (None if a["digest"] == digest else _differ(a["digest"], digest))
                 answer = {"generation": generation, "members": members, "admitted": self._grow_to, "step": self._step}
-                self._control.set(
-                    f"admitted/{a['member']}", json.dumps({**answer, "refused": refused} if refused else answer)
-                )
+                why = refused[a["member"]]
+                self._control.set(f"admitted/{a['member']}", json.dumps({**answer, "refused": why} if why else answer))
         self._admitted = self._grow_to
         if fits:
             self._become(generation, members, lost=[])

@@ -18,14 +18,23 @@ state, never read from disk:
 A replacement whose program or model differs (another script; another number, shape or dtype of
 variables) is refused by name (:class:`~phalanx.errors.ElasticRecoveryError`); one that finds the
 job ended before it was admitted exits 0.
+
+Keras ``fit`` on arrays has no input position within an epoch: there a replacement joins at an
+epoch boundary instead (:mod:`phalanx.keras.joining`). While the group is in ``fit``
+(:func:`at_epoch_boundaries`) its steps leave the requests pending for the next epoch's begin, and
+a group outside ``fit`` leaves a Keras replacement's request pending (it joins at the group's next
+epoch of ``fit``, or exits 0 when the job ends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
-from typing import Any, Callable
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -38,19 +47,51 @@ _NO_POSITION = (
     "the group's steps take no batches of a distributed dataset (Keras fit on arrays, say), so a "
     "replacement could not start at the group's place in its input"
 )
+# The strategies' extended objects whose replicas are in Keras fit: a replacement joins at an epoch boundary.
+_IN_FIT: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def digest(ext: Any) -> str:
+@contextlib.contextmanager
+def at_epoch_boundaries(ext: Any) -> Iterator[None]:
+    """While the replicas of ``ext`` are in Keras ``fit``: its steps admit no replacement (fit admits
+    them when an epoch begins, :mod:`phalanx.keras.joining`)."""
+    inside = ext in _IN_FIT
+    _IN_FIT.add(ext)
+    try:
+        yield
+    finally:
+        if not inside:
+            _IN_FIT.discard(ext)
+
+
+def _waits(ext: Any) -> bool:
+    """Whether the replacements that asked wait for an epoch boundary of Keras fit: the group is in
+    fit (those that asked to join at a step are refused there), or all asked to join fit."""
+    if ext in _IN_FIT:
+        return True
+    asked = ext.communicator.pending()
+    return bool(asked) and all(a.get("at") == "epoch" for a in asked)
+
+
+def job_ended() -> NoReturn:
+    """A replacement found the job ended before it was admitted: nothing to do, it exits 0."""
+    sys.stderr.write("phalanx: the job ended before this replacement replica could join; nothing to do\n")
+    sys.stderr.flush()
+    raise SystemExit(0)
+
+
+def digest(ext: Any, tensors: Iterable[torch.Tensor] | None = None) -> str:
     """What a replacement must share with the group (JSON): its program (the hash of the main
     script's source, where there is one) and the shapes and dtypes of the variables created in
-    ``ext``'s scope, in creation order."""
+    ``ext``'s scope, in creation order (or of ``tensors``, the state a join sends)."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     try:
         with open(main, "rb") as f:  # type: ignore[arg-type]
             program = hashlib.sha256(f.read()).hexdigest()
     except (OSError, TypeError):
         program = ""  # -c, a notebook: no file to compare
-    variables = [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in ext.variable_sync.created.values()]
+    tensors = ext.variable_sync.created.values() if tensors is None else tensors
+    variables = [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in tensors]
     return json.dumps({"program": program, "variables": variables})
 
 
@@ -62,11 +103,9 @@ def admit(ext: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, info: Any
     newcomer = comm.joining
     if newcomer:
         if not comm.join(digest(ext)):
-            sys.stderr.write("phalanx: the job ended before this replacement replica could join; nothing to do\n")
-            sys.stderr.flush()
-            raise SystemExit(0)
-    elif not comm.grow(digest(ext), None if info is not None else _NO_POSITION):
-        return args, kwargs, info  # every replacement that asked was refused: the group stays as it was
+            job_ended()
+    elif _waits(ext) or not comm.grow(digest(ext), None if info is not None else _NO_POSITION):
+        return args, kwargs, info  # none joins here (refused, or at an epoch of fit): the group stays as it was
     ext.gradient_sync.regrouped()
     ext.consistency.regrouped()
     optimizers = objects_used_by(fn, torch.optim.Optimizer)

@@ -21,7 +21,9 @@ program passed. Two kinds need care:
 
 The coordinator also makes every replica's random state the chief's at each epoch begin, so
 shuffled inputs (arrays, ``DataLoader(shuffle=True)``, ``PyDataset``) produce the same global
-batches on every replica before each replica takes its slice.
+batches on every replica before each replica takes its slice. In an elastic job it is where a
+replacement joins ``fit``: its train begin, the members' next epoch begin
+(:mod:`phalanx.keras.joining`).
 
 Example (each replica runs this; only the chief writes ``best.weights.h5``)::
 
@@ -44,6 +46,7 @@ import torch
 
 from phalanx._compat import keras as compat_keras
 from phalanx.comm.elastic import on_membership_change
+from phalanx.keras import joining
 from phalanx.keras.tensorboard import TensorBoard
 from phalanx.keras.trackers import Trackers
 from phalanx.values import ReduceOp
@@ -131,11 +134,15 @@ class Coordinator(keras.callbacks.Callback):
         strategy: the model's strategy.
         callbacks: *this* replica's callbacks as the program passed them (before the chief-only
             ones are removed).
+        adapter: the model's :class:`~phalanx.keras.sync_adapter.SyncAdapter`, told when a
+            replacement joins ``fit`` (an elastic job's); None: no replacement joins this ``fit``.
     """
 
-    def __init__(self, strategy: "Strategy", callbacks: list[Any]) -> None:
+    def __init__(self, strategy: "Strategy", callbacks: list[Any], adapter: Any = None) -> None:
         super().__init__()
         self._strategy = strategy
+        self._adapter = adapter
+        self._joined: tuple[int | None] | None = None  # a replacement's initial epoch before it joined
         self._local_mid_epoch = may_stop_mid_epoch(callbacks)
         self._mid_epoch = self._local_mid_epoch
         self._restores = bool(strategy.extended.should_checkpoint) and any(
@@ -157,18 +164,37 @@ class Coordinator(keras.callbacks.Callback):
         for cb in self._told:
             cb.on_membership_change(change)
 
+    def _agree_on_flags(self, restores: bool) -> bool:
+        """Agrees whether anyone needs a decision after every batch; returns whether anyone restored."""
+        flags = self._sum([float(self._local_mid_epoch), float(restores)])
+        self._mid_epoch = bool(flags[0] > 0)
+        return bool(flags[1] > 0)
+
+    def _regrouped(self, newcomer: bool) -> None:
+        """A replacement joined (``newcomer``: this replica is it): the adapter looks again at what
+        its steps keep per group, and the grown group agrees on the flags, as at train begin."""
+        self._adapter.regrouped(newcomer)
+        self._agree_on_flags(False)
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._told and getattr(self._strategy.extended, "elastic", False):
-            self._stop_telling = on_membership_change(self._membership_changed)
+            self._stop_telling = on_membership_change(self._membership_changed)  # a replacement's join too
+        if self._adapter is not None and joining.joining(self._strategy):
+            # A replacement: Keras built the model and its optimizer; it joins the group's next
+            # epoch boundary with replica 0's state, and starts fit at that epoch.
+            self._joined = (compat_keras.initial_epoch(self.model),)
+            joining.join(self._strategy, self.model)
+            self._regrouped(newcomer=True)
         # Replicas may have been given different callbacks (e.g. some only on the chief): agree
         # once whether anyone needs a decision after every batch, and whether the chief restored.
-        if self._strategy.num_replicas_in_sync > 1:
-            flags = self._sum([float(self._local_mid_epoch), float(self._restores)])
-            self._mid_epoch = bool(flags[0] > 0)
-            if flags[1] > 0:
-                broadcast_training_state(self._strategy, self.model)
+        elif self._strategy.num_replicas_in_sync > 1 and self._agree_on_flags(self._restores):
+            broadcast_training_state(self._strategy, self.model)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # A replacement that asked (in its train begin) joins here, before the random state is
+        # aligned: its epochs then draw the group's shuffles.
+        if self._adapter is not None and joining.admit(self._strategy, self.model, epoch):
+            self._regrouped(newcomer=False)
         sync_random_state(self._strategy)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -182,6 +208,9 @@ class Coordinator(keras.callbacks.Callback):
         if self._stop_telling is not None:
             self._stop_telling()
             self._stop_telling = None
+        if self._joined is not None:  # a later fit starts where its caller says, as before the join
+            compat_keras.set_initial_epoch(self.model, self._joined[0])
+            self._joined = None
         # A barrier: fit returns on every replica after the chief's writers finished (its last
         # checkpoint is complete, BackupAndRestore's backup is deleted), so any replica may read
         # what the chief wrote.

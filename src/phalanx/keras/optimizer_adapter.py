@@ -206,6 +206,23 @@ def _observe_arguments(strategy: Any, args: tuple, kwargs: dict) -> None:
                     adapt_optimizer(item)
 
 
+def held_optimizers(model: Any) -> list[Any]:
+    """The Keras optimizers ``model`` holds: its compiled one, and those in its attributes (directly,
+    or in a list, tuple or dict)."""
+    found: dict[int, Any] = {}
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None:
+        found[id(compiled)] = compiled
+    for value in vars(model).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if len(items) > _MAX_ITEMS:
+            continue
+        for item in items:
+            if isinstance(item, keras.optimizers.Optimizer):
+                found.setdefault(id(item), item)
+    return list(found.values())
+
+
 if _observe_run not in RUN_OBSERVERS:
     RUN_OBSERVERS.append(_observe_run)
 if _observe_arguments not in RUN_ARGUMENT_OBSERVERS:

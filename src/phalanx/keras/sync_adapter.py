@@ -21,11 +21,12 @@ import torch
 from phalanx import nest
 from phalanx._compat.torch import version_counter
 from phalanx._sidetable import IdentityTable
+from phalanx.core import rejoin
 from phalanx.core.losses import mark_loss_scaled
 from phalanx.errors import InputMismatchError, UnsupportedLayerError
 from phalanx.input import global_batch
 from phalanx.keras import callbacks as px_callbacks
-from phalanx.keras import sharding
+from phalanx.keras import joining, sharding
 from phalanx.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ from phalanx.keras.batches import (
     _SizedLocalBatches,
     _Step,
 )
-from phalanx.keras.optimizer_adapter import _MAX_ITEMS, _OWN_STEPS, adapt_optimizer
+from phalanx.keras.optimizer_adapter import _OWN_STEPS, adapt_optimizer, held_optimizers
 
 
 class _GradScale:
@@ -88,18 +89,20 @@ class SyncAdapter(DistributedModel):
         model = self.model
         call, arguments = self._bind(type(model).fit, model, args, kwargs)
         user = _flat_callbacks(arguments.get("callbacks"))
+        # A replacement (alone until it joins, at train begin) is never the chief of the group it joins.
+        chief = self.is_chief and not joining.joining(self.strategy)
         if isinstance(arguments.get("callbacks"), keras.callbacks.CallbackList):
             # The caller built the list: keep it, and make sure it ends with one coordinator.
             cbl = arguments["callbacks"]
             cbl.callbacks = [cb for cb in cbl.callbacks if not isinstance(cb, px_callbacks.Coordinator)]
-            coordinator = px_callbacks.Coordinator(self.strategy, cbl.callbacks)
+            coordinator = px_callbacks.Coordinator(self.strategy, cbl.callbacks, self)
             coordinator.set_model(model)
             cbl.callbacks.append(coordinator)
         else:
-            arguments["callbacks"] = px_callbacks.for_replica(user, self.is_chief) + [
-                px_callbacks.Coordinator(self.strategy, user)
+            arguments["callbacks"] = px_callbacks.for_replica(user, chief) + [
+                px_callbacks.Coordinator(self.strategy, user, self)
             ]
-        if not self.is_chief:
+        if not chief:
             arguments["verbose"] = 0
         arguments["x"] = self._local_batches(arguments.get("x"), arguments.get("steps_per_epoch"), "steps_per_epoch")
         validation = arguments.get("validation_data")
@@ -111,8 +114,20 @@ class SyncAdapter(DistributedModel):
         if self._sharded:
             sharding.check_callbacks(user)
         self._stat_vars = None
-        with self._on_replica_device(), self._reading("train", arguments["x"]):
+        # An elastic job's replacement joins fit at an epoch boundary (phalanx.keras.joining), not at a step.
+        with self._on_replica_device(), self._reading("train", arguments["x"]), rejoin.at_epoch_boundaries(self._ext):
             return call(arguments)
+
+    def regrouped(self, newcomer: bool) -> None:
+        """A replacement joined ``fit`` at an epoch boundary (``newcomer``: this replica is it; its
+        weights are replica 0's now): every replica looks again, as at a ``fit``'s first steps, for
+        the state a step updates and for new variables, so that each makes the same collectives."""
+        model = self.model
+        _refuse_stateful_rnn(model, self.strategy)
+        self._summed_loss = _summed_loss(model, self.strategy)  # the replacement's fit began alone
+        self._checks_left, self._stat_vars = 2, None
+        if newcomer:
+            self._mark_synced(v.value for v in model.weights if not sharding.is_sharded(v))
 
     def _local_batches(self, value: Any, steps: Any, steps_name: str) -> Any:
         """A distributed dataset as ``fit`` / ``evaluate`` / ``predict`` take it (TF's Keras takes
@@ -171,7 +186,7 @@ class SyncAdapter(DistributedModel):
         self._checks_left = 2  # look for lazily built variables at the first two steps
         # The compiled optimizer, and any other a custom train_step uses (TF's WideDeepModel trains
         # each half with its own): every Keras optimizer the model holds as an attribute.
-        optimizers = _held_optimizers(model)
+        optimizers = held_optimizers(model)
         for optimizer in optimizers:
             adapt_optimizer(optimizer)
         self._sharded = any(sharding.is_sharded(v) for v in model.trainable_weights)
@@ -436,23 +451,6 @@ def _summed_loss(model: Any, strategy: "Strategy") -> bool:
             "reduction='sum_over_batch_size' (and a learning rate times the batch size), or one summed loss alone"
         )
     return True
-
-
-def _held_optimizers(model: Any) -> list[Any]:
-    """The Keras optimizers ``model`` holds: its compiled one, and those in its attributes (directly,
-    or in a list, tuple or dict)."""
-    found: dict[int, Any] = {}
-    compiled = getattr(model, "optimizer", None)
-    if compiled is not None:
-        found[id(compiled)] = compiled
-    for value in vars(model).values():
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-        if len(items) > _MAX_ITEMS:
-            continue
-        for item in items:
-            if isinstance(item, keras.optimizers.Optimizer):
-                found.setdefault(id(item), item)
-    return list(found.values())
 
 
 def _refuse_stateful_rnn(model: Any, strategy: "Strategy") -> None:
