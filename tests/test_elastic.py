@@ -447,7 +447,7 @@ KERAS_JOIN = f"""
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch, logs=None):
-            if strategy.num_replicas_in_sync < 3 and self.waited < 25:
+            if strategy.num_replicas_in_sync < 3 and self.waited < float(os.environ.get("WAIT_S", "25")):
                 time.sleep(0.25)
                 self.waited += 0.25
 
@@ -528,3 +528,22 @@ def test_tf_config_keras_fit_takes_back_a_replacement_started_by_hand(tmp_path, 
     results = run_jobs([*tasks, ([sys.executable, str(job)], replacement)], timeout=200, cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0, -9, 0], [r.output[-3000:] for r in results]
     check_keras_rejoined(tmp_path, script, [0, 1, 3], joiner=3)
+
+
+def test_keras_fit_refuses_a_replacement_with_another_model_by_name(tmp_path, script):
+    job = script(KERAS_JOIN)
+    res = run_job(
+        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+        timeout=200,
+        cwd=tmp_path,
+        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60", "OTHER_MODEL": "1", "WAIT_S": "15"},
+    )
+    assert res.returncode == 0, res.logs()
+    assert "replica 3 could not join: ElasticRecoveryError" in res.output, res.output
+    refused = (
+        "replica:3 was refused: its model differs from the group's (variable 0: [[32], 'float32'], the group's [[16]"
+    )
+    assert refused in res.output, res.output
+    outs = [json.loads((tmp_path / f"kjoin_{m}.json").read_text()) for m in (0, 1)]
+    assert [o["world"] for o in outs] == [2, 2]
+    assert [len(o["changes"]) for o in outs] == [1, 1], outs[0]["changes"]  # the loss only

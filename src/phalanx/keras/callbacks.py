@@ -193,7 +193,7 @@ class Coordinator(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         # A replacement that asked (in its train begin) joins here, before the random state is
         # aligned: its epochs then draw the group's shuffles.
-        if self._adapter is not None and joining.admit(self._strategy, self.model, epoch):
+        if self._adapter is not None and joining.admit(self._strategy, self.model, epoch, self._adapter.join_refusal):
             self._regrouped(newcomer=False)
         sync_random_state(self._strategy)
 

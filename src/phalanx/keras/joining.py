@@ -20,18 +20,21 @@ epoch begins (a custom loop's replacement joins at a step, :mod:`phalanx.core.re
   so the replacement's epochs draw the group's shuffles.
 
 A replacement whose program or model differs (the digest covers every tensor sent) is refused by
-name, as at a step (:class:`~phalanx.errors.ElasticRecoveryError`).
+name, as at a step (:class:`~phalanx.errors.ElasticRecoveryError`); so is one whose group's ``fit``
+reads an input whose place it could not take (:func:`unplaceable`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx._compat import keras as compat_keras
 from phalanx.core import rejoin
+from phalanx.keras.batches import _is_distributed_input
 from phalanx.keras.optimizer_adapter import held_optimizers
 
 if TYPE_CHECKING:
@@ -42,6 +45,25 @@ def joining(strategy: "Strategy") -> bool:
     """Whether this replica is a replacement that has not joined its elastic job's group yet."""
     ext = strategy.extended
     return bool(getattr(ext, "elastic", False)) and bool(getattr(ext.communicator, "joining", False))
+
+
+def unplaceable(x: Any, steps_per_epoch: Any) -> str | None:
+    """Why a replacement could not start at the group's place in ``fit``'s input ``x``; None where
+    every epoch reads ``x`` from its start (arrays, tensors, a ``DataLoader``, a ``PyDataset``), the
+    shuffle drawn from the random state the replicas align as each epoch begins."""
+    if _is_distributed_input(x):
+        return f"the group's fit reads a {type(x).__name__}, whose place a replacement cannot take at an epoch boundary"
+    if isinstance(x, Iterator):
+        return (
+            f"the group's fit reads a {type(x).__name__} (an iterator: it goes on across epochs), whose place "
+            "a replacement cannot take"
+        )
+    if steps_per_epoch is not None:
+        return (
+            f"the group's fit has steps_per_epoch={steps_per_epoch!r}, so its epochs go on reading one "
+            "iterator, whose place a replacement cannot take"
+        )
+    return None
 
 
 def join(strategy: "Strategy", model: Any) -> None:
@@ -63,15 +85,16 @@ def join(strategy: "Strategy", model: Any) -> None:
     compat_keras.set_initial_epoch(model, place["epoch"])
 
 
-def admit(strategy: "Strategy", model: Any, epoch: int) -> bool:
+def admit(strategy: "Strategy", model: Any, epoch: int, refusal: str | None) -> bool:
     """A member, as ``epoch`` begins: admits the replacements the last vote counted and sends them
-    the group's state; whether the group grew (every member takes the same decision)."""
+    the group's state; whether the group grew (every member takes the same decision).
+    ``refusal``: why none can join this ``fit`` (:func:`unplaceable`), or None."""
     ext = strategy.extended
     comm = ext.communicator
     if not getattr(ext, "elastic", False) or not comm.grow_pending:
         return False
     state = _state(ext, model)
-    if not comm.grow(rejoin.digest(ext, state), at="epoch"):
+    if not comm.grow(rejoin.digest(ext, state), refusal, at="epoch"):
         return False  # every replacement that asked was refused
     if comm.rank == 0:
         comm.store.set(_key(comm), json.dumps({"epoch": epoch, "step": ext.step}))

@@ -83,6 +83,8 @@ class SyncAdapter(DistributedModel):
         # replica's part of the global batch) rather than whole global batches.
         self._local_input = {kind: False for kind in _KINDS}
         self._summed_loss = False  # the compiled loss is a sum over the batch (reduction="sum")
+        # Why a replacement cannot join the current fit (phalanx.keras.joining.unplaceable), or None.
+        self.join_refusal: str | None = None
         super().__init__(model, strategy)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -104,6 +106,7 @@ class SyncAdapter(DistributedModel):
             ]
         if not chief:
             arguments["verbose"] = 0
+        self.join_refusal = joining.unplaceable(arguments.get("x"), arguments.get("steps_per_epoch"))
         arguments["x"] = self._local_batches(arguments.get("x"), arguments.get("steps_per_epoch"), "steps_per_epoch")
         validation = arguments.get("validation_data")
         if _is_distributed_input(validation):
