@@ -170,10 +170,10 @@ class Coordinator(keras.callbacks.Callback):
         self._mid_epoch = bool(flags[0] > 0)
         return bool(flags[1] > 0)
 
-    def _regrouped(self, newcomer: bool) -> None:
-        """A replacement joined (``newcomer``: this replica is it): the adapter looks again at what
-        its steps keep per group, and the grown group agrees on the flags, as at train begin."""
-        self._adapter.regrouped(newcomer)
+    def _regrouped(self) -> None:
+        """A replacement joined (this replica, or another): the adapter looks again at what its
+        steps keep per group, and the grown group agrees on the flags, as at train begin."""
+        self._adapter.regrouped()
         self._agree_on_flags(False)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -183,8 +183,9 @@ class Coordinator(keras.callbacks.Callback):
             # A replacement: Keras built the model and its optimizer; it joins the group's next
             # epoch boundary with replica 0's state, and starts fit at that epoch.
             self._joined = (compat_keras.initial_epoch(self.model),)
+            self._adapter.adopt_alone()
             joining.join(self._strategy, self.model)
-            self._regrouped(newcomer=True)
+            self._regrouped()
         # Replicas may have been given different callbacks (e.g. some only on the chief): agree
         # once whether anyone needs a decision after every batch, and whether the chief restored.
         elif self._strategy.num_replicas_in_sync > 1 and self._agree_on_flags(self._restores):
@@ -194,7 +195,7 @@ class Coordinator(keras.callbacks.Callback):
         # A replacement that asked (in its train begin) joins here, before the random state is
         # aligned: its epochs then draw the group's shuffles.
         if self._adapter is not None and joining.admit(self._strategy, self.model, epoch, self._adapter.join_refusal):
-            self._regrouped(newcomer=False)
+            self._regrouped()
         sync_random_state(self._strategy)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:

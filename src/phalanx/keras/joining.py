@@ -108,14 +108,16 @@ def _key(comm: Any) -> str:
 
 
 def _state(ext: Any, model: Any) -> list[torch.Tensor]:
-    """The tensors replica 0 sends, in the same order on every replica: the variables created in
-    scope, the model's variables, its optimizers' variables (each tensor once)."""
+    """The tensors replica 0 sends, in the same order on every replica: the model's variables, its
+    optimizers' variables, then the other variables created in scope (each tensor once). The model's
+    come first: those built lazily joined the members' scope records at their first steps, and
+    join a replacement's only as it joins (:meth:`~phalanx.keras.sync_adapter.SyncAdapter.adopt_alone`)."""
     found: dict[int, torch.Tensor] = {}
-    for tensor in ext.variable_sync.created.values():
-        found.setdefault(id(tensor), tensor)
     variables = [*model.variables, *(v for optimizer in held_optimizers(model) for v in optimizer.variables)]
     for variable in variables:
         found.setdefault(id(variable.value), variable.value)
+    for tensor in ext.variable_sync.created.values():
+        found.setdefault(id(tensor), tensor)
     return list(found.values())
 
 

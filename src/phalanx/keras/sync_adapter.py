@@ -121,16 +121,23 @@ class SyncAdapter(DistributedModel):
         with self._on_replica_device(), self._reading("train", arguments["x"]), rejoin.at_epoch_boundaries(self._ext):
             return call(arguments)
 
-    def regrouped(self, newcomer: bool) -> None:
-        """A replacement joined ``fit`` at an epoch boundary (``newcomer``: this replica is it; its
-        weights are replica 0's now): every replica looks again, as at a ``fit``'s first steps, for
-        the state a step updates and for new variables, so that each makes the same collectives."""
+    def adopt_alone(self) -> None:
+        """A replacement, before it joins: the weights Keras built outside the scope (a model without
+        an input shape) join the strategy's records and gradient synchronisation now, while it is
+        alone (nothing to broadcast), as the members' did at their first steps."""
+        built = [v.value for v in self.model.weights if not sharding.is_sharded(v) and id(v.value) not in self._synced]
+        self._ext.adopt_variables(p for p in built if isinstance(p, torch.nn.Parameter))
+        self._mark_synced(built)
+
+    def regrouped(self) -> None:
+        """A replacement joined ``fit`` at an epoch boundary: every replica looks again, as at a
+        ``fit``'s first steps, for the state a step updates and for new variables, so that each
+        makes the same collectives; the replacement's loss scaling is the group's (its ``fit``
+        began alone)."""
         model = self.model
         _refuse_stateful_rnn(model, self.strategy)
-        self._summed_loss = _summed_loss(model, self.strategy)  # the replacement's fit began alone
+        self._summed_loss = _summed_loss(model, self.strategy)
         self._checks_left, self._stat_vars = 2, None
-        if newcomer:
-            self._mark_synced(v.value for v in model.weights if not sharding.is_sharded(v))
 
     def _local_batches(self, value: Any, steps: Any, steps_name: str) -> Any:
         """A distributed dataset as ``fit`` / ``evaluate`` / ``predict`` take it (TF's Keras takes
