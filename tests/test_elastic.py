@@ -10,11 +10,14 @@ bit-identical weights, and those weights are the one-device run's (up to float s
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from test_slurm_requeue import DEPLOY, slurm  # noqa: F401  (a real one-node Slurm cluster)
 
 from conftest import free_ports, run_job, run_jobs, tf_config
 
@@ -554,3 +557,27 @@ def test_keras_fit_refuses_a_replacement_with_another_model_by_name(tmp_path, sc
     outs = [json.loads((tmp_path / f"kjoin_{m}.json").read_text()) for m in (0, 1)]
     assert [o["world"] for o in outs] == [2, 2]
     assert [len(o["changes"]) for o in outs] == [1, 1], outs[0]["changes"]  # the loss only
+
+
+@pytest.mark.timeout(300)
+def test_a_slurm_job_goes_on_when_srun_loses_a_task(slurm, tmp_path, script):  # noqa: F811
+    """docs/deploy/slurm-elastic.sbatch on a real one-node Slurm cluster, 3 tasks: task 2 is
+    SIGKILLed at step 30; the two others finish every step with every example once and the
+    one-device weights. srun's exit status is the lost task's (the script's comment says so)."""
+    shutil.copy(DEPLOY / "slurm-elastic.sbatch", tmp_path / "slurm-elastic.sbatch")
+    # train.py: the custom loop above; its member number is the task's (SLURM_PROCID).
+    script("import os\nos.environ['MEMBER'] = os.environ['SLURM_PROCID']\n" + textwrap.dedent(TRAIN), name="train.py")
+    slurm.env.update({"KILL_MEMBER": "2", "PHALANX_COLLECTIVE_TIMEOUT": "60"})
+    job = slurm.run(
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--cpus-per-task=1",
+        "--overcommit",
+        "slurm-elastic.sbatch",
+        cwd=tmp_path,
+    ).strip()
+    fields = slurm.wait(job, timeout=180)
+    output = (tmp_path / f"phalanx-elastic-{job}.out").read_text()
+    assert "task 2: Killed" in output and fields["ExitCode"] == "137:0", f"{fields}\n{output}"
+    check_survivors(tmp_path, script, [0, 1], lost=2, replicas=3)

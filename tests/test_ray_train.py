@@ -26,7 +26,7 @@ DRIVER = Path(__file__).parent / "scripts" / "ray_train_job.py"
 # The first test runs the driver (one Ray cluster, every case: about 2 to 3 minutes on 2 busy
 # cores), which the suite's 300 s per test would cut short; the driver's own limit is 420 s.
 pytestmark = pytest.mark.timeout(480)
-CASES = ("multi_worker", "mirrored", "keras", "failure")
+CASES = ("multi_worker", "mirrored", "keras", "failure", "min_nproc")
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,14 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_the_run_ends_where_an_u
     assert resumed in (5, 10) and record["metrics"]["step"] == 20, record["metrics"]
     assert res.output.count(f"resumed at step {resumed} from") >= 2, res.output[-20000:]
     _assert_same_weights(record["weights"], record["expected"])
+
+
+def test_an_elastic_bound_in_ray_workers_is_refused_by_name(ray_results):
+    """PHALANX_MIN_NPROC in Ray Train's workers (issue 48): Ray made the process group and restarts
+    the whole worker group after a failure, so phalanx cannot go on without a worker there; the
+    strategy refuses, naming the setting and Ray's own way (FailureConfig), and the run fails."""
+    _, records = ray_results
+    record = records.get("min_nproc")
+    assert record is not None and "error" in record, record
+    assert "ClusterSpecError" in record["error"] and "PHALANX_MIN_NPROC" in record["error"], record["error"]
+    assert "Ray Train restarts its whole worker group" in record["error"], record["error"]

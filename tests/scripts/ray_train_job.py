@@ -63,6 +63,8 @@ def torch_loop(config):
     import phalanx.ray_train
     from phalanx.checkpoint import Checkpoint, Counter
 
+    if config.get("min_nproc"):  # an elastic job's bound: Ray restarts the group itself, so refused
+        os.environ["PHALANX_MIN_NPROC"] = str(config["min_nproc"])
     strategy = px.MultiWorkerMirroredStrategy() if config["strategy"] == "multi_worker" else px.MirroredStrategy()
     with strategy.scope():
         model, optimizer = make_model()
@@ -183,6 +185,8 @@ def run_cases(out: str, cases: list[str]) -> None:
             if case == "failure":
                 config["kill_marker"] = os.path.join(out, "killed-once")
                 failures = 1
+            if case == "min_nproc":
+                config["min_nproc"] = 1
             trainer = TorchTrainer(
                 loop,
                 train_loop_config=config,

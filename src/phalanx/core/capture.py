@@ -274,6 +274,9 @@ def capture_modules(
                 if id(module) in seen or _is_compiler_module(module):
                     continue
                 seen.add(id(module))
+                handle = _DEFERRED.pop(module, None)  # swept now: its first call need not sweep
+                if handle is not None:
+                    handle.remove()
                 if ref is not None:
                     _MODULES[module] = ref
                 if _adopt_tensors(module, cap, known):

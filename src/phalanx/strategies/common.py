@@ -17,6 +17,7 @@ import torch
 
 from phalanx import config
 from phalanx.cluster.placement import own_address_for
+from phalanx.cluster.ray_train import ray_train_context
 from phalanx.comm.communicator import Communicator, GroupSpec, LocalCommunicator
 from phalanx.comm.elastic import ElasticCommunicator
 from phalanx.comm.group_communicator import ProcessGroupCommunicator
@@ -196,6 +197,14 @@ class SyncExtended(StrategyExtended):
                     settings.min_nproc,
                     f"{name} cannot go on without a lost replica",
                     hint="an elastic job (phalanx run --min-nproc) runs Mirrored or MultiWorkerMirroredStrategy",
+                )
+            if ray_train_context() is not None:
+                raise ClusterSpecError(
+                    "PHALANX_MIN_NPROC",
+                    settings.min_nproc,
+                    "Ray Train restarts its whole worker group after a failure, and made the process group",
+                    hint="give the TorchTrainer RunConfig(failure_config=FailureConfig(max_failures=N)) and "
+                    "resume with phalanx.ray_train.restore (docs/elastic.md)",
                 )
             if settings.min_nproc > env.world_size:
                 raise ClusterSpecError(
