@@ -113,35 +113,6 @@ def pytest_configure(config):
         compileall.compile_dir(folder, quiet=2)
 
 
-# The files whose tests take minutes (a job per module, a Ray cluster, a Slurm cluster): run first.
-# `--dist loadfile --no-loadscope-reorder` (pyproject.toml) hands files out in collection order,
-# one at a time as workers run out: a file that takes minutes handed out last keeps one worker busy
-# while the other has nothing left to do (xdist's own order, by number of tests, did that to the
-# files with a few long tests).
-LONG_FILES = (
-    "tf_conformance/keras/test_keras_conformance_central_storage.py",
-    "test_ray_train.py",
-    "test_elastic.py",
-    "test_slurm_requeue.py",
-    "tf_conformance/keras/test_keras_conformance_mirrored.py",
-    "tf_conformance/keras/test_keras_conformance.py",
-    "test_bench_sharded.py",
-    "test_keras_examples.py",
-    "test_root_cause.py",
-    "test_notebook.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Puts the tests of :data:`LONG_FILES` first, longest first; the others keep their order."""
-
-    def rank(item) -> int:
-        path = item.path.as_posix()
-        return next((i for i, name in enumerate(LONG_FILES) if path.endswith("/tests/" + name)), len(LONG_FILES))
-
-    items.sort(key=rank)
-
-
 def pytest_sessionfinish(session, exitstatus):
     for server in _FORK_SERVERS.values():
         server.close()
