@@ -117,13 +117,23 @@ def check_survivors(tmp_path: Path, script, survivors: list[int], lost: int, rep
         assert torch.allclose(a, torch.tensor(b), rtol=1e-5, atol=1e-5), (a, b)
 
 
-def elastic_run(tmp_path: Path, script, *args: str, env: dict[str, str], timeout: float = 150) -> object:
-    job = script(TRAIN)
+def elastic_run(
+    tmp_path: Path,
+    script,
+    *args: str,
+    env: dict[str, str],
+    timeout: float = 150,
+    body: str = TRAIN,
+    fresh: bool = False,
+) -> object:
+    """``phalanx run ARGS job.py`` with ``body`` as the job (a CUDA job: ``fresh``, never forked)."""
+    job = script(body)
     return run_job(
         [sys.executable, "-m", "phalanx.cli", "run", *args, str(job)],
         timeout=timeout,
         cwd=tmp_path,
         env={"PHALANX_COLLECTIVE_TIMEOUT": "60", **env},
+        fresh=fresh,
     )
 
 
@@ -230,31 +240,32 @@ KERAS_FIT = f"""
 """
 
 
-KERAS_ONE_DEVICE = f"""
+def keras_one_device(steps: int, epochs: int, optimizer: str, shuffle: bool) -> str:
+    """The Keras programs' fit on one device (what every member must hold), as a program's text."""
+    return f"""
     import json
     import numpy as np
     import keras
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(1)
-    x = rng.normal(size=({BATCH} * {STEPS}, 8)).astype("float32")
-    y = rng.normal(size=({BATCH} * {STEPS}, 1)).astype("float32")
+    x = rng.normal(size=({BATCH} * {steps}, 8)).astype("float32")
+    y = rng.normal(size=({BATCH} * {steps}, 1)).astype("float32")
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    model.fit(x, y, batch_size={BATCH}, epochs=2, shuffle=False, verbose=0)
+    model.compile(optimizer=keras.optimizers.{optimizer}, loss="mse")
+    model.fit(x, y, batch_size={BATCH}, epochs={epochs}, shuffle={shuffle}, verbose=0)
     json.dump([w.tolist() for w in model.get_weights()], open("keras_one_device.json", "w"))
 """
+
+
+KERAS_ONE_DEVICE = keras_one_device(STEPS, 2, "SGD(0.05, momentum=0.9)", shuffle=False)
 
 
 def test_keras_fit_under_multi_worker_goes_on_and_its_callbacks_see_the_change(tmp_path, script):
     import numpy as np
 
-    job = script(KERAS_FIT)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
-        timeout=200,
-        cwd=tmp_path,
-        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60"},
+    res = elastic_run(
+        tmp_path, script, "-n", "3", "--min-nproc", "2", env={"KERAS_BACKEND": "torch"}, timeout=200, body=KERAS_FIT
     )
     assert res.returncode == 0, res.logs()
     outs = [json.loads((tmp_path / f"keras_{m}.json").read_text()) for m in (0, 1)]
@@ -356,26 +367,14 @@ def check_rejoined(tmp_path: Path, script, members: list[int], joiner: int, *, t
 
 
 def test_a_replacement_joins_with_a_live_replicas_state_and_the_group_is_back_to_3(tmp_path, script):
-    job = script(JOIN)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
-        timeout=200,
-        cwd=tmp_path,
-        env={"PHALANX_COLLECTIVE_TIMEOUT": "60"},
-    )
+    res = elastic_run(tmp_path, script, "-n", "3", "--min-nproc", "2", env={}, timeout=200, body=JOIN)
     assert res.returncode == 0, res.logs()
     assert "replica 3 started to replace it; it joins at a step boundary" in res.output, res.output
     check_rejoined(tmp_path, script, [0, 1, 3], joiner=3)
 
 
 def test_a_replacement_with_another_model_is_refused_by_name_and_the_group_goes_on(tmp_path, script):
-    job = script(JOIN)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
-        timeout=200,
-        cwd=tmp_path,
-        env={"PHALANX_COLLECTIVE_TIMEOUT": "60", "OTHER_MODEL": "1"},
-    )
+    res = elastic_run(tmp_path, script, "-n", "3", "--min-nproc", "2", env={"OTHER_MODEL": "1"}, timeout=200, body=JOIN)
     assert res.returncode == 0, res.logs()
     assert "replica 3 could not join: ElasticRecoveryError" in res.output, res.output
     assert "replica:3 was refused: its model differs from the group's (variable 0: [[64, 8]" in res.output, res.output
@@ -470,20 +469,7 @@ KERAS_JOIN = f"""
                "weights": [w.tolist() for w in model.get_weights()]}}, open(f"kjoin_{{member}}.json", "w"))
 """
 
-KERAS_JOIN_ONE_DEVICE = f"""
-    import json
-    import numpy as np
-    import keras
-
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=({BATCH} * {K_STEPS}, 8)).astype("float32")
-    y = rng.normal(size=({BATCH} * {K_STEPS}, 1)).astype("float32")
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.fit(x, y, batch_size={BATCH}, epochs={K_EPOCHS}, shuffle=True, verbose=0)
-    json.dump([w.tolist() for w in model.get_weights()], open("keras_one_device.json", "w"))
-"""
+KERAS_JOIN_ONE_DEVICE = keras_one_device(K_STEPS, K_EPOCHS, "Adam(0.01)", shuffle=True)
 
 
 def check_keras_rejoined(tmp_path: Path, script, members: list[int], joiner: int, *, lazy: bool = False) -> None:
@@ -516,12 +502,8 @@ def check_keras_rejoined(tmp_path: Path, script, members: list[int], joiner: int
 
 
 def test_keras_fit_takes_a_replacement_back_at_an_epoch_boundary(tmp_path, script):
-    job = script(KERAS_JOIN)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
-        timeout=200,
-        cwd=tmp_path,
-        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60"},
+    res = elastic_run(
+        tmp_path, script, "-n", "3", "--min-nproc", "2", env={"KERAS_BACKEND": "torch"}, timeout=200, body=KERAS_JOIN
     )
     assert res.returncode == 0, res.logs()
     assert "replica 3 started to replace it" in res.output, res.output
@@ -543,12 +525,16 @@ def test_tf_config_keras_fit_takes_back_a_replacement_started_by_hand(tmp_path, 
 
 
 def test_keras_fit_refuses_a_replacement_with_another_model_by_name(tmp_path, script):
-    job = script(KERAS_JOIN)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
+    res = elastic_run(
+        tmp_path,
+        script,
+        "-n",
+        "3",
+        "--min-nproc",
+        "2",
+        env={"KERAS_BACKEND": "torch", "OTHER_MODEL": "1", "WAIT_S": "15"},
         timeout=200,
-        cwd=tmp_path,
-        env={"KERAS_BACKEND": "torch", "PHALANX_COLLECTIVE_TIMEOUT": "60", "OTHER_MODEL": "1", "WAIT_S": "15"},
+        body=KERAS_JOIN,
     )
     assert res.returncode == 0, res.logs()
     assert "replica 3 could not join: ElasticRecoveryError" in res.output, res.output

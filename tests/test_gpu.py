@@ -9,15 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
 from gpu_paths import check_shared_device, check_single_replica_collectives
 
 import phalanx as px
-
-from conftest import run_job
 
 try:  # at import, as test_notebook's own imports (they set variables the hygiene check would see)
     from test_notebook import SETUP, STRATEGY, Kernel, _check_fit
@@ -227,16 +224,10 @@ def test_an_elastic_job_on_a_gpu_loses_a_replica_and_takes_a_replacement_back(tm
     phalanx run starts joins with the live replicas' state (CUDA tensors: variables, Adam's moments).
     The one-device reference runs on the CPU: cuBLAS sums in another order than the CPU's, so
     the comparison allows 1e-4 (the members among themselves: bit-identical)."""
-    from test_elastic import JOIN, check_rejoined
+    from test_elastic import JOIN, check_rejoined, elastic_run
 
-    job = script(JOIN)
-    res = run_job(
-        [sys.executable, "-m", "phalanx.cli", "run", "-n", "3", "--min-nproc", "2", str(job)],
-        timeout=240,
-        cwd=tmp_path,
-        env={"PHALANX_COLLECTIVE_TIMEOUT": "60", "MWMS": "1", "RING": "1", "PHALANX_SHM": "0"},
-        fresh=True,
-    )
+    env = {"MWMS": "1", "RING": "1", "PHALANX_SHM": "0"}
+    res = elastic_run(tmp_path, script, "-n", "3", "--min-nproc", "2", env=env, timeout=240, body=JOIN, fresh=True)
     assert res.returncode == 0, res.logs()
     assert "replica 3 started to replace it; it joins at a step boundary" in res.output, res.output
     check_rejoined(tmp_path, script, [0, 1, 3], joiner=3, tol=1e-4)
